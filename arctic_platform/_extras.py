@@ -1,0 +1,24 @@
+"""Turn a missing optional dependency into an error that names the extra to install.
+
+The package is split into extras (``client``, ``engine``, ``server``, ``ray``, ``verl``) so a driver
+that only talks to a remote server never pulls in torch. Modules that need a heavy dependency import
+it through :func:`require` so the user sees ``pip install 'arctic-platform[engine]'`` instead of a
+bare ``ModuleNotFoundError`` from deep inside the stack.
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+
+def require(module: str, extra: str, *, purpose: str | None = None) -> ModuleType:
+    """Import ``module`` or raise an ImportError that names the ``extra`` providing it."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        what = f" for {purpose}" if purpose else ""
+        raise ImportError(
+            f"{module!r} is needed{what} but is not installed; "
+            f"install it with: pip install 'arctic-platform[{extra}]'"
+        ) from exc

@@ -1,0 +1,92 @@
+"""Typed settings of the engines: the model, the optimizer, the schedule and the job knobs.
+
+These are the engine's own contract. The client's YAML (``ArcticRLClientConfig``) and the server's
+job-creation bodies are mapped onto them at their edges, so every backend builds its engines from
+the same validated objects. All models forbid unknown fields so a typo fails loudly.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_default=True)
+
+
+class LoraConfig(_Strict):
+    """Low-rank adapters through peft; only the adapter weights train."""
+
+    r: PositiveInt = 8
+    alpha: float = 16.0
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    target_modules: list[str] | Literal["all-linear"] = "all-linear"
+
+
+class ModelConfig(_Strict):
+    """Which weights to load and how.
+
+    ``name`` is a local path, a hub name, or a built-in model (``builtin:tiny``, ``builtin:small``).
+    ``dtype="auto"`` means float32 on CPU (bf16 is slower than fp32 on CPUs) and bfloat16 on CUDA.
+    """
+
+    name: str = Field(min_length=1)
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    device: str = "auto"
+    attn_implementation: str | None = None
+    trust_remote_code: bool = False
+    lora: LoraConfig | None = None
+
+
+class OptimizerConfig(_Strict):
+    """AdamW hyper-parameters and gradient clipping (``grad_clip <= 0`` disables clipping)."""
+
+    name: Literal["adamw"] = "adamw"
+    lr: float = Field(1e-5, gt=0.0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = Field(1e-8, gt=0.0)
+    weight_decay: float = Field(0.0, ge=0.0)
+    grad_clip: float = 1.0
+
+
+class SchedulerConfig(_Strict):
+    """Learning-rate schedule: linear warmup, then constant, linear or cosine decay.
+
+    ``total_steps`` is required by the decaying schedules; ``min_lr_ratio`` is the floor they
+    decay to, as a fraction of the peak learning rate.
+    """
+
+    name: Literal["constant", "linear", "cosine"] = "constant"
+    warmup_steps: int = Field(0, ge=0)
+    total_steps: PositiveInt | None = None
+    min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0)
+
+
+class TrainingEngineConfig(_Strict):
+    """Everything a training job needs to build its model, optimizer and microbatcher."""
+
+    model: ModelConfig
+    optimizer: OptimizerConfig = OptimizerConfig()
+    scheduler: SchedulerConfig = SchedulerConfig()
+    max_tokens_per_microbatch: PositiveInt = 16384
+    packing: bool = True
+    gradient_checkpointing: bool = False
+    seed: int = 42
+    checkpoint_dir: str | None = None
+    save_total_limit: PositiveInt | None = None
+
+
+class SamplingEngineConfig(_Strict):
+    """Everything a sampling (or reference log-prob) job needs.
+
+    ``max_batch_size`` bounds how many sequences decode together; ``max_model_len`` bounds prompt
+    plus completion (defaults to the model's ``max_position_embeddings``).
+    """
+
+    model: ModelConfig
+    max_batch_size: PositiveInt = 256
+    max_model_len: PositiveInt | None = None
+    max_tokens_per_microbatch: PositiveInt = 16384
+    seed: int = 42

@@ -1,0 +1,76 @@
+"""Load causal LMs and tokenizers through the ordinary ``from_pretrained`` path.
+
+Every engine gets its model here, whether the name is a local directory, a hub name or a built-in
+model, so built-in models exercise exactly the code path real checkpoints take.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from arctic_platform.engine.builtin import builtin_model_path, is_builtin
+from arctic_platform.engine.config import LoraConfig, ModelConfig
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_model_path(name: str) -> str:
+    """Map a model name to something ``from_pretrained`` accepts (built-ins become paths)."""
+    return builtin_model_path(name) if is_builtin(name) else name
+
+
+def resolve_device(device: str) -> torch.device:
+    """``auto`` means the first CUDA device when there is one, else the CPU."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """``auto`` means float32 on CPU and bfloat16 on accelerators."""
+    if dtype == "auto":
+        return torch.float32 if device.type == "cpu" else torch.bfloat16
+    return _DTYPES[dtype]
+
+
+def load_tokenizer(config: ModelConfig):
+    """Load the tokenizer; a missing pad token falls back to the eos token."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(
+        resolve_model_path(config.name), trust_remote_code=config.trust_remote_code
+    )
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_causal_lm(config: ModelConfig, device: torch.device | None = None):
+    """Load the model described by ``config`` onto ``device``, with LoRA adapters if configured."""
+    from transformers import AutoModelForCausalLM
+
+    device = device or resolve_device(config.device)
+    model = AutoModelForCausalLM.from_pretrained(
+        resolve_model_path(config.name),
+        dtype=resolve_dtype(config.dtype, device),
+        attn_implementation=config.attn_implementation or "sdpa",
+        trust_remote_code=config.trust_remote_code,
+    ).to(device)
+    if config.lora is not None:
+        model = apply_lora(model, config.lora)
+    return model
+
+
+def apply_lora(model, lora: LoraConfig):
+    """Wrap ``model`` with peft LoRA adapters; the base weights are frozen by peft."""
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import get_peft_model
+
+    peft_config = PeftLoraConfig(
+        r=lora.r,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
+        target_modules=lora.target_modules,
+        task_type="CAUSAL_LM",
+    )
+    return get_peft_model(model, peft_config)
