@@ -1,0 +1,55 @@
+"""The FastAPI application: both HTTP APIs over one Service.
+
+``create_app`` is what ``arctic-platform serve`` runs and what tests mount through httpx's ASGI
+transport, so tests exercise the exact app users get.
+"""
+
+from __future__ import annotations
+
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+
+from arctic_platform.server import cortex, onprem
+from arctic_platform.server.auth import TokenAuth
+from arctic_platform.server.errors import ServiceError
+from arctic_platform.server.http_common import service_error_response
+from arctic_platform.server.service import Service
+
+DEFAULT_MAX_BODY_BYTES = 256 * 1024 * 1024
+
+
+def create_app(
+    service: Service,
+    *,
+    auth: TokenAuth | None = None,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    close_service_on_shutdown: bool = True,
+) -> FastAPI:
+    """An app serving ``service`` with the on-prem and Cortex-compatible routers."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        yield
+        if close_service_on_shutdown:
+            service.close()
+
+    app = FastAPI(title="arctic-platform", lifespan=lifespan)
+    app.state.service = service
+    app.state.auth = auth or TokenAuth([])
+    app.state.max_body_bytes = max_body_bytes
+    app.add_exception_handler(ServiceError, service_error_response)
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.include_router(cortex.router)
+    app.include_router(onprem.router)
+    return app
+
+
+async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+    problems = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors())
+    return JSONResponse(
+        status_code=422,
+        content={"message": problems, "code": "invalid_argument", "detail": exc.errors()},
+    )

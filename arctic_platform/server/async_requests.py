@@ -1,0 +1,363 @@
+"""Asynchronous requests and request chunk groups of the Cortex-compatible API.
+
+The Cortex data plane is submit-then-poll: a call returns a ``request_id`` at once, the op runs on
+its job's queue, and ``GET requests/{rid}`` reports progress and the result. Results too large to
+inline are delivered as ``result_chunk`` events the client drains with a cursor; streaming
+generation delivers its outputs as events too.
+
+Large request bodies arrive as DSSST1 chunk groups. :class:`ChunkGroups` reassembles them and
+guarantees **at-most-once execution** per ``chunk_group_id`` and frame hash: a retried final chunk
+gets the original ``request_id`` back instead of running the op again, which is what makes a
+retried ``forward-backward`` safe (gradients are applied once).
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import threading
+import time
+import uuid
+from collections import OrderedDict
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+from arctic_platform import wire
+from arctic_platform.server.errors import BadRequest, Conflict, NotFound
+
+INLINE_RESULT_BYTES = 8 * 1024 * 1024
+RESULT_CHUNK_BYTES = 4 * 1024 * 1024
+DEFAULT_MAX_EVENTS = 16
+MAX_EVENTS = 512
+
+
+@dataclass
+class AsyncRequest:
+    """One submitted op and what became of it."""
+
+    request_id: str
+    job_id: str
+    sub_job_id: str
+    op: str
+    binary_result: bool
+    status: str = "pending"
+    created_at: float = field(default_factory=time.time)
+    updated_at: float = field(default_factory=time.time)
+    result: Any = None
+    error: str | None = None
+    events: list[dict] = field(default_factory=list)
+    stream_cursor: int = 0
+    future: Future | None = field(default=None, repr=False)
+
+
+class RequestStore:
+    """Requests by id; bounded by ``capacity`` (oldest finished ones are forgotten first)."""
+
+    def __init__(self, capacity: int = 4096) -> None:
+        self._lock = threading.Lock()
+        self._requests: OrderedDict[str, AsyncRequest] = OrderedDict()
+        self._capacity = capacity
+
+    def track(
+        self,
+        future: Future,
+        *,
+        job_id: str,
+        sub_job_id: str,
+        op: str,
+        binary_result: bool,
+        streaming: bool = False,
+    ) -> AsyncRequest:
+        """Register ``future`` and return its request; its outcome is recorded when it resolves."""
+        request = AsyncRequest(
+            request_id=uuid.uuid4().hex,
+            job_id=job_id,
+            sub_job_id=sub_job_id,
+            op=op,
+            binary_result=binary_result,
+            future=future,
+        )
+        with self._lock:
+            self._requests[request.request_id] = request
+            self._evict()
+        future.add_done_callback(lambda f: self._finish(request, f, streaming))
+        return request
+
+    def get(self, job_id: str, request_id: str) -> AsyncRequest:
+        with self._lock:
+            request = self._requests.get(request_id)
+        if request is None or request.job_id != job_id:
+            raise NotFound(f"request {request_id!r} not found in job {job_id!r}")
+        return request
+
+    def cancel(self, job_id: str, request_id: str) -> dict:
+        """Cancel a request that has not started yet; a running op finishes (it is not safe to
+        interrupt an engine half-way through a step)."""
+        request = self.get(job_id, request_id)
+        cancelled = request.future.cancel() if request.future is not None else False
+        return {"request_id": request_id, "cancelled": cancelled, "status": request.status}
+
+    def poll(self, job_id: str, request_id: str, *, cursor: str | None, max_events: int | None):
+        """The poll response: status, inline result or result-chunk events, next cursor."""
+        request = self.get(job_id, request_id)
+        limit = DEFAULT_MAX_EVENTS if max_events is None else max_events
+        if not 1 <= limit <= MAX_EVENTS:
+            raise BadRequest(f"max_events must be in 1..{MAX_EVENTS}, got {limit}")
+        with self._lock:
+            streaming = request.op == "generate-stream"
+            # Streaming events are drained destructively by the server-side cursor; result
+            # chunks by the client's cursor, so a lost poll response can be re-read.
+            start = request.stream_cursor if streaming else _cursor(cursor, len(request.events))
+            events = request.events[start : start + limit]
+            end = start + len(events)
+            if streaming:
+                request.stream_cursor = end
+            more = end < len(request.events)
+            status = request.status
+            if status == "pending" and request.future is not None and request.future.running():
+                status = "running"
+            body = {
+                "request_id": request.request_id,
+                "job_id": request.job_id,
+                "status": status,
+                "created_at": request.created_at,
+                "updated_at": request.updated_at,
+                "result": request.result,
+                "error": request.error,
+                "events": events,
+                "next_cursor": str(end) if more and not streaming else "",
+            }
+        return body
+
+    def _finish(self, request: AsyncRequest, future: Future, streaming: bool) -> None:
+        with self._lock:
+            request.updated_at = time.time()
+            if future.cancelled():
+                request.status = "cancelled"
+                return
+            error = future.exception()
+            if error is not None:
+                request.status = "failed"
+                request.error = f"{type(error).__name__}: {error}"
+                return
+            value = future.result()
+            if streaming:
+                request.events = [
+                    {"type": "result", "index": i, "output": o} for i, o in enumerate(value)
+                ]
+                request.events.append({"type": "done", "count": len(value)})
+                request.result = {"count": len(value)}
+            elif request.binary_result:
+                request.result, request.events = _encode_result(value)
+            else:
+                request.result = value
+            request.status = "done"
+
+    def _evict(self) -> None:
+        while len(self._requests) > self._capacity:
+            oldest = next(iter(self._requests))
+            if self._requests[oldest].status in ("pending", "running"):
+                break
+            del self._requests[oldest]
+
+
+def _cursor(cursor: str | None, size: int) -> int:
+    if cursor in (None, ""):
+        return 0
+    try:
+        value = int(cursor)
+    except ValueError:
+        raise BadRequest(f"cursor {cursor!r} is not a cursor this server issued") from None
+    if not 0 <= value <= size:
+        raise BadRequest(f"cursor {cursor!r} is out of range")
+    return value
+
+
+def _encode_result(value: Any) -> tuple[dict | None, list[dict]]:
+    """Small results inline as base64 DSSST1; large ones as ``result_chunk`` events."""
+    frame = wire.dumps(value)
+    if len(frame) <= INLINE_RESULT_BYTES:
+        inline = {
+            "content_type": "application/octet-stream",
+            "encoding": "base64",
+            "wire_format": wire.WIRE_FORMAT_VERSION,
+            "payload_b64": base64.b64encode(frame).decode("ascii"),
+        }
+        return inline, []
+    events = []
+    for chunk in wire.encode_byte_chunks(frame, kind="result", max_bytes=RESULT_CHUNK_BYTES):
+        events.append(
+            {
+                "type": "result_chunk",
+                "payload_b64": base64.b64encode(chunk).decode("ascii"),
+                "payload_sha256": hashlib.sha256(chunk).hexdigest(),
+            }
+        )
+    return None, events
+
+
+# ----------------------------------------------------------------------------------------------
+# request chunk groups
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Group:
+    descriptor: dict
+    chunk_digests: dict[int, str] = field(default_factory=dict)
+    chunks: dict[int, bytes] = field(default_factory=dict)
+    request_id: str | None = None
+    scheduled: bool = False
+    ready: threading.Event = field(default_factory=threading.Event)
+    touched: float = field(default_factory=time.time)
+
+    @property
+    def total(self) -> int:
+        return self.descriptor["total_chunks"]
+
+    def missing(self) -> list[int]:
+        return [i for i in range(self.total) if i not in self.chunk_digests]
+
+
+@dataclass
+class ChunkOutcome:
+    """What one posted chunk led to: keep waiting, run the whole frame, or a known request."""
+
+    frame: bytes | None = None
+    group_id: str | None = None
+    request_id: str | None = None
+    received: int = 0
+    total: int = 0
+
+
+_GROUP_KEYS = ("total_chunks", "frame_sha256", "frame_size_bytes", "operation")
+
+
+class ChunkGroups:
+    """Reassembles request chunk groups per sub-job, executing each group at most once.
+
+    Completed groups keep only their chunk digests and ``request_id`` (no payload), for
+    ``retention_s``; incomplete groups are dropped after ``stale_s`` without new chunks.
+    """
+
+    def __init__(self, *, retention_s: float = 3600.0, stale_s: float = 600.0) -> None:
+        self._lock = threading.Lock()
+        self._groups: dict[tuple[str, str], _Group] = {}
+        self._retention_s = retention_s
+        self._stale_s = stale_s
+
+    def receive(self, sub_job_id: str, frame: bytes) -> ChunkOutcome:
+        """Take one posted body. A body that is not a chunk passes through as a whole frame."""
+        meta = wire.read_byte_chunk_metadata(frame)
+        if meta is None:
+            return ChunkOutcome(frame=frame)
+        if meta.get("kind") != "request":
+            raise BadRequest("expected a request chunk, got a result chunk")
+        try:
+            payload = wire.loads(frame)["payload"]
+        except (wire.WireError, KeyError, TypeError) as exc:
+            raise BadRequest(f"malformed request chunk: {exc}") from None
+        group_id = meta.get("chunk_group_id")
+        index = meta.get("chunk_idx")
+        if not isinstance(group_id, str) or not isinstance(index, int):
+            raise BadRequest("request chunk needs a string chunk_group_id and an int chunk_idx")
+        digest = hashlib.sha256(payload).hexdigest()
+        key = (sub_job_id, group_id)
+        with self._lock:
+            self._expire()
+            group = self._groups.get(key)
+            if group is None:
+                if index != 0:
+                    raise Conflict(
+                        f"chunk group {group_id!r} is unknown here; restart it from chunk 0",
+                        code="chunk_group_restart_required",
+                        chunk_group_id=group_id,
+                    )
+                group = _Group(descriptor={k: meta.get(k) for k in _GROUP_KEYS})
+                self._groups[key] = group
+            self._check_same_group(group, meta, group_id)
+            known = group.chunk_digests.get(index)
+            if known is not None and known != digest:
+                raise Conflict(
+                    f"chunk {index} of group {group_id!r} was already received with other bytes",
+                    code="chunk_group_conflict",
+                    chunk_group_id=group_id,
+                )
+            group.touched = time.time()
+            if group.scheduled:
+                # A retry of a group that already ran (or is being scheduled): same request.
+                return self._existing(group, group_id)
+            group.chunk_digests[index] = digest
+            group.chunks[index] = frame
+            missing = group.missing()
+            if missing:
+                if index == group.total - 1:
+                    raise Conflict(
+                        f"request chunk group is missing chunks {missing[:20]}",
+                        code="chunk_group_missing_chunks",
+                        chunk_group_id=group_id,
+                        missing_chunks=missing[:1000],
+                    )
+                return ChunkOutcome(
+                    group_id=group_id, received=len(group.chunks), total=group.total
+                )
+            group.scheduled = True
+            chunks = [group.chunks[i] for i in range(group.total)]
+        try:
+            whole = wire.decode_byte_chunks(chunks, kind="request")
+        except wire.WireError as exc:
+            self.forget(sub_job_id, group_id)
+            raise BadRequest(f"chunk group {group_id!r} does not reassemble: {exc}") from None
+        return ChunkOutcome(frame=whole, group_id=group_id, received=len(chunks), total=len(chunks))
+
+    def completed(self, sub_job_id: str, group_id: str, request_id: str) -> None:
+        """Record that the group's frame was scheduled as ``request_id``; drop its payload."""
+        with self._lock:
+            group = self._groups.get((sub_job_id, group_id))
+            if group is not None:
+                group.request_id = request_id
+                group.chunks.clear()
+                group.ready.set()
+
+    def forget(self, sub_job_id: str, group_id: str) -> None:
+        """Drop a group whose frame was rejected, so a corrected retry can start over."""
+        with self._lock:
+            group = self._groups.pop((sub_job_id, group_id), None)
+        if group is not None:
+            group.ready.set()
+
+    def _existing(self, group: _Group, group_id: str) -> ChunkOutcome:
+        """Outcome for a chunk of an already scheduled group (called with the lock held)."""
+        if group.request_id is None:
+            self._lock.release()
+            try:
+                group.ready.wait(timeout=60.0)
+            finally:
+                self._lock.acquire()
+        if group.request_id is None:
+            raise Conflict(
+                f"chunk group {group_id!r} was not executed; restart it from chunk 0",
+                code="chunk_group_restart_required",
+                chunk_group_id=group_id,
+            )
+        return ChunkOutcome(
+            group_id=group_id, request_id=group.request_id, received=group.total, total=group.total
+        )
+
+    @staticmethod
+    def _check_same_group(group: _Group, meta: dict, group_id: str) -> None:
+        for key in _GROUP_KEYS:
+            if meta.get(key) != group.descriptor.get(key):
+                raise Conflict(
+                    f"chunk group {group_id!r} was started with a different {key}",
+                    code="chunk_group_conflict",
+                    chunk_group_id=group_id,
+                )
+
+    def _expire(self) -> None:
+        now = time.time()
+        for key, group in list(self._groups.items()):
+            limit = self._retention_s if group.request_id is not None else self._stale_s
+            if now - group.touched > limit:
+                del self._groups[key]

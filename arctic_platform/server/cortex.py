@@ -1,0 +1,277 @@
+"""The Cortex/SnowAPI-compatible API under ``/api/v2/databases/{db}/schemas/{schema}/{endpoint}``.
+
+Facts in reference/client_wire_api.md §2. The control plane (create, get, list, cancel, capacity,
+checkpoints) answers at once; the data plane (forward-backward, forward-no-grad, generate,
+log-probs, step, save, load, weight-sync) returns ``{"request_id", "job_id"}`` and the client polls
+``GET requests/{rid}``. Octet bodies may arrive as request chunk groups, executed at most once per
+group (see :mod:`arctic_platform.server.async_requests`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import secrets
+import time
+from pathlib import Path
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.concurrency import run_in_threadpool
+from fastapi.responses import FileResponse, Response
+
+from arctic_platform.server.errors import BadRequest, NotFound, ServiceError
+from arctic_platform.server.http_common import (
+    decode_frame,
+    decode_json,
+    owner_of,
+    read_body,
+)
+from arctic_platform.server.op_bodies import GenerateBody, parse
+from arctic_platform.server.ops import BINARY_RESULTS
+
+PREFIX = "/api/v2/databases/{database}/schemas/{schema}/{endpoint}"
+EXPORT_TTL_S = 900
+router = APIRouter(prefix=PREFIX)
+_URL_SECRET = secrets.token_bytes(32)
+
+
+def _service(request: Request):
+    return request.app.state.service
+
+
+# -- control plane ----------------------------------------------------------------------------
+
+
+@router.post("")
+async def create_job(request: Request) -> dict:
+    owner = owner_of(request)
+    body = decode_json(await read_body(request), what="create job")
+    if isinstance(body, dict) and "job_id" in body:
+        raise BadRequest("create job: job_id: the server chooses job ids; remove this field")
+    info = await run_in_threadpool(_service(request).create_job, body, owner=owner)
+    return {"job_id": info["job_id"]}
+
+
+@router.get("")
+async def list_jobs(request: Request, status: str | None = None) -> dict:
+    return {"jobs": _service(request).list_jobs(owner=owner_of(request), status=status)}
+
+
+@router.get("/capacity")
+async def capacity(request: Request) -> dict:
+    return _service(request).capacity(owner=owner_of(request))
+
+
+@router.post("/{job_id}:cancel")
+async def cancel_job(job_id: str, request: Request) -> dict:
+    owner = owner_of(request)
+    return await run_in_threadpool(_service(request).cancel_job, job_id, owner=owner)
+
+
+@router.get("/{job_id}")
+async def get_job(job_id: str, request: Request) -> dict:
+    return _service(request).get_job(job_id, owner=owner_of(request))
+
+
+@router.get("/{job_id}/experiment-run")
+async def experiment_run(job_id: str, request: Request) -> dict:
+    info = _service(request).get_job(job_id, owner=owner_of(request))
+    params = request.path_params
+    name = info["experiment_name"] or "DEFAULT"
+    return {
+        "experiment_name": f"{params['database']}.{params['schema']}.{name}".upper(),
+        "experiment_run_name": job_id,
+    }
+
+
+@router.get("/{job_id}/checkpoints")
+async def list_checkpoints(job_id: str, request: Request) -> dict:
+    return {"checkpoints": _service(request).list_checkpoints(job_id, owner=owner_of(request))}
+
+
+@router.post("/{job_id}/checkpoints/{checkpoint_id}:export")
+async def export_checkpoint(job_id: str, checkpoint_id: str, request: Request) -> dict:
+    files = _service(request).checkpoint_files(job_id, checkpoint_id, owner=owner_of(request))
+    expires = int(time.time()) + EXPORT_TTL_S
+    base = str(request.url).rsplit(":export", 1)[0]
+    return {
+        "checkpoint_id": checkpoint_id,
+        "files": [
+            {
+                "filename": f["filename"],
+                "url": f"{base}/files/{f['filename']}?expires={expires}"
+                f"&signature={_sign(job_id, checkpoint_id, f['filename'], expires)}",
+                "size_bytes": f["size_bytes"],
+            }
+            for f in files
+        ],
+        "expires_at": expires,
+    }
+
+
+@router.get("/{job_id}/checkpoints/{checkpoint_id}/files/{filename:path}")
+async def download_checkpoint_file(
+    job_id: str, checkpoint_id: str, filename: str, request: Request, expires: int, signature: str
+) -> FileResponse:
+    """Serve one exported file; the signed URL is the credential (like a presigned URL)."""
+    if expires < time.time():
+        raise NotFound("download URL expired; export the checkpoint again", code="expired")
+    if not hmac.compare_digest(signature, _sign(job_id, checkpoint_id, filename, expires)):
+        raise NotFound("unknown download URL")
+    service = _service(request)
+    owner = service.owner_of(job_id)
+    for entry in service.checkpoint_files(job_id, checkpoint_id, owner=owner):
+        if entry["filename"] == filename:
+            return FileResponse(entry["path"], filename=Path(filename).name)
+    raise NotFound(f"file {filename!r} not found in checkpoint {checkpoint_id}")
+
+
+@router.delete("/{job_id}/checkpoints/{checkpoint_id}")
+async def delete_checkpoint(job_id: str, checkpoint_id: str, request: Request) -> Response:
+    owner = owner_of(request)
+    await run_in_threadpool(_service(request).delete_checkpoint, job_id, checkpoint_id, owner=owner)
+    return Response(status_code=204)
+
+
+# -- data plane -------------------------------------------------------------------------------
+
+
+async def _chunked_octet_op(request: Request, job_id: str, op: str) -> dict:
+    """Octet body, possibly one chunk of a group: acknowledge, or schedule the whole frame."""
+    owner = owner_of(request)
+    service = _service(request)
+    service.get_job(job_id, owner=owner)
+    body = await read_body(request)
+    outcome = await run_in_threadpool(service.chunk_groups.receive, job_id, body)
+    if outcome.request_id is not None:
+        return {"request_id": outcome.request_id, "job_id": job_id}
+    if outcome.frame is None:
+        return {
+            "job_id": job_id,
+            "chunk_group_id": outcome.group_id,
+            "received_chunks": outcome.received,
+            "total_chunks": outcome.total,
+        }
+    try:
+        payload = decode_frame(outcome.frame, what=op)
+        if op == "forward" and isinstance(payload, dict):
+            payload.setdefault("reference_model", False)
+        request_id = _submit(service, job_id, op, payload, owner)
+    except ServiceError:
+        if outcome.group_id is not None:
+            service.chunk_groups.forget(job_id, outcome.group_id)
+        raise
+    if outcome.group_id is not None:
+        service.chunk_groups.completed(job_id, outcome.group_id, request_id)
+    return {"request_id": request_id, "job_id": job_id}
+
+
+def _submit(service, job_id: str, op: str, body: Any, owner: str | None) -> str:
+    sub, op, body = service.dispatch(job_id, op, body, owner=owner)
+    future = service.submit(sub, op, body)
+    record = service.requests.track(
+        future,
+        job_id=job_id,
+        sub_job_id=sub.sub_job_id,
+        op=op,
+        binary_result=op in BINARY_RESULTS,
+        streaming=op == "generate-stream",
+    )
+    return record.request_id
+
+
+@router.post("/{job_id}/forward-backward")
+async def forward_backward(job_id: str, request: Request) -> dict:
+    return await _chunked_octet_op(request, job_id, "forward-backward")
+
+
+@router.post("/{job_id}/forward-no-grad")
+async def forward_no_grad(job_id: str, request: Request) -> dict:
+    return await _chunked_octet_op(request, job_id, "forward")
+
+
+@router.post("/{job_id}/generate")
+async def generate(job_id: str, request: Request) -> dict:
+    return await _chunked_octet_op(request, job_id, "generate")
+
+
+@router.post("/{job_id}/generate-stream")
+async def generate_stream(job_id: str, request: Request) -> dict:
+    owner = owner_of(request)
+    body = decode_json(await read_body(request), what="generate-stream")
+    parsed = parse(GenerateBody, body, what="generate-stream")
+    params = parsed.sampling_params
+    per_prompt = params if isinstance(params, list) else [params] * len(parsed.prompts)
+    count = sum(int((p or {}).get("n", 1)) for p in per_prompt)
+    request_id = _submit(_service(request), job_id, "generate-stream", body, owner)
+    return {"request_id": request_id, "job_id": job_id, "count": count}
+
+
+async def _json_op(request: Request, job_id: str, op: str) -> dict:
+    owner = owner_of(request)
+    body = decode_json(await read_body(request), what=op)
+    return {"request_id": _submit(_service(request), job_id, op, body, owner), "job_id": job_id}
+
+
+@router.post("/{job_id}/log-probs")
+async def log_probs(job_id: str, request: Request) -> dict:
+    return await _json_op(request, job_id, "log-probs")
+
+
+@router.post("/{job_id}/step")
+async def step(job_id: str, request: Request) -> dict:
+    return await _json_op(request, job_id, "step")
+
+
+@router.post("/{job_id}/save")
+async def save(job_id: str, request: Request) -> dict:
+    return await _json_op(request, job_id, "save")
+
+
+@router.post("/{job_id}/load")
+async def load(job_id: str, request: Request) -> dict:
+    owner = owner_of(request)
+    body = decode_json(await read_body(request), what="load")
+    if not isinstance(body, dict) or not body.get("checkpoint_id"):
+        raise BadRequest("load: checkpoint_id is required")
+    return {
+        "request_id": _submit(_service(request), job_id, "load-checkpoint", body, owner),
+        "job_id": job_id,
+    }
+
+
+@router.post("/{job_id}/operation")
+async def operation(job_id: str, request: Request) -> Any:
+    owner = owner_of(request)
+    service = _service(request)
+    body = decode_json(await read_body(request), what="operation")
+    sub, op, payload = service.dispatch(job_id, "operation", body, owner=owner)
+    if sub is None:
+        return service.inline_operation(job_id, op, payload, owner=owner)
+    if op in ("reset-prefix-cache", "sleep-inference", "wake-inference"):
+        # Quick operations answer inline, as the Cortex API does for these types.
+        return await run_in_threadpool(service.call, sub, op, payload)
+    future = service.submit(sub, op, payload)
+    record = service.requests.track(
+        future, job_id=job_id, sub_job_id=sub.sub_job_id, op=op, binary_result=False
+    )
+    return {"request_id": record.request_id, "job_id": job_id}
+
+
+@router.get("/{job_id}/requests/{request_id}")
+async def poll(
+    job_id: str,
+    request_id: str,
+    request: Request,
+    cursor: str | None = None,
+    max_events: int | None = None,
+) -> dict:
+    _service(request).get_job(job_id, owner=owner_of(request))
+    return _service(request).requests.poll(job_id, request_id, cursor=cursor, max_events=max_events)
+
+
+def _sign(job_id: str, checkpoint_id: str, filename: str, expires: int) -> str:
+    message = json.dumps([job_id, checkpoint_id, filename, expires]).encode()
+    return hmac.new(_URL_SECRET, message, hashlib.sha256).hexdigest()

@@ -1,0 +1,63 @@
+"""Build the engine of a sub-job from its validated spec (and optionally a saved checkpoint).
+
+Kept apart from the Service so the Service module imports no torch: the server's job bookkeeping
+and HTTP layer load fast, and torch is only imported when the first engine is built.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from arctic_platform.server.errors import BadRequest
+from arctic_platform.server.job_config import sampling_engine_config, training_engine_config
+
+
+def build_engine(service, sub, source: dict | None) -> Any:
+    """A TrainingEngine, SamplingEngine or LogProbEngine for ``sub``, on the server's device."""
+    settings = service.settings
+    spec = sub.spec
+    if sub.kind == "training":
+        from arctic_platform.engine.trainer import TrainingEngine
+
+        if source is not None and not spec.training_config.load_optimizer_states:
+            raise BadRequest(
+                "training_config.load_optimizer_states: starting from a checkpoint restores its "
+                "optimizer state; false is not supported"
+            )
+        config = training_engine_config(
+            spec,
+            device=settings.device,
+            checkpoint_dir=str(service.checkpoint_root),
+            job_name=sub.sub_job_id.replace(":", "-"),
+            default_seed=settings.default_seed,
+        )
+        engine = TrainingEngine(config)
+        if source is not None:
+            engine.load_checkpoint(source["path"])
+        return engine
+    config = sampling_engine_config(
+        spec,
+        device=settings.device,
+        default_seed=settings.default_seed,
+        model_name=_weights_dir(source) if source is not None else None,
+    )
+    if sub.kind == "sampling":
+        from arctic_platform.engine.sampler import SamplingEngine
+
+        return SamplingEngine(config)
+    from arctic_platform.engine.logprob_engine import LogProbEngine
+
+    return LogProbEngine(config)
+
+
+def _weights_dir(source: dict) -> str:
+    """The directory of a checkpoint that ``from_pretrained`` loads as a full model."""
+    root = Path(source["path"])
+    for candidate in (root, root / "hf"):
+        if (candidate / "config.json").is_file():
+            return str(candidate)
+    raise BadRequest(
+        f"source_checkpoint_info: checkpoint {source['checkpoint_id']} holds only a LoRA adapter; "
+        "save it with export_hf=true to start an inference sub-job from it"
+    )

@@ -1,0 +1,68 @@
+"""Errors the Service raises, each with the HTTP status and the Cortex error code it maps to.
+
+The Service is transport-agnostic: the in-process transport sees these exceptions directly, the
+HTTP routers turn them into ``{"message", "code"}`` bodies with the same status. Every error that
+comes from bad input says which field is wrong, and is raised before any state changes.
+"""
+
+from __future__ import annotations
+
+
+class ServiceError(Exception):
+    """Base class: ``status`` is the HTTP status, ``code`` a stable machine-readable name."""
+
+    status = 500
+    code = "internal_error"
+
+    def __init__(self, message: str, *, code: str | None = None, **details: object) -> None:
+        super().__init__(message)
+        self.message = message
+        if code is not None:
+            self.code = code
+        self.details = details
+
+    def body(self) -> dict:
+        """The JSON error body (Cortex shape: ``message`` and ``code``; plus any details)."""
+        return {"message": self.message, "code": self.code, **self.details}
+
+
+class BadRequest(ServiceError):
+    """Malformed body, unknown field, bad value (400)."""
+
+    status = 400
+    code = "invalid_argument"
+
+
+class Unauthorized(ServiceError):
+    """Missing or wrong credentials (401)."""
+
+    status = 401
+    code = "unauthenticated"
+
+
+class NotFound(ServiceError):
+    """Unknown job, sub-job, request or checkpoint, or one owned by another token (404)."""
+
+    status = 404
+    code = "not_found"
+
+
+class Conflict(ServiceError):
+    """The request clashes with the job's state or an earlier request (409)."""
+
+    status = 409
+    code = "conflict"
+
+
+class PayloadTooLarge(ServiceError):
+    """Body above the server's limit (413)."""
+
+    status = 413
+    code = "payload_too_large"
+
+
+class EngineFailure(ServiceError):
+    """An engine raised while running an op; the job is marked failed (500)."""
+
+    status = 500
+    code = "engine_failure"

@@ -1,0 +1,152 @@
+"""The on-prem HTTP API: synchronous ops addressed by ``?job_id=``.
+
+Routes follow the reference on-prem server (reference/server_engines_losses.md §3):
+``/health``, ``/status``, ``/initialize`` (one sub-job per call, returns when its engine is
+ready), ``/job/{id}``, ``/destroy`` and ``POST /{op}?job_id=`` for every op. Tensor bodies
+(forward-backward, forward, generate) are DSSST1; tensor results come back as DSSST1,
+everything else as JSON.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.concurrency import run_in_threadpool
+
+from arctic_platform.server.errors import BadRequest, NotFound
+from arctic_platform.server.http_common import (
+    decode_json,
+    frame_response,
+    owner_of,
+    read_body,
+    read_op_body,
+)
+from arctic_platform.server.ops import BINARY_RESULTS
+
+router = APIRouter()
+
+ONPREM_OPS = {
+    "forward-backward",
+    "forward",
+    "step",
+    "save",
+    "load-checkpoint",
+    "generate",
+    "log-probs",
+    "operation",
+    "weight-sync",
+    "reset-prefix-cache",
+    "sleep-inference",
+    "wake-inference",
+    "sleep-training",
+    "wake-training",
+    "empty-training-cache",
+}
+# Fields of the reference server's JobConfig that have no meaning here; accepted and ignored.
+REFERENCE_INIT_FIELDS = {
+    "num_devices",
+    "ds_config",
+    "log_prob_config",
+    "ds_worker_config",
+    "arctic_inference_config",
+    "full_determinism",
+    "checkpoint_path",
+    "cuda_ipc",
+    "low_memory",
+}
+STARTUP_TIMEOUT_S = 1800.0
+
+
+def _service(request: Request):
+    return request.app.state.service
+
+
+@router.get("/health")
+async def health() -> dict:
+    return {"status": "OK"}
+
+
+@router.get("/status")
+async def status(request: Request) -> dict:
+    jobs = _service(request).list_jobs(owner=owner_of(request))
+    subs = {s["sub_job_id"]: _onprem_info(j, s) for j in jobs for s in j["sub_jobs"]}
+    return {"device": request.app.state.service.settings.device, "jobs": subs}
+
+
+@router.post("/initialize")
+async def initialize(request: Request) -> dict:
+    """Create a job with one sub-job and wait until its engine is ready (as the reference does)."""
+    owner = owner_of(request)
+    body = decode_json(await read_body(request), what="initialize")
+    spec = _sub_job_from_init(body)
+    service = _service(request)
+    info = await run_in_threadpool(service.create_job, {"sub_job_configs": [spec]}, owner=owner)
+    await run_in_threadpool(
+        service.wait_until_running, info["job_id"], owner=owner, timeout=STARTUP_TIMEOUT_S
+    )
+    sub = info["sub_jobs"][0]
+    return {"job_id": sub["sub_job_id"], "job_type": spec["job_type"], "running": True}
+
+
+@router.get("/job/{job_id}")
+async def get_job(job_id: str, request: Request) -> dict:
+    info = _service(request).get_job(job_id, owner=owner_of(request))
+    for sub in info["sub_jobs"]:
+        if sub["sub_job_id"] == job_id or ":" not in job_id:
+            return _onprem_info(info, sub)
+    raise NotFound(f"job {job_id!r} not found")
+
+
+@router.post("/destroy")
+async def destroy(request: Request, job_id: str) -> dict:
+    owner = owner_of(request)
+    await read_body(request)  # {"job_type"} is required by the reference client, unused here
+    await run_in_threadpool(_service(request).cancel_job, job_id.split(":", 1)[0], owner=owner)
+    return {"job_id": job_id}
+
+
+@router.post("/{op}")
+async def run_op(
+    op: str, request: Request, job_id: str, level: int | None = None, mode: str | None = None
+) -> Any:
+    if op not in ONPREM_OPS:
+        raise NotFound(f"unknown op {op!r}; known: {sorted(ONPREM_OPS)}")
+    owner = owner_of(request)
+    body = await read_op_body(request, what=op)
+    if op == "sleep-inference" and level is not None and body is None:
+        body = {"level": level}
+    if op == "sleep-training" and mode is not None and body is None:
+        body = {"mode": mode}
+    service = _service(request)
+    sub, op, body = service.dispatch(job_id, op, body, owner=owner)
+    if sub is None:
+        return service.inline_operation(job_id, op, body, owner=owner)
+    result = await asyncio.wrap_future(service.submit(sub, op, body))
+    return frame_response(result) if op in BINARY_RESULTS else result
+
+
+def _onprem_info(job: dict, sub: dict) -> dict:
+    return {
+        "job_id": sub["sub_job_id"],
+        "parent_job_id": job["job_id"],
+        "job_type": "log_prob" if sub["job_type"] == "log_probability" else sub["job_type"],
+        "model_name": sub["model_name"],
+        "status": job["status"].upper(),
+        "reason": job["reason"],
+    }
+
+
+def _sub_job_from_init(body: Any) -> dict:
+    """The reference ``JobConfig`` (or our sub-job config) as a sub-job config."""
+    if not isinstance(body, dict):
+        raise BadRequest("initialize: body must be a JSON object")
+    spec = {k: v for k, v in body.items() if k not in REFERENCE_INIT_FIELDS}
+    spec.setdefault("job_type", "training")
+    vllm = spec.pop("vllm_config", None)
+    if vllm is not None:
+        if spec["job_type"] == "training":
+            raise BadRequest("initialize: vllm_config applies to sampling and log_prob jobs")
+        spec.setdefault("inference_config", {})["vllm_config"] = vllm
+    return spec

@@ -1,0 +1,56 @@
+"""``arctic-platform serve``: the Service behind both HTTP APIs, on uvicorn.
+
+Without a token the server only listens on loopback: the API can train and overwrite models, so
+exposing it unauthenticated is refused rather than warned about.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from arctic_platform.server.auth import TokenAuth
+
+LOOPBACK = {"127.0.0.1", "localhost", "::1"}
+log = logging.getLogger("arctic_platform.serve")
+
+
+def serve(
+    *,
+    host: str,
+    port: int,
+    token_env: str | None,
+    data_dir: Path,
+    device: str,
+    max_body_mb: int,
+    max_concurrent_ops: int,
+    log_level: str = "info",
+) -> None:
+    """Run the server until SIGINT/SIGTERM; in-flight ops finish before it exits."""
+    import uvicorn
+
+    from arctic_platform.server.app import create_app
+    from arctic_platform.server.service import Service, ServiceSettings
+
+    auth = TokenAuth.from_env(token_env)
+    if not auth.enabled and host not in LOOPBACK:
+        raise SystemExit(
+            f"refusing to listen on {host} without authentication; "
+            "pass --token-env NAME (a variable holding the token) or use --host 127.0.0.1"
+        )
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s %(message)s")
+    if not auth.enabled:
+        log.warning("no --token-env: serving without authentication on %s only", host)
+    service = Service(
+        ServiceSettings(data_dir=data_dir, device=device, max_concurrent_ops=max_concurrent_ops)
+    )
+    app = create_app(service, auth=auth, max_body_bytes=max_body_mb * 1024 * 1024)
+    log.info("arctic-platform serving on http://%s:%d (data dir %s)", host, port, data_dir)
+    uvicorn.run(
+        app,
+        host=host,
+        port=port,
+        log_level=log_level,
+        http="httptools",
+        timeout_graceful_shutdown=None,
+    )

@@ -1,0 +1,590 @@
+"""The Service: jobs, their engines, and the ops that run on them, independent of any transport.
+
+Every backend ends here. The in-process transport calls it directly; the on-prem and Cortex
+routers (``onprem.py``, ``cortex.py``) are thin HTTP skins over it. So job states, op semantics,
+validation and error codes are the same whichever way a client connects.
+
+Jobs and sub-jobs: a job owns typed sub-jobs (``training``, ``sampling``, ``log_prob``), with ids
+``{job}:{type}:{i}``; each sub-job owns one engine. A job moves ``pending -> initializing ->
+running`` and ends ``failed`` (with its reason), ``cancelled`` or ``terminated``.
+
+Ordering and concurrency: every sub-job has a single worker thread, so the ops on one sub-job run
+one at a time in arrival order; a server-wide semaphore bounds how many ops run at once across
+jobs. Job and checkpoint metadata are persisted in SQLite, so a restarted server still lists them
+and can start a new job from a checkpoint.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+import traceback
+import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from arctic_platform.server.async_requests import ChunkGroups, RequestStore
+from arctic_platform.server.errors import (
+    BadRequest,
+    Conflict,
+    EngineFailure,
+    NotFound,
+    ServiceError,
+)
+from arctic_platform.server.job_config import (
+    API_JOB_TYPE,
+    SHORT_JOB_TYPE,
+    CreateJobRequest,
+    SubJobConfig,
+)
+from arctic_platform.server.op_bodies import describe
+from arctic_platform.server.store import MetadataStore
+
+TERMINAL = ("failed", "cancelled", "terminated")
+INLINE_OPERATIONS = {"cancel-request", "tail-logs"}
+OPERATION_TYPES = {
+    "weight-sync",
+    "reset-prefix-cache",
+    "sleep-inference",
+    "wake-inference",
+    *INLINE_OPERATIONS,
+}
+LOG_LINES_PER_JOB = 2000
+
+
+@dataclass
+class ServiceSettings:
+    """Server-wide knobs: where state lives, which device engines use, how much runs at once."""
+
+    data_dir: Path
+    device: str = "auto"
+    max_concurrent_ops: int = 2
+    default_seed: int = 42
+
+
+@dataclass
+class SubJob:
+    """One engine of a job and the queue its ops run on."""
+
+    sub_job_id: str
+    job_id: str
+    kind: str
+    spec: SubJobConfig
+    status: str = "pending"
+    engine: Any = None
+    queue: ThreadPoolExecutor | None = None
+
+    def info(self) -> dict:
+        settings = self.spec.training_config or self.spec.inference_config
+        key = "training_config" if self.kind == "training" else "inference_config"
+        return {
+            "sub_job_id": self.sub_job_id,
+            "job_type": API_JOB_TYPE[self.kind],
+            "status": self.status,
+            "model_name": self.spec.model_name,
+            key: settings.model_dump(mode="json", by_alias=True) if settings else None,
+            "ignored_settings": self.spec.ignored_settings,
+        }
+
+
+@dataclass
+class Job:
+    """A job: its sub-jobs, owner, state and a log of what happened to it."""
+
+    job_id: str
+    owner: str | None
+    request: dict
+    experiment_name: str | None
+    sub_jobs: list[SubJob]
+    status: str = "pending"
+    reason: str | None = None
+    created_at: float = field(default_factory=time.time)
+    updated_at: float = field(default_factory=time.time)
+    logs: collections.deque = field(
+        default_factory=lambda: collections.deque(maxlen=LOG_LINES_PER_JOB)
+    )
+    log_offset: int = 0
+    cancelled: threading.Event = field(default_factory=threading.Event)
+
+    def info(self) -> dict:
+        return {
+            "job_id": self.job_id,
+            "status": self.status,
+            "reason": self.reason,
+            "created_at": self.created_at,
+            "updated_at": self.updated_at,
+            "experiment_name": self.experiment_name,
+            "image_tag": "arctic-platform",
+            "sub_jobs": [s.info() for s in self.sub_jobs],
+        }
+
+
+class Service:
+    """Owns jobs and engines; every public method is thread-safe."""
+
+    def __init__(self, settings: ServiceSettings) -> None:
+        self.settings = settings
+        settings.data_dir.mkdir(parents=True, exist_ok=True)
+        self.checkpoint_root = settings.data_dir / "checkpoints"
+        self.store = MetadataStore(settings.data_dir / "metadata.sqlite3")
+        self.requests = RequestStore()
+        self.chunk_groups = ChunkGroups()
+        self._lock = threading.RLock()
+        self._jobs: dict[str, Job] = {}
+        self._slots = threading.BoundedSemaphore(settings.max_concurrent_ops)
+        self._builders = ThreadPoolExecutor(max_workers=1, thread_name_prefix="job-init")
+        self._closed = False
+        self._restore()
+
+    # -- jobs -------------------------------------------------------------------------------
+
+    def create_job(self, request: Any, *, owner: str | None = None) -> dict:
+        """Validate a create-job body, register the job and start building its engines."""
+        try:
+            parsed = CreateJobRequest.model_validate(request)
+        except ValidationError as exc:
+            raise BadRequest(f"create job: {describe(exc)}") from None
+        for i, spec in enumerate(parsed.sub_job_configs):
+            if spec.source_checkpoint_info is not None:
+                self._source_checkpoint(spec, owner, field=f"sub_job_configs.{i}")
+        job_id = uuid.uuid4().hex[:12]
+        counts: collections.Counter = collections.Counter()
+        sub_jobs = []
+        for spec in parsed.sub_job_configs:
+            sub_id = f"{job_id}:{spec.kind}:{counts[spec.kind]}"
+            counts[spec.kind] += 1
+            sub_jobs.append(SubJob(sub_job_id=sub_id, job_id=job_id, kind=spec.kind, spec=spec))
+        job = Job(
+            job_id=job_id,
+            owner=owner,
+            request=parsed.model_dump(mode="json", by_alias=True, exclude_none=True),
+            experiment_name=parsed.experiment_name,
+            sub_jobs=sub_jobs,
+        )
+        with self._lock:
+            if self._closed:
+                raise Conflict("the server is shutting down")
+            self._jobs[job_id] = job
+        self._log(job, f"created with {len(sub_jobs)} sub-job(s)")
+        self._persist(job)
+        self._builders.submit(self._build, job)
+        return job.info()
+
+    def get_job(self, job_id: str, *, owner: str | None = None) -> dict:
+        return self._job(job_id, owner).info()
+
+    def list_jobs(self, *, owner: str | None = None, status: str | None = None) -> list[dict]:
+        with self._lock:
+            jobs = [j for j in self._jobs.values() if j.owner == owner]
+        return [j.info() for j in jobs if status is None or j.status == status.lower()]
+
+    def wait_until_running(self, job_id: str, *, owner: str | None = None, timeout: float) -> dict:
+        """Block until the job runs; raise if it ends or ``timeout`` passes first."""
+        job = self._job(job_id, owner)
+        deadline = time.monotonic() + timeout
+        while job.status not in ("running", *TERMINAL):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"job {job_id} is still {job.status} after {timeout:.0f}s")
+            time.sleep(0.02)
+        if job.status != "running":
+            raise Conflict(f"job {job_id} is {job.status}: {job.reason}", code=f"job_{job.status}")
+        return job.info()
+
+    def cancel_job(self, job_id: str, *, owner: str | None = None) -> dict:
+        """Cancel a job: queued ops are dropped, engines released. Idempotent once cancelled."""
+        job = self._job(job_id, owner)
+        with self._lock:
+            if job.status == "cancelled":
+                return job.info()
+            if job.status in ("failed", "terminated"):
+                raise Conflict(
+                    f"job {job_id} already ended ({job.status}); it cannot be cancelled",
+                    code="failed_precondition",
+                )
+            job.cancelled.set()
+            self._set_status(job, "cancelled", "cancelled by the client")
+        self._release(job)
+        return job.info()
+
+    def capacity(self, *, owner: str | None = None) -> dict:
+        with self._lock:
+            active = sum(len(j.sub_jobs) for j in self._jobs.values() if j.status not in TERMINAL)
+        return {
+            "has_reservation": False,
+            "max_total_gpus": 0,
+            "in_use_gpus": 0,
+            "available_gpus": 0,
+            "device": self.settings.device,
+            "active_sub_jobs": active,
+            "max_concurrent_ops": self.settings.max_concurrent_ops,
+        }
+
+    def tail_logs(
+        self, job_id: str, *, owner: str | None = None, cursor: Any = None, max_lines: int = 200
+    ) -> dict:
+        """Lines logged for a job since ``cursor`` (an opaque position this method returned)."""
+        job = self._job(job_id, owner)
+        with self._lock:
+            start = job.log_offset if cursor in (None, "") else _int(cursor, "cursor")
+            start = max(start, job.log_offset)
+            lines = list(job.logs)[start - job.log_offset : start - job.log_offset + max_lines]
+            end = start + len(lines)
+            return {
+                "entries": lines,
+                "next_cursor": str(end),
+                "eof": job.status in TERMINAL and end >= job.log_offset + len(job.logs),
+            }
+
+    # -- ops --------------------------------------------------------------------------------
+
+    def dispatch(
+        self, target: str, op: str, body: Any, *, owner: str | None
+    ) -> tuple[SubJob | None, str, Any]:
+        """Where ``op`` runs: ``(sub_job, op, body)``, with ``operation`` envelopes unwrapped.
+
+        ``target`` is a sub-job id, or a job id (the op's natural sub-job type is then used).
+        Inline operations (``cancel-request``, ``tail-logs``) come back with ``sub_job=None``.
+        """
+        from arctic_platform.server.op_bodies import OperationBody, parse
+        from arctic_platform.server.ops import op_kind
+
+        if op == "operation":
+            envelope = parse(OperationBody, body, what="operation")
+            op, body = envelope.operation_type, envelope.payload
+            if op not in OPERATION_TYPES:
+                raise BadRequest(
+                    f"operation: unknown operation_type {op!r}; known: {sorted(OPERATION_TYPES)}"
+                )
+            if op in INLINE_OPERATIONS:
+                self._job(target, owner)
+                return None, op, body
+            if envelope.sub_job_type is not None and envelope.sub_job_type not in SHORT_JOB_TYPE:
+                raise BadRequest(f"operation: unknown sub_job_type {envelope.sub_job_type!r}")
+            if envelope.sub_job_id is not None:
+                sub = self.resolve(str(envelope.sub_job_id), owner=owner)
+                if envelope.sub_job_type and SHORT_JOB_TYPE[envelope.sub_job_type] != sub.kind:
+                    raise BadRequest(
+                        f"operation: sub_job_id {envelope.sub_job_id} is not a "
+                        f"{envelope.sub_job_type} sub-job"
+                    )
+                return sub, op, body
+            if envelope.sub_job_type is not None:
+                return (
+                    self.resolve(target, owner=owner, kind=SHORT_JOB_TYPE[envelope.sub_job_type]),
+                    op,
+                    body,
+                )
+        if ":" in target:
+            return self.resolve(target, owner=owner), op, body
+        return self.resolve(target, owner=owner, kind=op_kind(op, body)), op, body
+
+    def execute(self, target: str, op: str, body: Any, *, owner: str | None = None) -> Any:
+        """Run ``op`` to completion (the in-process and on-prem paths)."""
+        sub, op, body = self.dispatch(target, op, body, owner=owner)
+        if sub is None:
+            return self.inline_operation(target, op, body, owner=owner)
+        return self.call(sub, op, body)
+
+    def inline_operation(self, target: str, op: str, body: Any, *, owner: str | None) -> dict:
+        """Operations answered at once, without entering a queue."""
+        from arctic_platform.server.op_bodies import CancelRequestBody, TailLogsBody, parse
+
+        job_id = target.split(":", 1)[0]
+        if op == "cancel-request":
+            parsed = parse(CancelRequestBody, body, what="cancel-request")
+            return self.requests.cancel(job_id, parsed.request_id)
+        parsed = parse(TailLogsBody, body, what="tail-logs")
+        return self.tail_logs(job_id, owner=owner, cursor=parsed.cursor, max_lines=parsed.max_lines)
+
+    def owner_of(self, job_id: str) -> str | None:
+        return self._job(job_id, None, check_owner=False).owner
+
+    def require_running(self, sub: SubJob) -> None:
+        self._require_running(self._job(sub.job_id, None, check_owner=False))
+
+    def resolve(self, job_or_sub_id: str, *, owner: str | None, kind: str | None = None) -> SubJob:
+        """A sub-job by id, or the one sub-job of ``kind`` in job ``job_or_sub_id``."""
+        job_id = job_or_sub_id.split(":", 1)[0]
+        job = self._job(job_id, owner)
+        if ":" in job_or_sub_id:
+            for sub in job.sub_jobs:
+                if sub.sub_job_id == job_or_sub_id:
+                    if kind is not None and sub.kind != kind:
+                        raise BadRequest(
+                            f"sub-job {job_or_sub_id} is a {sub.kind} sub-job; this op needs "
+                            f"a {kind} sub-job",
+                            code="wrong_job_type",
+                        )
+                    return sub
+            raise NotFound(f"sub-job {job_or_sub_id!r} not found")
+        matches = [s for s in job.sub_jobs if kind is None or s.kind == kind]
+        if not matches:
+            raise BadRequest(
+                f"job {job_id} has no {kind} sub-job for this op", code="wrong_job_type"
+            )
+        return matches[0]
+
+    def submit(self, sub: SubJob, op: str, body: Any) -> Future:
+        """Queue ``op`` on ``sub``; the future resolves to the op's result or its error.
+
+        The body is validated on the caller's thread first, so a bad request fails at once (400)
+        without entering the queue. Engine errors on bad tensors also fail only the request.
+        """
+        from arctic_platform.server.ops import prepare_op
+
+        job = self._job(sub.job_id, None, check_owner=False)
+        self._require_running(job)
+        runner = prepare_op(self, sub, op, body)
+        if sub.queue is None:
+            raise Conflict(f"sub-job {sub.sub_job_id} has no engine", code="job_not_running")
+        return sub.queue.submit(self._guarded, job, sub, op, runner)
+
+    def call(self, sub: SubJob, op: str, body: Any) -> Any:
+        """Run ``op`` and wait for its result (the in-process and on-prem paths)."""
+        return self.submit(sub, op, body).result()
+
+    def run_on(self, sub: SubJob, fn, *args) -> Any:
+        """Run ``fn`` on another sub-job's queue and wait (weight sync touches two engines)."""
+        if sub.queue is None:
+            raise Conflict(f"sub-job {sub.sub_job_id} has no engine", code="job_not_running")
+        return sub.queue.submit(fn, *args).result()
+
+    def _guarded(self, job: Job, sub: SubJob, op: str, runner) -> Any:
+        from arctic_platform.engine.errors import EngineInputError
+
+        if job.cancelled.is_set():
+            raise Conflict(f"job {job.job_id} was cancelled", code="job_cancelled")
+        with self._slots:
+            self._require_running(job)
+            try:
+                return runner()
+            except ServiceError:
+                raise
+            except EngineInputError as exc:
+                raise BadRequest(f"{op}: {exc}", field=exc.field) from None
+            except Exception as exc:
+                reason = f"{op} failed on {sub.sub_job_id}: {type(exc).__name__}: {exc}"
+                self._log(job, reason + "\n" + traceback.format_exc(limit=8))
+                self._fail(job, reason)
+                raise EngineFailure(reason) from exc
+
+    # -- checkpoints ------------------------------------------------------------------------
+
+    def record_checkpoint(self, sub: SubJob, saved: dict, checkpoint_type: str, avg_loss) -> dict:
+        record = {
+            "job_id": sub.job_id,
+            "checkpoint_id": saved["checkpoint_id"],
+            "sub_job_id": sub.sub_job_id,
+            "path": saved["path"],
+            "global_steps": saved["global_step"],
+            "avg_loss": avg_loss,
+            "checkpoint_type": checkpoint_type,
+            "created_at": time.time(),
+        }
+        self.store.put_checkpoint(record)
+        return record
+
+    def list_checkpoints(self, job_id: str, *, owner: str | None = None) -> list[dict]:
+        self._job(job_id, owner)
+        return [
+            {k: c[k] for k in ("checkpoint_id", "global_steps", "avg_loss", "checkpoint_type")}
+            | {"created_at": c["created_at"]}
+            for c in self.store.checkpoints(job_id)
+            if Path(c["path"]).exists()
+        ]
+
+    def checkpoint(self, job_id: str, checkpoint_id: str, *, owner: str | None) -> dict:
+        self._job(job_id, owner)
+        for record in self.store.checkpoints(job_id):
+            if record["checkpoint_id"] == checkpoint_id and Path(record["path"]).exists():
+                return record
+        raise NotFound(f"checkpoint {checkpoint_id!r} not found in job {job_id}")
+
+    def checkpoint_files(self, job_id: str, checkpoint_id: str, *, owner: str | None) -> list[dict]:
+        """Files of a checkpoint: ``filename`` (relative), absolute ``path``, ``size_bytes``."""
+        root = Path(self.checkpoint(job_id, checkpoint_id, owner=owner)["path"])
+        return [
+            {"filename": str(p.relative_to(root)), "path": str(p), "size_bytes": p.stat().st_size}
+            for p in sorted(root.rglob("*"))
+            if p.is_file()
+        ]
+
+    def delete_checkpoint(self, job_id: str, checkpoint_id: str, *, owner: str | None) -> None:
+        import shutil
+
+        record = self.checkpoint(job_id, checkpoint_id, owner=owner)
+        shutil.rmtree(record["path"], ignore_errors=True)
+        self.store.delete_checkpoint(job_id, checkpoint_id)
+
+    def _source_checkpoint(self, spec: SubJobConfig, owner: str | None, *, field: str) -> dict:
+        info = spec.source_checkpoint_info
+        assert info is not None
+        with self._lock:
+            candidates = [
+                j.job_id
+                for j in self._jobs.values()
+                if j.owner == owner and (info.source_job_id in (None, j.job_id))
+            ]
+        found = [
+            c
+            for job_id in candidates
+            for c in self.store.checkpoints(job_id)
+            if c["checkpoint_id"] == info.checkpoint_id and Path(c["path"]).exists()
+        ]
+        if len(found) != 1:
+            where = f"job {info.source_job_id}" if info.source_job_id else "your jobs"
+            problem = "not found" if not found else "ambiguous; set source_job_id"
+            raise BadRequest(
+                f"{field}.source_checkpoint_info: checkpoint {info.checkpoint_id!r} in {where} "
+                f"is {problem}"
+            )
+        return found[0]
+
+    # -- lifecycle --------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Stop accepting work, let in-flight ops finish, release engines."""
+        with self._lock:
+            self._closed = True
+            jobs = list(self._jobs.values())
+        self._builders.shutdown(wait=True, cancel_futures=True)
+        for job in jobs:
+            for sub in job.sub_jobs:
+                if sub.queue is not None:
+                    sub.queue.shutdown(wait=True)
+            if job.status not in TERMINAL:
+                self._set_status(job, "terminated", "server shut down")
+            self._release(job)
+        self.store.close()
+
+    def _build(self, job: Job) -> None:
+        from arctic_platform.server.engines import build_engine
+
+        if job.cancelled.is_set():
+            return
+        self._set_status(job, "initializing", None)
+        try:
+            for sub in job.sub_jobs:
+                if job.cancelled.is_set():
+                    return
+                sub.status = "initializing"
+                source = None
+                if sub.spec.source_checkpoint_info is not None:
+                    source = self._source_checkpoint(sub.spec, job.owner, field="sub_job_configs")
+                sub.engine = build_engine(self, sub, source)
+                sub.queue = ThreadPoolExecutor(
+                    max_workers=1, thread_name_prefix=sub.sub_job_id.replace(":", "-")
+                )
+                sub.status = "running"
+                self._log(job, f"{sub.sub_job_id}: engine ready ({sub.spec.model_name})")
+        except Exception as exc:
+            reason = f"initialization failed: {type(exc).__name__}: {exc}"
+            self._log(job, reason + "\n" + traceback.format_exc(limit=8))
+            self._fail(job, reason)
+            return
+        with self._lock:
+            if job.status == "initializing":
+                self._set_status(job, "running", None)
+
+    def _fail(self, job: Job, reason: str) -> None:
+        with self._lock:
+            if job.status in TERMINAL:
+                return
+            self._set_status(job, "failed", reason)
+        self._release(job, wait=False)
+
+    def _release(self, job: Job, *, wait: bool = False) -> None:
+        for sub in job.sub_jobs:
+            if sub.status not in TERMINAL:
+                sub.status = job.status
+            if sub.queue is not None:
+                sub.queue.shutdown(wait=wait, cancel_futures=True)
+            sub.engine = None
+
+    def _set_status(self, job: Job, status: str, reason: str | None) -> None:
+        with self._lock:
+            job.status = status
+            job.reason = reason
+            job.updated_at = time.time()
+        self._log(job, f"status {status}" + (f": {reason}" if reason else ""))
+        self._persist(job)
+
+    def _persist(self, job: Job) -> None:
+        self.store.put_job(
+            {
+                "job_id": job.job_id,
+                "owner": job.owner,
+                "status": job.status,
+                "reason": job.reason,
+                "experiment_name": job.experiment_name,
+                "request": job.request,
+                "sub_jobs": [{"sub_job_id": s.sub_job_id, "kind": s.kind} for s in job.sub_jobs],
+                "created_at": job.created_at,
+                "updated_at": job.updated_at,
+            }
+        )
+
+    def _restore(self) -> None:
+        """Reload jobs of earlier runs; those that were alive are now ``terminated``."""
+        for record in self.store.jobs():
+            try:
+                request = CreateJobRequest.model_validate(record["request"])
+            except ValidationError:
+                continue
+            subs = [
+                SubJob(
+                    sub_job_id=entry["sub_job_id"],
+                    job_id=record["job_id"],
+                    kind=SHORT_JOB_TYPE[spec.job_type],
+                    spec=spec,
+                    status=record["status"],
+                )
+                for entry, spec in zip(record["sub_jobs"], request.sub_job_configs, strict=True)
+            ]
+            job = Job(
+                job_id=record["job_id"],
+                owner=record["owner"],
+                request=record["request"],
+                experiment_name=record["experiment_name"],
+                sub_jobs=subs,
+                status=record["status"],
+                reason=record["reason"],
+                created_at=record["created_at"],
+                updated_at=record["updated_at"],
+            )
+            self._jobs[job.job_id] = job
+            if job.status not in TERMINAL:
+                self._set_status(job, "terminated", "server restarted")
+                for sub in subs:
+                    sub.status = "terminated"
+
+    def _job(self, job_id: str, owner: str | None, *, check_owner: bool = True) -> Job:
+        with self._lock:
+            job = self._jobs.get(str(job_id).split(":", 1)[0])
+        if job is None or (check_owner and job.owner != owner):
+            raise NotFound(f"job {job_id!r} not found")
+        return job
+
+    def _require_running(self, job: Job) -> None:
+        if job.status != "running":
+            detail = f": {job.reason}" if job.reason else ""
+            raise Conflict(f"job {job.job_id} is {job.status}{detail}", code=f"job_{job.status}")
+
+    def _log(self, job: Job, line: str) -> None:
+        stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime())
+        with self._lock:
+            if len(job.logs) == job.logs.maxlen:
+                job.log_offset += 1
+            job.logs.append(f"{stamp} {line}")
+
+
+def _int(value: Any, name: str) -> int:
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        raise BadRequest(f"{name}: {value!r} is not a cursor this server issued") from None

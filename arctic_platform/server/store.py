@@ -1,0 +1,125 @@
+"""Job and checkpoint metadata that outlives the server process (SQLite in the data dir).
+
+Engines live in memory and die with the process; what a user needs after a restart is the list of
+jobs (with how they ended) and their checkpoints, so a new job can start from one. SQLite is in the
+standard library, transactional and safe against a crash mid-write.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+from pathlib import Path
+from typing import Any
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS jobs (
+    job_id TEXT PRIMARY KEY,
+    owner TEXT,
+    status TEXT NOT NULL,
+    reason TEXT,
+    experiment_name TEXT,
+    request TEXT NOT NULL,
+    sub_jobs TEXT NOT NULL,
+    created_at REAL NOT NULL,
+    updated_at REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS checkpoints (
+    job_id TEXT NOT NULL,
+    checkpoint_id TEXT NOT NULL,
+    sub_job_id TEXT NOT NULL,
+    path TEXT NOT NULL,
+    global_steps INTEGER NOT NULL,
+    avg_loss REAL,
+    checkpoint_type TEXT NOT NULL,
+    created_at REAL NOT NULL,
+    PRIMARY KEY (job_id, checkpoint_id)
+);
+"""
+
+
+class MetadataStore:
+    """Thread-safe access to the jobs and checkpoints tables."""
+
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()
+        self._db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.executescript(_SCHEMA)
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    def put_job(self, record: dict[str, Any]) -> None:
+        """Insert or replace one job row (``request`` and ``sub_jobs`` are stored as JSON)."""
+        with self._lock:
+            self._db.execute(
+                "INSERT OR REPLACE INTO jobs VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (
+                    record["job_id"],
+                    record["owner"],
+                    record["status"],
+                    record["reason"],
+                    record["experiment_name"],
+                    json.dumps(record["request"]),
+                    json.dumps(record["sub_jobs"]),
+                    record["created_at"],
+                    record["updated_at"],
+                ),
+            )
+
+    def jobs(self) -> list[dict[str, Any]]:
+        with self._lock:
+            rows = self._db.execute("SELECT * FROM jobs ORDER BY created_at").fetchall()
+        keys = ("job_id", "owner", "status", "reason", "experiment_name", "request", "sub_jobs")
+        out = []
+        for row in rows:
+            record = dict(zip((*keys, "created_at", "updated_at"), row, strict=True))
+            record["request"] = json.loads(record["request"])
+            record["sub_jobs"] = json.loads(record["sub_jobs"])
+            out.append(record)
+        return out
+
+    def put_checkpoint(self, record: dict[str, Any]) -> None:
+        with self._lock:
+            self._db.execute(
+                "INSERT OR REPLACE INTO checkpoints VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                (
+                    record["job_id"],
+                    record["checkpoint_id"],
+                    record["sub_job_id"],
+                    record["path"],
+                    record["global_steps"],
+                    record["avg_loss"],
+                    record["checkpoint_type"],
+                    record["created_at"],
+                ),
+            )
+
+    def checkpoints(self, job_id: str) -> list[dict[str, Any]]:
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT checkpoint_id, sub_job_id, path, global_steps, avg_loss, checkpoint_type,"
+                " created_at FROM checkpoints WHERE job_id = ? ORDER BY created_at",
+                (job_id,),
+            ).fetchall()
+        keys = (
+            "checkpoint_id",
+            "sub_job_id",
+            "path",
+            "global_steps",
+            "avg_loss",
+            "checkpoint_type",
+            "created_at",
+        )
+        return [dict(zip(keys, row, strict=True)) for row in rows]
+
+    def delete_checkpoint(self, job_id: str, checkpoint_id: str) -> None:
+        with self._lock:
+            self._db.execute(
+                "DELETE FROM checkpoints WHERE job_id = ? AND checkpoint_id = ?",
+                (job_id, checkpoint_id),
+            )
