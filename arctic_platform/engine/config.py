@@ -65,7 +65,13 @@ class SchedulerConfig(_Strict):
 
 
 class TrainingEngineConfig(_Strict):
-    """Everything a training job needs to build its model, optimizer and microbatcher."""
+    """Everything a training job needs to build its model, optimizer and microbatcher.
+
+    ``max_tokens_per_microbatch`` bounds the tokens one model call sees; with ``packing`` (the
+    default) sequences of varying length are packed, padding-free, into rows no longer than the
+    longest sequence, and rows are stacked into microbatches within that budget.
+    Checkpoints go to ``<checkpoint_dir>/<job_name>/checkpoint-<step>/``.
+    """
 
     model: ModelConfig
     optimizer: OptimizerConfig = OptimizerConfig()
@@ -75,6 +81,7 @@ class TrainingEngineConfig(_Strict):
     gradient_checkpointing: bool = False
     seed: int = 42
     checkpoint_dir: str | None = None
+    job_name: str = Field("default", min_length=1, pattern=r"^[A-Za-z0-9_-][A-Za-z0-9._-]*$")
     save_total_limit: PositiveInt | None = None
 
 
@@ -83,10 +90,17 @@ class SamplingEngineConfig(_Strict):
 
     ``max_batch_size`` bounds how many sequences decode together; ``max_model_len`` bounds prompt
     plus completion (defaults to the model's ``max_position_embeddings``).
+    ``max_tokens_per_microbatch`` bounds the padded prompt tokens of one prefill forward;
+    ``max_kv_cache_bytes`` bounds the key/value cache of one decoding wave (rows x (prompt +
+    completion) x bytes per token), so a batch of long sequences decodes in several waves rather
+    than exhausting memory. ``max_logprobs`` caps the ``logprobs`` a request may ask for, and
+    ``seed`` seeds the draws of requests that do not bring their own.
     """
 
     model: ModelConfig
     max_batch_size: PositiveInt = 256
     max_model_len: PositiveInt | None = None
     max_tokens_per_microbatch: PositiveInt = 16384
+    max_kv_cache_bytes: PositiveInt = 4 * 1024**3
+    max_logprobs: PositiveInt = 20
     seed: int = 42

@@ -15,3 +15,11 @@ class EngineInputError(ValueError):
         super().__init__(f"{field}: {message}")
         self.field = field
         self.message = message
+
+
+class SamplerStateError(RuntimeError):
+    """The sampler cannot generate in its current state (its weights are partially loaded).
+
+    Not bad input and not a broken job: a complete weight sync makes it usable again, so the
+    server reports it as a conflict rather than failing the job.
+    """

@@ -48,6 +48,11 @@ def load_tokenizer(config: ModelConfig):
 def load_causal_lm(config: ModelConfig, device: torch.device | None = None):
     """Load the model described by ``config`` onto ``device``, with LoRA adapters if configured."""
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    # Engines load models inside servers and training loops, whose own progress output the
+    # per-load "Loading weights" bars would interleave with.
+    hf_logging.disable_progress_bar()
 
     device = device or resolve_device(config.device)
     model = AutoModelForCausalLM.from_pretrained(

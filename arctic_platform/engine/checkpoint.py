@@ -1,0 +1,325 @@
+"""Resumable checkpoints: ``<job_dir>/checkpoint-<step>/``, written atomically.
+
+A checkpoint directory holds
+
+* the model in HF layout (``config.json`` + safetensors, and the tokenizer when the model has one),
+  so ``from_pretrained(<dir>)`` loads it; for LoRA, the peft adapter instead
+  (``PeftModel.from_pretrained`` loads it) and, with ``export_hf``, a merged full model in ``hf/``;
+* ``optimizer.pt`` and ``scheduler.pt`` (torch state dicts, loaded with ``weights_only=True``);
+* ``rng_state.pt`` (torch CPU and CUDA generators, Python ``random``, numpy);
+* ``trainer_state.json`` (global step, learning-rate override).
+
+Writes go to a hidden staging directory in the job folder and are renamed into place, then the
+``latest`` pointer file (holding the step, as the reference server writes it) is replaced with
+``os.replace``. A save that fails half-way leaves the previous checkpoints and ``latest`` as they
+were. ``save_total_limit`` keeps the newest ``checkpoint-<step>`` folders of the job and deletes
+older ones; nothing else in the folder is touched.
+
+Restoring every piece of state is what makes resumption bitwise-identical to an uninterrupted run
+on CPU.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import random
+import re
+import shutil
+import tempfile
+import uuid
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import load_file
+
+from arctic_platform.engine.errors import EngineInputError
+
+CHECKPOINT_PATTERN = re.compile(r"^checkpoint-(\d+)$")
+LATEST_FILE = "latest"
+TRAINER_STATE = "trainer_state.json"
+OPTIMIZER_FILE = "optimizer.pt"
+SCHEDULER_FILE = "scheduler.pt"
+RNG_FILE = "rng_state.pt"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+HF_EXPORT_DIR = "hf"
+_STAGING_PREFIXES = (".tmp-checkpoint-", ".old-checkpoint-")
+
+
+def checkpoint_id(step: int) -> str:
+    return f"checkpoint-{step}"
+
+
+def is_lora(model: torch.nn.Module) -> bool:
+    """Whether ``model`` is a peft model (its checkpoint holds only the adapter)."""
+    return hasattr(model, "peft_config")
+
+
+def save_checkpoint(
+    job_dir: str | os.PathLike,
+    step: int,
+    *,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    trainer_state: dict[str, Any],
+    tokenizer=None,
+    export_hf: bool = False,
+    save_total_limit: int | None = None,
+) -> dict[str, Any]:
+    """Write ``<job_dir>/checkpoint-<step>`` atomically, point ``latest`` at it, apply retention.
+
+    Returns ``{"path", "global_step", "checkpoint_id", "hf_path"}`` (``hf_path``: where a
+    ``from_pretrained``-loadable full model is; None for LoRA without ``export_hf``).
+    """
+    job = Path(job_dir)
+    job.mkdir(parents=True, exist_ok=True)
+    _remove_stale_staging(job)
+    name = checkpoint_id(step)
+    final = job / name
+    staging = job / f".tmp-{name}-{uuid.uuid4().hex}"
+    staging.mkdir()  # not mkdtemp: the checkpoint keeps the umask's permissions, not 0700
+    try:
+        _write_model(staging, model, tokenizer, export_hf=export_hf)
+        torch.save(optimizer.state_dict(), staging / OPTIMIZER_FILE)
+        torch.save(scheduler.state_dict(), staging / SCHEDULER_FILE)
+        torch.save(capture_rng(), staging / RNG_FILE)
+        _write_text(staging / TRAINER_STATE, json.dumps(trainer_state, indent=2))
+        _replace_dir(staging, final)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    _write_text(job / LATEST_FILE, str(step), atomic=True)
+    if save_total_limit:
+        prune_checkpoints(job, save_total_limit, keep_name=name)
+    hf_path = None
+    if not is_lora(model):
+        hf_path = str(final)
+    elif export_hf:
+        hf_path = str(final / HF_EXPORT_DIR)
+    return {"path": str(final), "global_step": step, "checkpoint_id": name, "hf_path": hf_path}
+
+
+def resolve_checkpoint(path: str | os.PathLike, step: int | None = None) -> Path:
+    """The checkpoint folder meant by ``path``: itself, ``checkpoint-<step>``, or ``latest``.
+
+    ``path`` is a checkpoint folder or a job folder. In a job folder without ``step``, ``latest``
+    decides; if it is missing or names a folder that is gone, the newest complete checkpoint does.
+    """
+    base = Path(path)
+    if step is None and (base / TRAINER_STATE).is_file():
+        return base
+    if step is not None:
+        candidate = base / checkpoint_id(step)
+        if not (candidate / TRAINER_STATE).is_file():
+            raise EngineInputError("step", f"no checkpoint for step {step} in {base}")
+        return candidate
+    latest = base / LATEST_FILE
+    if latest.is_file():
+        text = latest.read_text().strip()
+        name = checkpoint_id(int(text)) if text.isdigit() else text
+        if (base / name / TRAINER_STATE).is_file():
+            return base / name
+    complete = [p for _, p in list_checkpoints(base) if (p / TRAINER_STATE).is_file()]
+    if not complete:
+        raise EngineInputError("path", f"no checkpoint found in {base}")
+    return complete[-1]
+
+
+def load_checkpoint(
+    directory: Path,
+    *,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+) -> dict[str, Any]:
+    """Restore model, optimizer, scheduler and RNG state from ``directory``; return trainer state.
+
+    Every file is read and checked against the live objects before anything is changed, so a
+    checkpoint that does not fit (another model, a missing file) leaves the engine as it was.
+    """
+    for required in (TRAINER_STATE, OPTIMIZER_FILE, SCHEDULER_FILE, RNG_FILE):
+        if not (directory / required).is_file():
+            raise EngineInputError(
+                "path", f"{directory} is not a complete checkpoint ({required} missing)"
+            )
+    weights = _read_model_weights(directory, model)
+    optimizer_state = torch.load(directory / OPTIMIZER_FILE, map_location="cpu", weights_only=True)
+    scheduler_state = torch.load(directory / SCHEDULER_FILE, map_location="cpu", weights_only=True)
+    rng_state = torch.load(directory / RNG_FILE, map_location="cpu", weights_only=True)
+    trainer_state = json.loads((directory / TRAINER_STATE).read_text())
+    _check_optimizer_state(optimizer, optimizer_state, directory)
+
+    with torch.no_grad():
+        if is_lora(model):
+            from peft import set_peft_model_state_dict
+
+            set_peft_model_state_dict(model, weights)
+        else:
+            model.load_state_dict(weights, strict=False)
+    optimizer.load_state_dict(optimizer_state)
+    scheduler.load_state_dict(scheduler_state)
+    restore_rng(rng_state)
+    return trainer_state
+
+
+def list_checkpoints(job_dir: Path) -> list[tuple[int, Path]]:
+    """``(step, path)`` of the job's ``checkpoint-<step>`` folders, oldest first."""
+    if not job_dir.is_dir():
+        return []
+    found = []
+    for entry in job_dir.iterdir():
+        match = CHECKPOINT_PATTERN.match(entry.name)
+        if match and entry.is_dir():
+            found.append((int(match.group(1)), entry))
+    return sorted(found)
+
+
+def prune_checkpoints(job_dir: Path, keep: int, *, keep_name: str | None = None) -> list[str]:
+    """Delete all but the newest ``keep`` checkpoint folders (never ``keep_name``).
+
+    Returns the names of the deleted folders.
+    """
+    checkpoints = list_checkpoints(job_dir)
+    doomed = [p for _, p in checkpoints[: max(0, len(checkpoints) - keep)] if p.name != keep_name]
+    for path in doomed:
+        shutil.rmtree(path)
+    return [p.name for p in doomed]
+
+
+def capture_rng() -> dict[str, Any]:
+    """Every random generator a training step may draw from."""
+    np_state = np.random.get_state()
+    state: dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "python": _to_lists(random.getstate()),
+        "numpy": {
+            "kind": np_state[0],
+            "keys": torch.from_numpy(np_state[1].astype(np.int64)),
+            "pos": int(np_state[2]),
+            "has_gauss": int(np_state[3]),
+            "cached_gaussian": float(np_state[4]),
+        },
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    np_state = state["numpy"]
+    np.random.set_state(
+        (
+            np_state["kind"],
+            np_state["keys"].numpy().astype(np.uint32),
+            np_state["pos"],
+            np_state["has_gauss"],
+            np_state["cached_gaussian"],
+        )
+    )
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+# -- internals ------------------------------------------------------------------------------
+
+
+def _write_model(directory: Path, model: torch.nn.Module, tokenizer, *, export_hf: bool) -> None:
+    model.save_pretrained(directory)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(directory)
+    if is_lora(model) and export_hf:
+        merged = copy.deepcopy(model).merge_and_unload()
+        merged.save_pretrained(directory / HF_EXPORT_DIR)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(directory / HF_EXPORT_DIR)
+
+
+def _read_model_weights(directory: Path, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The saved weights, checked to fit ``model`` (names and shapes)."""
+    if is_lora(model):
+        path = directory / ADAPTER_WEIGHTS
+        if not path.is_file():
+            raise EngineInputError("path", f"{directory} holds no LoRA adapter ({ADAPTER_WEIGHTS})")
+        from peft import get_peft_model_state_dict
+
+        weights = load_file(path)
+        expected = get_peft_model_state_dict(model)
+        if set(weights) != set(expected) or any(
+            weights[k].shape != expected[k].shape for k in weights
+        ):
+            raise EngineInputError(
+                "path", f"the LoRA adapter in {directory} does not fit the model"
+            )
+        return weights
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise EngineInputError("path", f"{directory} holds no model weights (*.safetensors)")
+    weights: dict[str, torch.Tensor] = {}
+    for file in files:
+        weights.update(load_file(file))
+    live = model.state_dict()
+    unexpected = sorted(set(weights) - set(live))
+    wrong = sorted(k for k in weights if k in live and weights[k].shape != live[k].shape)
+    if unexpected or wrong:
+        raise EngineInputError(
+            "path", f"checkpoint weights do not fit the model: {(unexpected + wrong)[:3]}"
+        )
+    loaded_storage = {live[k].data_ptr() for k in weights}
+    missing = [k for k in live if k not in weights and live[k].data_ptr() not in loaded_storage]
+    if missing:
+        raise EngineInputError("path", f"checkpoint lacks weights for {missing[:3]}")
+    return weights
+
+
+def _check_optimizer_state(optimizer: torch.optim.Optimizer, state: dict, directory: Path) -> None:
+    saved = [len(g["params"]) for g in state.get("param_groups", [])]
+    live = [len(g["params"]) for g in optimizer.param_groups]
+    if saved != live:
+        raise EngineInputError(
+            "path", f"optimizer state in {directory} is for a different set of trainable weights"
+        )
+
+
+def _replace_dir(staging: Path, final: Path) -> None:
+    """Rename ``staging`` to ``final``, moving an existing ``final`` aside first."""
+    old = None
+    if final.exists():
+        old = final.with_name(f".old-{final.name}-{os.getpid()}")
+        final.rename(old)
+    staging.rename(final)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _write_text(path: Path, text: str, *, atomic: bool = False) -> None:
+    if not atomic:
+        path.write_text(text)
+        return
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}-", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _remove_stale_staging(job: Path) -> None:
+    """Leftovers of saves that were killed before they could clean up."""
+    for entry in job.iterdir():
+        if entry.name.startswith(_STAGING_PREFIXES) and entry.is_dir():
+            shutil.rmtree(entry, ignore_errors=True)
+
+
+def _to_lists(value):
+    return [_to_lists(v) for v in value] if isinstance(value, (tuple, list)) else value

@@ -1,0 +1,192 @@
+"""The scoring path shared by every engine: request -> microbatches -> position-indexed outputs.
+
+:func:`prepare_request` validates and plans a whole request before any state changes (so a bad
+request leaves the model, optimizer and accumulated gradients untouched). :func:`score` runs one
+microbatch through the model and the post-processors and returns ``[b, S]`` tensors in the
+position-indexed layout: column ``i`` holds the log-prob of ``input_ids[:, i]`` given the tokens
+before it; a sequence's first token and padding hold 0. :func:`forward_no_grad` assembles those
+into ``[B, S]`` outputs; the training engine instead back-propagates each microbatch's loss.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+
+import torch
+
+from arctic_platform.engine.batching import Batch, MicroBatch, plan_microbatches, validate_batch
+from arctic_platform.engine.errors import EngineInputError
+from arctic_platform.engine.logprobs import top_logprobs
+from arctic_platform.engine.losses import PreparedLoss, get_loss
+from arctic_platform.engine.meta import Meta, Processing, parse_meta, parse_processing
+from arctic_platform.engine.metrics import MetricSums
+from arctic_platform.engine.postprocess import ScoringState, run_post_processors
+
+
+@dataclass(frozen=True)
+class Request:
+    """A validated request: the batch, its side information, the bound loss and the plan."""
+
+    batch: Batch
+    meta: Meta
+    processing: Processing
+    loss: PreparedLoss | None
+    plan: list[MicroBatch]
+    want_entropy: bool
+
+
+def prepare_request(
+    batch: Mapping,
+    meta: Mapping | None,
+    processing: Mapping | None,
+    *,
+    vocab_size: int,
+    max_tokens: int,
+    packing: bool,
+    default_loss: str | None,
+) -> Request:
+    """Validate everything about a request and plan its microbatches; no side effects."""
+    parsed_batch = validate_batch(batch, vocab_size=vocab_size)
+    parsed_meta = parse_meta(meta)
+    parsed_processing = parse_processing(processing, default_loss=default_loss)
+    loss = None
+    if parsed_processing.loss_fn is not None:
+        factory = get_loss(parsed_processing.loss_fn)
+        loss = factory(parsed_batch, parsed_meta, parsed_processing.config)
+    asked = parsed_processing.calculate_entropy
+    if asked is None:
+        asked = parsed_meta.calculate_entropy
+    if asked is None:
+        asked = parsed_processing.explicit_post and (
+            "compute_entropy_and_logprobs" in parsed_processing.post
+        )
+    targets = loss.targets if loss is not None else None
+    plan = plan_microbatches(
+        parsed_batch,
+        parsed_batch.input_ids if targets is None else targets,
+        max_tokens=max_tokens,
+        packing=packing,
+    )
+    return Request(
+        batch=parsed_batch,
+        meta=parsed_meta,
+        processing=parsed_processing,
+        loss=loss,
+        plan=plan,
+        want_entropy=bool(asked) or (loss is not None and loss.needs_entropy),
+    )
+
+
+def default_loss_for(batch: Mapping) -> str:
+    """``cross_entropy`` for an SFT batch (labels, no advantages), else ``verl_grpo``."""
+    if isinstance(batch, Mapping) and "labels" in batch and "advantages" not in batch:
+        return "cross_entropy"
+    return "verl_grpo"
+
+
+def score(
+    model: torch.nn.Module,
+    mb: MicroBatch,
+    *,
+    seq_len: int,
+    post: tuple[str, ...],
+    temperature: float,
+    want_entropy: bool,
+    top_k: int = 0,
+) -> dict[str, torch.Tensor]:
+    """One model call; ``logprobs`` (and ``entropy``, ``top_logprobs``/``top_ids``) as ``[b, S]``.
+
+    ``mb`` must already be on the model's device.
+    """
+    logits = model(
+        input_ids=mb.input_ids,
+        attention_mask=mb.attention_mask,
+        position_ids=mb.position_ids,
+        use_cache=False,
+    ).logits
+    state = ScoringState(
+        logits=logits, targets=mb.targets, temperature=temperature, want_entropy=want_entropy
+    )
+    run_post_processors(post, state)
+    rows = mb.rows.numel()
+    out = {"logprobs": _to_rows(state.logprobs, mb, rows, seq_len)}
+    if state.entropy is not None:
+        out["entropy"] = _to_rows(state.entropy, mb, rows, seq_len)
+    if top_k:
+        values, ids = top_logprobs(state.logits, top_k)
+        out["top_logprobs"] = _to_rows(values, mb, rows, seq_len)
+        out["top_ids"] = _to_rows(ids, mb, rows, seq_len)
+    return out
+
+
+def scored_microbatches(
+    model: torch.nn.Module, request: Request, device: torch.device, *, top_k: int = 0
+) -> Iterator[tuple[MicroBatch, dict[str, torch.Tensor], dict[str, torch.Tensor]]]:
+    """Yield ``(microbatch, outputs, loss rows)`` for each microbatch of ``request``, in order.
+
+    ``loss rows`` are the microbatch's rows of the prepared loss's tensors, on ``device`` (empty
+    when the request has no loss). Gradients flow if the caller enables them.
+    """
+    for mb in request.plan:
+        outputs = score(
+            model,
+            mb.to(device),
+            seq_len=request.batch.seq_len,
+            post=request.processing.post,
+            temperature=request.meta.temperature,
+            want_entropy=request.want_entropy,
+            top_k=top_k,
+        )
+        rows = {}
+        if request.loss is not None:
+            rows = {
+                name: t.index_select(0, mb.rows).to(device)
+                for name, t in request.loss.tensors.items()
+            }
+        yield mb, outputs, rows
+
+
+@torch.no_grad()
+def forward_no_grad(
+    model: torch.nn.Module, request: Request, device: torch.device, *, top_k: int = 0
+) -> dict:
+    """``fwd_no_grad``: ``[B, S]`` float32 ``logprobs`` (+ ``entropy``), on CPU, and metrics.
+
+    With a loss in the request, its metrics are computed too and ``avg_loss``/``loss`` are added.
+    The model is put in eval mode for the call and restored afterwards.
+    """
+    was_training = model.training
+    model.eval()
+    try:
+        size, seq_len = request.batch.size, request.batch.seq_len
+        result: dict[str, torch.Tensor] = {}
+        sums = MetricSums()
+        for mb, outputs, rows in scored_microbatches(model, request, device, top_k=top_k):
+            for name, value in outputs.items():
+                if name not in result:
+                    result[name] = torch.zeros((size, seq_len, *value.shape[2:]), dtype=value.dtype)
+                result[name][mb.rows] = value.cpu()
+            if request.loss is not None:
+                sums.add(request.loss(outputs, rows).metrics)
+    finally:
+        model.train(was_training)
+    response: dict = {**result, "metrics": sums.finalize()}
+    if request.loss is not None:
+        response["avg_loss"] = response["loss"] = response["metrics"].get("loss", 0.0)
+        response["metric_sums"] = sums.raw()
+    return response
+
+
+def _to_rows(values: torch.Tensor, mb: MicroBatch, rows: int, seq_len: int) -> torch.Tensor:
+    """Model-layout ``[r, T, ...]`` values at predicting positions -> ``[rows, S, ...]``."""
+    flat = values.reshape(-1, *values.shape[2:])[mb.pred_index]
+    out = torch.zeros((rows, seq_len, *values.shape[2:]), dtype=values.dtype, device=values.device)
+    return out.index_put((mb.token_rows, mb.token_cols), flat)
+
+
+def check_top_k(top_k, vocab_size: int) -> int:
+    """``top_k`` must be an integer in ``[0, vocab_size]``."""
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 0 <= top_k <= vocab_size:
+        raise EngineInputError("top_k", f"expected an integer in [0, {vocab_size}], got {top_k!r}")
+    return top_k

@@ -1,0 +1,31 @@
+"""Loss registry and the built-in losses.
+
+Look a loss up by name with :func:`get_loss`; add one with :func:`register_loss`. Built-in:
+
+* ``verl_grpo``: verl's PPO-clip actor loss with every knob from ``meta.actor_config``
+  (:mod:`.verl_grpo`);
+* ``ppo``, ``importance_sampling``, ``cispo``: Tinker's policy losses (:mod:`.ppo`);
+* ``cross_entropy``: supervised fine-tuning (:mod:`.cross_entropy`).
+"""
+
+from arctic_platform.engine.losses import cross_entropy, ppo, verl_grpo
+from arctic_platform.engine.losses.base import (
+    LOSSES,
+    LossFactory,
+    LossOutput,
+    PreparedLoss,
+    get_loss,
+    register_loss,
+)
+
+__all__ = [
+    "LOSSES",
+    "LossFactory",
+    "LossOutput",
+    "PreparedLoss",
+    "cross_entropy",
+    "get_loss",
+    "ppo",
+    "register_loss",
+    "verl_grpo",
+]

@@ -1,0 +1,89 @@
+"""What a loss is, and the registry that finds one by name.
+
+A loss is registered as a *factory*: ``factory(batch, meta, config) -> PreparedLoss``. The factory
+runs once per request, before any model or optimizer state changes; it checks the fields and knobs
+the loss needs (raising :class:`EngineInputError` naming the culprit), binds the global counts, and
+returns a :class:`PreparedLoss`. The engine then calls the prepared loss once per microbatch with
+the model outputs and the rows of :attr:`PreparedLoss.tensors` that microbatch covers. A prepared
+loss is a pure function of those inputs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from arctic_platform.engine.batching import Batch
+from arctic_platform.engine.errors import EngineInputError
+from arctic_platform.engine.meta import Meta
+
+Metrics = dict[str, "torch.Tensor | float"]
+
+
+@dataclass(frozen=True)
+class LossOutput:
+    """One microbatch's loss and metrics.
+
+    ``loss`` is this microbatch's share of the global objective (already scaled by ``dp_size``), so
+    the engine back-propagates it as is. ``metrics`` holds ``name.sum``/``name.tokens`` pairs
+    (reduced to global token means) and plain numbers (averaged).
+    """
+
+    loss: torch.Tensor
+    metrics: Metrics
+
+
+class PreparedLoss(Protocol):
+    """A loss bound to one request (see module doc)."""
+
+    #: Whether the model outputs must include per-token entropy.
+    needs_entropy: bool
+    #: ``[B, S]`` token to score at each position, or None for ``input_ids``.
+    targets: torch.Tensor | None
+    #: ``[B, ...]`` tensors the loss reads; the engine passes each microbatch's rows of them.
+    tensors: dict[str, torch.Tensor]
+
+    def __call__(
+        self, outputs: Mapping[str, torch.Tensor], rows: Mapping[str, torch.Tensor]
+    ) -> LossOutput: ...
+
+
+LossFactory = Callable[[Batch, Meta, Mapping[str, Any]], PreparedLoss]
+LOSSES: dict[str, LossFactory] = {}
+
+
+def register_loss(name: str) -> Callable[[LossFactory], LossFactory]:
+    """Register a loss factory under ``name`` (the name clients send as ``processing.loss_fn``)."""
+
+    def decorate(factory: LossFactory) -> LossFactory:
+        LOSSES[name] = factory
+        return factory
+
+    return decorate
+
+
+def get_loss(name: str) -> LossFactory:
+    """The factory registered as ``name``; an unknown name is an input error."""
+    try:
+        return LOSSES[name]
+    except KeyError:
+        known = ", ".join(sorted(LOSSES))
+        raise EngineInputError(
+            "processing.loss_fn", f"unknown loss {name!r}; known: {known}"
+        ) from None
+
+
+def token_mask(batch: Batch, loss: str) -> tuple[str, torch.Tensor]:
+    """The mask of tokens an RL loss trains on: ``loss_mask`` if sent, else ``response_mask``."""
+    name = "loss_mask" if batch.has("loss_mask") else "response_mask"
+    mask = batch.require(name, f"the {loss} loss needs loss_mask or response_mask")
+    batch.check_loss_mask(name, mask)
+    return name, mask
+
+
+def masked_sum(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``sum(values)`` over ``mask``, detached, for metric ``.sum`` entries."""
+    return torch.where(mask, values.detach(), torch.zeros((), device=values.device)).sum()

@@ -1,0 +1,62 @@
+"""``cross_entropy``: supervised fine-tuning, ``-log p(target)`` per target token.
+
+Targets follow the HF convention: ``labels[:, i]`` is the token at position ``i``, predicted from
+the tokens before it; ``-100`` marks positions without a target. A label on a sequence's first token
+is ignored (nothing precedes it), as HF does for column 0. Without ``labels``, the targets are the
+``input_ids`` where ``loss_mask`` (or ``response_mask``) is 1.
+
+The default aggregation is ``token-mean`` over the global target count (``meta.batch_num_tokens``
+when several workers share a batch); ``processing.config`` ``loss_agg_mode`` picks another. Metric:
+``loss`` (mean negative log-likelihood per target token).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from arctic_platform.engine.batching import IGNORE_INDEX, Batch
+from arctic_platform.engine.errors import EngineInputError
+from arctic_platform.engine.losses.aggregation import make_aggregation
+from arctic_platform.engine.losses.base import LossOutput, masked_sum, register_loss
+from arctic_platform.engine.meta import Meta, to_str
+
+
+@register_loss("cross_entropy")
+class CrossEntropyLoss:
+    """``cross_entropy`` bound to one request (see module doc)."""
+
+    needs_entropy = False
+
+    def __init__(self, batch: Batch, meta: Meta, config: Mapping[str, Any]) -> None:
+        if batch.has("labels"):
+            labels = batch.get("labels")
+            used = labels != IGNORE_INDEX
+            mask = used & batch.scorable()
+            self.targets = torch.where(used, labels, batch.input_ids)
+        else:
+            name = next((n for n in ("loss_mask", "response_mask") if batch.has(n)), None)
+            if name is None:
+                raise EngineInputError(
+                    "batch.labels",
+                    "missing; cross_entropy needs labels, loss_mask or response_mask",
+                )
+            mask = batch.get(name)
+            batch.check_loss_mask(name, mask)
+            self.targets = None
+        self.tensors = {"mask": mask}
+        mode = config.get("loss_agg_mode")
+        mode = "token-mean" if mode is None else to_str("processing.config.loss_agg_mode", mode)
+        self.agg = make_aggregation(
+            mode, field="processing.config.loss_agg_mode", meta=meta, batch=batch, mask=mask
+        )
+
+    def __call__(
+        self, outputs: Mapping[str, torch.Tensor], rows: Mapping[str, torch.Tensor]
+    ) -> LossOutput:
+        mask = rows["mask"]
+        nll = -outputs["logprobs"]
+        metrics = {"loss.sum": masked_sum(nll, mask), "loss.tokens": mask.sum().float()}
+        return LossOutput(loss=self.agg(nll, mask), metrics=metrics)

@@ -1,0 +1,112 @@
+"""Tinker's policy losses: ``importance_sampling``, ``ppo`` and ``cispo``.
+
+With ``r = exp(clamp(logp - old, -20, 20))`` (``old`` is the sampler's ``old_log_probs``) and
+``A`` the advantages, per token:
+
+* ``importance_sampling``: ``-r A``
+* ``ppo``: ``-min(r A, clamp(r, lo, hi) A)``; ``lo``/``hi`` are ``processing.config``
+  ``clip_low_threshold``/``clip_high_threshold`` (default 0.8 / 1.2)
+* ``cispo``: ``-sg(clamp(r, lo, hi)) logp A`` (default thresholds 0.0 / 4.0)
+
+Tinker sums over tokens, so the default aggregation is ``token-sum``; ``processing.config``
+``loss_agg_mode`` picks another (:mod:`.aggregation`). The log-ratio clamp, not in Tinker's
+formulas, only guards ``exp`` against overflow. Metrics: ``loss``, ``actor/pg_loss``,
+``actor/ppo_kl`` and, for ``ppo``/``cispo``, ``actor/pg_clipfrac`` (tokens whose ratio was clipped).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from arctic_platform.engine.batching import Batch
+from arctic_platform.engine.errors import EngineInputError
+from arctic_platform.engine.losses.aggregation import make_aggregation
+from arctic_platform.engine.losses.base import LossOutput, masked_sum, register_loss, token_mask
+from arctic_platform.engine.meta import Meta, to_float, to_str
+
+_THRESHOLDS = {"ppo": (0.8, 1.2), "cispo": (0.0, 4.0)}
+
+
+class RatioLoss:
+    """One of the Tinker policy losses bound to a request (see module doc)."""
+
+    targets = None
+    needs_entropy = False
+
+    def __init__(self, kind: str, batch: Batch, meta: Meta, config: Mapping[str, Any]) -> None:
+        self.kind = kind
+        _, mask = token_mask(batch, kind)
+        for name in ("advantages", "old_log_probs"):
+            batch.require(name, f"the {kind} loss needs it")
+            batch.check_finite(name, mask)
+        self.tensors = {
+            "mask": mask,
+            "advantages": batch.get("advantages"),
+            "old_log_probs": batch.get("old_log_probs"),
+        }
+        self.low, self.high = _thresholds(kind, config)
+        mode = config.get("loss_agg_mode")
+        mode = "token-sum" if mode is None else to_str("processing.config.loss_agg_mode", mode)
+        self.agg = make_aggregation(
+            mode, field="processing.config.loss_agg_mode", meta=meta, batch=batch, mask=mask
+        )
+
+    def __call__(
+        self, outputs: Mapping[str, torch.Tensor], rows: Mapping[str, torch.Tensor]
+    ) -> LossOutput:
+        mask = rows["mask"]
+        logp = outputs["logprobs"]
+        zero = torch.zeros((), device=logp.device)
+        old = torch.where(mask, rows["old_log_probs"], zero)
+        adv = torch.where(mask, rows["advantages"], zero)
+        log_ratio = torch.clamp(logp - old, min=-20.0, max=20.0)
+        ratio = torch.exp(log_ratio)
+        metrics = {}
+        if self.kind == "importance_sampling":
+            per_token = -ratio * adv
+        else:
+            bounded = torch.clamp(ratio, self.low, self.high)
+            metrics["actor/pg_clipfrac.sum"] = masked_sum((bounded != ratio).float(), mask)
+            if self.kind == "ppo":
+                per_token = -torch.minimum(ratio * adv, bounded * adv)
+            else:
+                per_token = -bounded.detach() * logp * adv
+        metrics["loss.sum"] = masked_sum(per_token, mask)
+        metrics["actor/pg_loss.sum"] = metrics["loss.sum"]
+        metrics["actor/ppo_kl.sum"] = masked_sum(-log_ratio, mask)
+        tokens = mask.sum().float()
+        for name in [k for k in metrics if k.endswith(".sum")]:
+            metrics[name[: -len(".sum")] + ".tokens"] = tokens
+        return LossOutput(loss=self.agg(per_token, mask), metrics=metrics)
+
+
+def _thresholds(kind: str, config: Mapping[str, Any]) -> tuple[float, float]:
+    if kind not in _THRESHOLDS:
+        return 0.0, 0.0
+    default_low, default_high = _THRESHOLDS[kind]
+    low = config.get("clip_low_threshold")
+    high = config.get("clip_high_threshold")
+    low = default_low if low is None else to_float("processing.config.clip_low_threshold", low)
+    high = default_high if high is None else to_float("processing.config.clip_high_threshold", high)
+    if not 0.0 <= low <= high:
+        raise EngineInputError(
+            "processing.config.clip_low_threshold",
+            f"need 0 <= clip_low_threshold <= clip_high_threshold, got {low} and {high}",
+        )
+    return low, high
+
+
+def _factory(kind: str):
+    def build(batch: Batch, meta: Meta, config: Mapping[str, Any]) -> RatioLoss:
+        return RatioLoss(kind, batch, meta, config)
+
+    build.__name__ = f"{kind}_loss"
+    build.__doc__ = f"Prepare the ``{kind}`` loss (see :mod:`{__name__}`)."
+    return build
+
+
+for _kind in ("importance_sampling", "ppo", "cispo"):
+    register_loss(_kind)(_factory(_kind))

@@ -1,0 +1,631 @@
+"""SamplingEngine: batched generation with a KV cache, the torch backend of the ``generate`` op.
+
+How a call runs:
+
+1. Everything is validated first (prompts, every sampling parameter, context lengths, the cache
+   budget); a bad request raises :class:`EngineInputError` naming the field and changes nothing.
+2. Requests are sorted by prompt length and packed into *waves* of at most ``max_batch_size``
+   sequences whose key/value cache fits ``max_kv_cache_bytes`` (a request whose ``n`` does not
+   fit one wave is split, and each part prefills its prompt again).
+3. In a wave, each distinct prompt is prefilled **once** (left-padded to the wave's widest prompt,
+   in microbatches of at most ``max_tokens_per_microbatch`` padded tokens) and its keys/values are
+   written into the rows of all its ``n`` samples (:mod:`arctic_platform.engine.kv_cache`).
+4. Decoding is one batched forward per step over the sequences still running, with per-row
+   position ids. A finished sequence keeps its row (its further tokens are discarded) until an
+   eighth of the rows are finished; then the cache and all row state are compacted, so the work
+   per step tracks the live sequences without paying a compaction for every single finish.
+
+Sampling is described in :mod:`arctic_platform.engine.sampling_ops`. Reproducibility: a request
+with a ``seed`` gets the same samples whatever else is in the batch or wave (each sequence's
+random numbers depend only on the seed, its sample index and the step). What is not promised is
+bitwise-identical logits across different batch shapes: if a draw lands within float rounding of a
+probability boundary, the padding of another prompt could flip it. Requests without a seed draw
+one from the engine's generator (seeded by ``config.seed``), so a fixed sequence of calls repeats.
+
+Outputs follow vLLM's conventions: ``token_ids`` include the token that stopped generation (an
+end-of-sequence token or one of ``stop_token_ids``) and, for stop strings, every token generated
+up to the one that completed the string; ``text`` excludes the stop token, and is cut before the
+stop string, unless ``include_stop_str_in_output``. ``stop_reason`` is the stop string or stop
+token id that ended the sequence (``None`` for end-of-sequence and for ``length``).
+
+Sleep and wake: ``sleep(1)`` releases the KV cache buffers; ``sleep(2)`` also moves the weights to
+CPU memory when they live on an accelerator (on a CPU-only engine they stay where they are, and
+the result says so). ``wake`` restores what was released. ``generate`` on a sleeping engine wakes
+it first (and logs a warning), so a missed wake call costs time, never a run.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from arctic_platform.engine.config import SamplingEngineConfig
+from arctic_platform.engine.errors import EngineInputError, SamplerStateError
+from arctic_platform.engine.kv_cache import KVBufferPool, KVCache
+from arctic_platform.engine.models import load_causal_lm, load_tokenizer, resolve_device
+from arctic_platform.engine.sampling_ops import (
+    choose_tokens,
+    seed_to_int64,
+    sequence_keys,
+    step_uniforms,
+)
+from arctic_platform.engine.sampling_params import SamplingParams
+from arctic_platform.engine.weights import WeightLoadError, load_into_model
+
+log = logging.getLogger(__name__)
+
+_STOP_ID, _STOP_STR, _LENGTH = 1, 2, 3
+_SLEEP_TAGS = ("weights", "kv_cache")
+# Tokens decoded around the newest one when looking for stop strings, beyond the string's length.
+_STOP_WINDOW_SLACK = 8
+
+
+@dataclass
+class _Request:
+    index: int
+    token_ids: list[int]
+    params: SamplingParams
+    max_new: int
+    seed: int = 0  # drawn only once the whole call has been validated
+
+
+@dataclass
+class _Slice:
+    """Samples ``first .. first + count - 1`` of a request, decoded in one wave."""
+
+    request: _Request
+    first: int
+    count: int
+
+
+class SamplingEngine:
+    """Generates completions from a causal LM (see the module docstring for the semantics)."""
+
+    def __init__(self, config: SamplingEngineConfig) -> None:
+        self.config = config
+        # The sampler always holds plain weights; a LoRA trainer syncs its merged weights here.
+        model_config = config.model.model_copy(update={"lora": None})
+        self.device = resolve_device(model_config.device)
+        self.model = load_causal_lm(model_config, self.device).eval().requires_grad_(False)
+        self.tokenizer = load_tokenizer(model_config)
+        self.vocab_size = self.model.get_input_embeddings().num_embeddings
+        context = self.model.config.get_text_config().max_position_embeddings
+        if config.max_model_len is not None and config.max_model_len > context:
+            raise EngineInputError(
+                "max_model_len",
+                f"{config.max_model_len} exceeds the model's context of {context} positions",
+            )
+        self.max_model_len = config.max_model_len or context
+        self.eos_token_ids = self._eos_ids()
+        self.pad_token_id = self.tokenizer.pad_token_id or 0
+        self._pool = KVBufferPool()
+        self._seed_rng = torch.Generator().manual_seed(config.seed)
+        self._released: set[str] = set()
+        self._weights_complete = True
+
+    # ------------------------------------------------------------------------------------------
+    # generate
+
+    def generate(
+        self,
+        prompts: Sequence[str | Sequence[int]],
+        sampling_params: Mapping | SamplingParams | Sequence[Mapping | None] | None = None,
+    ) -> list[dict]:
+        """Complete every prompt ``n`` times; one output dict per prompt and sample, in order."""
+        requests = self._validate(prompts, sampling_params)
+        if not self._weights_complete:
+            raise SamplerStateError(
+                "the last load_weights failed part-way, so the weights are a mix of old and new; "
+                "run a complete weight sync before generating"
+            )
+        if self._released:
+            log.warning("generate() on a sleeping sampler: waking it (%s)", sorted(self._released))
+            self.wake()
+        for request in requests:  # only now, so a rejected call leaves the seed stream untouched
+            seed = request.params.seed
+            if seed is None:
+                seed = int(torch.randint(-(2**62), 2**62, (), generator=self._seed_rng))
+            request.seed = seed_to_int64(seed)
+        offsets, total = [], 0
+        for request in requests:
+            offsets.append(total)
+            total += request.params.n
+        outputs: list[dict | None] = [None] * total
+        with torch.inference_mode():
+            for wave in self._plan_waves(requests):
+                for piece, sample, output in self._run_wave(wave):
+                    outputs[offsets[piece.request.index] + sample] = output
+        return outputs
+
+    def _validate(self, prompts, sampling_params) -> list[_Request]:
+        if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
+            raise EngineInputError("prompts", "expected a list of prompts (strings or token ids)")
+        if not prompts:
+            raise EngineInputError("prompts", "no prompts given")
+        if isinstance(sampling_params, Sequence):
+            if len(sampling_params) != len(prompts):
+                raise EngineInputError(
+                    "sampling_params",
+                    f"{len(sampling_params)} entries for {len(prompts)} prompts; give one "
+                    "dictionary for all prompts or one per prompt",
+                )
+            fields = [f"sampling_params[{i}]" for i in range(len(prompts))]
+            params = [
+                SamplingParams.from_request(p, f)
+                for p, f in zip(sampling_params, fields, strict=True)
+            ]
+        else:
+            fields = ["sampling_params"] * len(prompts)
+            params = [SamplingParams.from_request(sampling_params)] * len(prompts)
+        token_ids = self._tokenize(prompts)
+        return [
+            self._check_request(i, ids, p, f)
+            for i, (ids, p, f) in enumerate(zip(token_ids, params, fields, strict=True))
+        ]
+
+    def _tokenize(self, prompts: Sequence) -> list[list[int]]:
+        texts = [i for i, p in enumerate(prompts) if isinstance(p, str)]
+        encoded = (
+            self.tokenizer([prompts[i] for i in texts], add_special_tokens=False)["input_ids"]
+            if texts
+            else []
+        )
+        result: list[list[int]] = []
+        by_index = dict(zip(texts, encoded, strict=True))
+        for i, prompt in enumerate(prompts):
+            field = f"prompts[{i}]"
+            if i in by_index:
+                ids = list(by_index[i])
+            elif (
+                isinstance(prompt, torch.Tensor)
+                and prompt.ndim == 1
+                and not prompt.is_floating_point()
+            ):
+                ids = prompt.tolist()
+            elif isinstance(prompt, Sequence) and all(
+                isinstance(t, int) and not isinstance(t, bool) for t in prompt
+            ):
+                ids = list(prompt)
+            else:
+                raise EngineInputError(field, "expected a string or a list of integer token ids")
+            if not ids:
+                raise EngineInputError(field, "empty prompt")
+            bad = [t for t in ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise EngineInputError(
+                    field, f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})"
+                )
+            result.append(ids)
+        return result
+
+    def _check_request(self, index: int, ids: list[int], params: SamplingParams, field: str):
+        bad = [t for t in params.stop_token_ids if t >= self.vocab_size]
+        if bad:
+            raise EngineInputError(
+                f"{field}.stop_token_ids",
+                f"{bad[0]} is outside the vocabulary of {self.vocab_size}",
+            )
+        limit = min(self.config.max_logprobs, self.vocab_size)
+        if params.logprobs is not None and params.logprobs > limit:
+            raise EngineInputError(f"{field}.logprobs", f"at most {limit}, got {params.logprobs}")
+        length = len(ids)
+        max_new = params.max_tokens or self.max_model_len - length
+        if max_new < 1 or length + max_new > self.max_model_len:
+            raise EngineInputError(
+                f"prompts[{index}]",
+                f"prompt of {length} tokens plus max_tokens={max_new} exceeds the context of "
+                f"{self.max_model_len} tokens (max_model_len)",
+            )
+        if params.min_tokens > max_new:
+            raise EngineInputError(
+                f"{field}.min_tokens", f"{params.min_tokens} exceeds the {max_new} tokens left"
+            )
+        if (length + max_new) * self._kv_bytes_per_token() > self.config.max_kv_cache_bytes:
+            raise EngineInputError(
+                f"prompts[{index}]",
+                f"one sequence of {length + max_new} tokens needs more KV cache than "
+                f"max_kv_cache_bytes={self.config.max_kv_cache_bytes}",
+            )
+        return _Request(index, ids, params, max_new)
+
+    def _plan_waves(self, requests: list[_Request]) -> list[list[_Slice]]:
+        """Pack requests (longest prompts first) into waves within the batch and cache limits."""
+        per_token = self._kv_bytes_per_token()
+        waves: list[list[_Slice]] = []
+        current: list[_Slice] = []
+        rows = width = new = 0
+        for request in sorted(requests, key=lambda r: -len(r.token_ids)):
+            first = 0
+            while first < request.params.n:
+                w = max(width, len(request.token_ids))
+                m = max(new, request.max_new)
+                by_memory = self.config.max_kv_cache_bytes // ((w + m) * per_token)
+                room = min(self.config.max_batch_size, by_memory) - rows
+                if room <= 0:
+                    waves.append(current)
+                    current, rows, width, new = [], 0, 0, 0
+                    continue
+                count = min(room, request.params.n - first)
+                current.append(_Slice(request, first, count))
+                rows, width, new, first = rows + count, w, m, first + count
+        if current:
+            waves.append(current)
+        return waves
+
+    def _run_wave(self, wave: list[_Slice]):
+        """Decode one wave; yield ``(slice, sample index, output dict)`` for each sequence."""
+        device = self.device
+        counts = torch.tensor([s.count for s in wave])
+        rows_total = int(counts.sum())
+        width = max(len(s.request.token_ids) for s in wave)
+        max_new = max(s.request.max_new for s in wave)
+        cache = KVCache(self._num_layers(), rows_total, width + max_new, self._pool)
+        state = self._row_state(wave, counts, device)
+        mask = torch.ones(rows_total, width + max_new, dtype=torch.bool, device=device)
+        logits = self._prefill(wave, counts, width, cache, mask)
+        cache.start_decoding(width)
+
+        tokens_out = torch.zeros(rows_total, max_new, dtype=torch.long, device=device)
+        n_out = torch.zeros(rows_total, dtype=torch.long, device=device)
+        reason = torch.zeros(rows_total, dtype=torch.int8, device=device)
+        logprob_k = max((s.request.params.logprobs or 0) for s in wave)
+        wants_logprobs = any(s.request.params.logprobs is not None for s in wave)
+        lp_out = torch.zeros(rows_total, max_new, device=device) if wants_logprobs else None
+        top_out = (
+            (
+                torch.zeros(rows_total, max_new, logprob_k, dtype=torch.long, device=device),
+                torch.zeros(rows_total, max_new, logprob_k, device=device),
+            )
+            if wants_logprobs and logprob_k
+            else None
+        )
+        watcher = _StopStringWatcher(self.tokenizer, wave, counts)
+        max_min_tokens = max(s.request.params.min_tokens for s in wave)
+        done = torch.zeros(rows_total, dtype=torch.bool, device=device)
+        for step in range(max_new):
+            suppress = self._suppression(state, step) if step < max_min_tokens else None
+            tokens, scaled = choose_tokens(
+                logits,
+                greedy=state["greedy"],
+                temperature=state["temperature"],
+                top_k=state["top_k"],
+                top_p=state["top_p"],
+                min_p=state["min_p"],
+                uniforms=step_uniforms(state["keys"], step),
+                suppress=suppress,
+            )
+            slot = state["slot"]
+            tokens_out[slot, step] = tokens
+            if lp_out is not None:
+                log_probs = torch.log_softmax(scaled, dim=-1)
+                lp_out[slot, step] = log_probs.gather(1, tokens[:, None]).squeeze(1)
+                if top_out is not None:
+                    values, ids = log_probs.topk(logprob_k, dim=-1)
+                    top_out[0][slot, step] = ids
+                    top_out[1][slot, step] = values
+            hit_id = (tokens[:, None] == state["stop_ids"]).any(dim=1) & ~done
+            hit_len = (step + 1 >= state["max_new"]) & ~done & ~hit_id
+            hit_str = watcher.check(tokens_out, state["slot"], done | hit_id, step)
+            hit_len &= ~hit_str
+            finished = hit_id | hit_str | hit_len
+            reason[slot] = torch.where(
+                hit_id,
+                _STOP_ID,
+                torch.where(hit_str, _STOP_STR, torch.where(hit_len, _LENGTH, reason[slot])),
+            ).to(torch.int8)
+            n_out[slot[finished]] = step + 1
+            done |= finished
+            n_done = int(done.sum())
+            if n_done == len(done):
+                break
+            if n_done >= max(1, len(done) // 8):
+                keep = (~done).nonzero().squeeze(1)
+                cache.keep_rows(keep)
+                state = {k: v[keep] for k, v in state.items()}
+                mask = mask[keep]
+                done = done[keep]
+                tokens = tokens[keep]
+            out = self.model(
+                input_ids=tokens[:, None],
+                position_ids=state["position"][:, None],
+                attention_mask=mask[:, : width + step + 1],
+                past_key_values=cache,
+                use_cache=True,
+                logits_to_keep=1,
+            )
+            logits = out.logits[:, -1].float()
+            state["position"] += 1
+        yield from self._outputs(
+            wave, counts, tokens_out, n_out, reason, lp_out, top_out, watcher.matched
+        )
+
+    def _row_state(self, wave: list[_Slice], counts: torch.Tensor, device) -> dict:
+        """Per-row tensors (one row per sequence), compacted together as sequences finish."""
+        per_slice = []
+        for piece in wave:
+            p, r = piece.request.params, piece.request
+            stop_ids = () if p.ignore_eos else tuple(self.eos_token_ids)
+            stop_ids += tuple(t for t in p.stop_token_ids if t not in stop_ids)
+            per_slice.append((p, r, stop_ids))
+        width = max((len(s) for _, _, s in per_slice), default=0)
+        stop_ids = torch.full((len(wave), width), -1, dtype=torch.long)
+        for i, (_, _, ids) in enumerate(per_slice):
+            stop_ids[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+
+        def column(values, dtype):
+            return torch.tensor(values, dtype=dtype).repeat_interleave(counts)
+
+        sample_index = torch.cat([torch.arange(s.first, s.first + s.count) for s in wave])
+        seeds = column([r.seed for _, r, _ in per_slice], torch.long)
+        state = {
+            "slot": torch.arange(int(counts.sum())),
+            "position": column([len(r.token_ids) for _, r, _ in per_slice], torch.long),
+            "greedy": column([p.greedy for p, _, _ in per_slice], torch.bool),
+            "temperature": column([p.temperature for p, _, _ in per_slice], torch.float32),
+            "top_k": column([p.top_k for p, _, _ in per_slice], torch.long),
+            "top_p": column([p.top_p for p, _, _ in per_slice], torch.float32),
+            "min_p": column([p.min_p for p, _, _ in per_slice], torch.float32),
+            "max_new": column([r.max_new for _, r, _ in per_slice], torch.long),
+            "min_tokens": column([p.min_tokens for p, _, _ in per_slice], torch.long),
+            "keys": sequence_keys(seeds, sample_index),
+            "stop_ids": stop_ids.repeat_interleave(counts, dim=0),
+        }
+        return {k: v.to(device) for k, v in state.items()}
+
+    def _prefill(self, wave, counts, width, cache: KVCache, mask: torch.Tensor) -> torch.Tensor:
+        """Run each distinct prompt once; return first-step logits ``[rows, vocab]`` (float32)."""
+        device = self.device
+        row_start = torch.cumsum(counts, 0) - counts
+        logits = torch.empty(int(counts.sum()), self.vocab_size, device=device)
+        per_batch = max(1, self.config.max_tokens_per_microbatch // width)
+        for start in range(0, len(wave), per_batch):
+            pieces = wave[start : start + per_batch]
+            ids = torch.full((len(pieces), width), self.pad_token_id, dtype=torch.long)
+            attention = torch.zeros(len(pieces), width, dtype=torch.bool)
+            positions = torch.zeros(len(pieces), width, dtype=torch.long)
+            for i, piece in enumerate(pieces):
+                prompt = piece.request.token_ids
+                ids[i, width - len(prompt) :] = torch.tensor(prompt)
+                attention[i, width - len(prompt) :] = True
+                positions[i, width - len(prompt) :] = torch.arange(len(prompt))
+            local_counts = counts[start : start + len(pieces)]
+            source = torch.arange(len(pieces)).repeat_interleave(local_counts)
+            rows = torch.cat(
+                [
+                    torch.arange(int(row_start[start + i]), int(row_start[start + i] + c))
+                    for i, c in enumerate(local_counts.tolist())
+                ]
+            )
+            rows, source = rows.to(device), source.to(device)
+            mask[rows, :width] = attention.to(device)[source]
+            with cache.prefill_rows(rows, source):
+                out = self.model(
+                    input_ids=ids.to(device),
+                    attention_mask=attention.to(device),
+                    position_ids=positions.to(device),
+                    past_key_values=cache,
+                    use_cache=True,
+                    logits_to_keep=1,
+                )
+            logits[rows] = out.logits[:, -1].float()[source]
+        return logits
+
+    def _suppression(self, state: dict, step: int) -> torch.Tensor | None:
+        """Stop tokens each row may not pick yet (``min_tokens``), as a ``[rows, vocab]`` mask."""
+        stop_ids = state["stop_ids"]
+        need = (step < state["min_tokens"])[:, None] & (stop_ids >= 0)
+        if stop_ids.shape[1] == 0 or not bool(need.any()):
+            return None
+        index = torch.where(need, stop_ids, self.vocab_size)
+        mask = torch.zeros(len(stop_ids), self.vocab_size + 1, dtype=torch.bool, device=self.device)
+        return mask.scatter_(1, index, True)[:, : self.vocab_size]
+
+    def _outputs(self, wave, counts, tokens_out, n_out, reason, lp_out, top_out, matched):
+        tokens_out, n_out, reason = tokens_out.cpu(), n_out.tolist(), reason.tolist()
+        lp_out = lp_out.cpu() if lp_out is not None else None
+        top_ids, top_lp = (top_out[0].cpu(), top_out[1].cpu()) if top_out is not None else (0, 0)
+        slot = 0
+        for piece in wave:
+            params = piece.request.params
+            for sample in range(piece.first, piece.first + piece.count):
+                n = n_out[slot]
+                ids = tokens_out[slot, :n].tolist()
+                text, stop_reason = self._text(ids, reason[slot], matched.get(slot), params)
+                output = {
+                    "text": text,
+                    "token_ids": ids,
+                    "finish_reason": "length" if reason[slot] == _LENGTH else "stop",
+                    "stop_reason": stop_reason,
+                    "prompt_len": len(piece.request.token_ids),
+                    "prompt_index": piece.request.index,
+                    "sample_index": sample,
+                }
+                if params.logprobs is not None:
+                    k = params.logprobs
+                    output["logprobs"] = [
+                        {
+                            "token_id": ids[t],
+                            "logprob": float(lp_out[slot, t]),
+                            "top": [
+                                [int(i), float(v)]
+                                for i, v in zip(
+                                    top_ids[slot, t, :k], top_lp[slot, t, :k], strict=True
+                                )
+                            ]
+                            if k
+                            else [],
+                        }
+                        for t in range(n)
+                    ]
+                yield piece, sample, output
+                slot += 1
+
+    def _text(self, ids: list[int], why: int, stop_string, params: SamplingParams):
+        """The output text under vLLM's rules, and the stop reason (string, token id or None)."""
+        keep_stop = params.include_stop_str_in_output
+        if why == _STOP_ID:
+            last = ids[-1]
+            text = self._decode(ids if keep_stop else ids[:-1], params)
+            return text, (last if last in params.stop_token_ids else None)
+        text = self._decode(ids, params)
+        if why == _STOP_STR:
+            before = self._decode(ids[:-1], params)
+            start = text.find(stop_string, max(0, len(before) - len(stop_string) + 1))
+            if start < 0:  # decoding was not prefix-stable; fall back to the first occurrence
+                start = text.find(stop_string)
+            end = start + len(stop_string) if keep_stop else start
+            return text[:end], stop_string
+        return text, None
+
+    def _decode(self, ids: list[int], params: SamplingParams) -> str:
+        return self.tokenizer.decode(
+            ids,
+            skip_special_tokens=params.skip_special_tokens,
+            clean_up_tokenization_spaces=False,
+        )
+
+    # ------------------------------------------------------------------------------------------
+    # weights, sleep and wake
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping) -> dict:
+        """Copy weights (plain ``transformers`` names) into the model in place.
+
+        A mapping or a list is validated entirely before anything is written; a stream from
+        :func:`~arctic_platform.engine.weights.iter_weights_from_chunks` or an export from
+        :func:`~arctic_platform.engine.weights.export_weights` has its manifest validated first and
+        each chunk validated before it is copied; a plain iterator is validated tensor by tensor.
+        If a failure is only detected after some tensors were written, the engine refuses to
+        generate until a later load writes every weight of the model. Works while asleep (the
+        weights are wherever sleep left them). Returns ``{"tensors", "bytes", "complete"}``.
+        """
+        try:
+            report = load_into_model(self.model, named_tensors)
+        except WeightLoadError as err:
+            if err.applied:
+                self._weights_complete = False
+            raise
+        if report["complete"]:
+            self._weights_complete = True
+        return report
+
+    def sleep(self, level: int = 1) -> dict:
+        """Release the KV cache (level 1) and also offload the weights from an accelerator (2)."""
+        if isinstance(level, bool) or level not in (1, 2):
+            raise EngineInputError("level", f"must be 1 or 2, got {level!r}")
+        result = {"level": level, "kv_cache_bytes_released": self._pool.release()}
+        self._released.add("kv_cache")
+        if level == 2:
+            if self.device.type == "cpu":
+                result["weights"] = "kept: the engine runs on CPU, there is no device to free"
+            elif "weights" not in self._released:
+                self.model.to("cpu")
+                self._released.add("weights")
+                result["weights"] = "offloaded to CPU memory"
+            else:
+                result["weights"] = "already offloaded"
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        result["asleep"] = sorted(self._released)
+        return result
+
+    def wake(self, tags: Sequence[str] | None = None) -> dict:
+        """Restore what sleep released: ``tags`` is a subset of ``["weights", "kv_cache"]``."""
+        if tags is None:
+            tags = list(_SLEEP_TAGS)
+        if isinstance(tags, str) or not isinstance(tags, Sequence):
+            raise EngineInputError("tags", f"expected a list of tags from {list(_SLEEP_TAGS)}")
+        unknown = [t for t in tags if t not in _SLEEP_TAGS]
+        if unknown:
+            raise EngineInputError("tags", f"unknown tag(s) {unknown}; known: {list(_SLEEP_TAGS)}")
+        woke = []
+        if "weights" in tags and "weights" in self._released:
+            self.model.to(self.device)
+            self._released.discard("weights")
+            woke.append("weights")
+        if "kv_cache" in tags and "kv_cache" in self._released:
+            self._pool.reserve()
+            self._released.discard("kv_cache")
+            woke.append("kv_cache")
+        return {"woke": woke, "kv_cache_bytes": self._pool.nbytes, "asleep": sorted(self._released)}
+
+    def reset_prefix_cache(self) -> dict:
+        """No prompt cache outlives a call (a prompt's samples share its prefill within one call),
+        so there is nothing to drop; the result says so."""
+        return {"cached_prefixes": 0, "note": "no prefix cache is kept across generate calls"}
+
+    # ------------------------------------------------------------------------------------------
+
+    def _eos_ids(self) -> tuple[int, ...]:
+        for source in (self.model.generation_config, self.model.config):
+            eos = getattr(source, "eos_token_id", None)
+            if eos is not None:
+                return tuple(eos) if isinstance(eos, (list, tuple)) else (eos,)
+        eos = self.tokenizer.eos_token_id
+        return () if eos is None else (eos,)
+
+    def _num_layers(self) -> int:
+        return self.model.config.get_text_config().num_hidden_layers
+
+    def _kv_bytes_per_token(self) -> int:
+        cfg = self.model.config.get_text_config()
+        heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        return 2 * cfg.num_hidden_layers * heads * head_dim * self.model.dtype.itemsize
+
+
+class _StopStringWatcher:
+    """Finds stop strings as they complete, only for the rows whose request has some.
+
+    A string counts when an occurrence ends in the newest token's text (as vLLM does) and at
+    least ``min_tokens`` tokens were generated. Only a window of recent tokens is decoded (the
+    longest stop string plus a few tokens), so the cost does not grow with the output length; a
+    stop string split by more than that many empty-text tokens would be missed.
+    """
+
+    def __init__(self, tokenizer, wave: list[_Slice], counts: torch.Tensor) -> None:
+        self.tokenizer = tokenizer
+        self.rows: dict[int, SamplingParams] = {}
+        slot = 0
+        for piece, count in zip(wave, counts.tolist(), strict=True):
+            if piece.request.params.stop:
+                for offset in range(count):
+                    self.rows[slot + offset] = piece.request.params
+            slot += count
+        longest = max((len(s) for p in self.rows.values() for s in p.stop), default=0)
+        self.window = longest + _STOP_WINDOW_SLACK
+        self.matched: dict[int, str] = {}
+
+    def check(self, tokens_out, slots: torch.Tensor, skip: torch.Tensor, step: int):
+        """Bool ``[rows]``: which rows (not in ``skip``) just completed a stop string."""
+        hit = torch.zeros_like(skip)
+        if not self.rows:
+            return hit
+        slot_list, skip_list = slots.tolist(), skip.tolist()
+        candidates = [
+            (row, slot)
+            for row, slot in enumerate(slot_list)
+            if slot in self.rows and not skip_list[row] and step + 1 >= self.rows[slot].min_tokens
+        ]
+        if not candidates:
+            return hit
+        start = max(0, step + 1 - self.window)
+        index = torch.tensor([slot for _, slot in candidates], device=tokens_out.device)
+        tails = tokens_out[index, start : step + 1].tolist()
+        for (row, slot), tail in zip(candidates, tails, strict=True):
+            params = self.rows[slot]
+            skip_special = params.skip_special_tokens
+            text, before = (
+                self.tokenizer.decode(
+                    ids, skip_special_tokens=skip_special, clean_up_tokenization_spaces=False
+                )
+                for ids in (tail, tail[:-1])
+            )
+            for stop in params.stop:
+                if text.find(stop, max(0, len(before) - len(stop) + 1)) >= 0:
+                    hit[row] = True
+                    self.matched[slot] = stop
+                    break
+        return hit

@@ -1,0 +1,299 @@
+"""The training engine: what runs behind ``fwd_bwd``, ``fwd_no_grad``, ``step`` and checkpoints.
+
+Semantics clients rely on:
+
+* **Gradients accumulate** over ``forward_backward`` calls until ``step`` (as in Tinker), so a
+  mini-batch may arrive in several calls. Each call's loss is its share of the objective over the
+  *global* batch (``meta.batch_num_tokens`` / ``global_batch_size`` / ``dp_size``, see
+  :mod:`arctic_platform.engine.losses.aggregation`), so the accumulated gradient is the same however
+  the batch was split, into calls, microbatches or packed rows.
+* **Validation first**: a request is parsed, checked and planned before any model, optimizer or
+  gradient state changes; bad input raises :class:`EngineInputError` naming the field.
+* **step** applies AdamW with gradient clipping and the LR schedule. A non-finite gradient norm
+  skips the update: gradients are dropped, weights, optimizer state and schedule are untouched,
+  ``global_steps`` does not advance, and ``metrics["skipped"]`` is 1.
+* **Determinism**: torch, Python and numpy generators are seeded from ``config.seed`` at
+  construction; the same calls give bitwise-equal weights on CPU, and resuming from a checkpoint
+  continues bit for bit.
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import random
+from collections.abc import Mapping
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from arctic_platform.engine import checkpoint as ckpt
+from arctic_platform.engine.config import TrainingEngineConfig
+from arctic_platform.engine.errors import EngineInputError
+from arctic_platform.engine.forward import (
+    Request,
+    default_loss_for,
+    forward_no_grad,
+    prepare_request,
+    scored_microbatches,
+)
+from arctic_platform.engine.meta import to_float, to_int
+from arctic_platform.engine.metrics import MetricSums
+from arctic_platform.engine.models import load_causal_lm, load_tokenizer, resolve_device
+from arctic_platform.engine.schedule import build_scheduler, lr_factor
+
+SLEEP_MODES = ("all",)
+
+
+def seed_everything(seed: int) -> None:
+    """Seed every generator model code may draw from (torch CPU and CUDA, Python, numpy)."""
+    torch.manual_seed(seed)
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+
+
+class TrainingEngine:
+    """A trainable causal LM with its optimizer, schedule and checkpoints (see module doc)."""
+
+    def __init__(self, config: TrainingEngineConfig) -> None:
+        self.config = config
+        self.device = resolve_device(config.model.device)
+        seed_everything(config.seed)
+        model = load_causal_lm(config.model, self.device)
+        if config.gradient_checkpointing:
+            model.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False}
+            )
+        self.model = model.train()
+        self.vocab_size = int(model.get_input_embeddings().num_embeddings)
+        self._trainable = [p for p in model.parameters() if p.requires_grad]
+        opt = config.optimizer
+        self.optimizer = torch.optim.AdamW(
+            self._trainable, lr=opt.lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay
+        )
+        self.scheduler = build_scheduler(self.optimizer, config.scheduler)
+        self.global_steps = 0
+        self._lr_override: float | None = None
+        self._offloaded = False
+
+    # -- compute --------------------------------------------------------------------------
+
+    def forward_backward(
+        self, batch: Mapping, meta: Mapping | None = None, processing: Mapping | None = None
+    ) -> dict:
+        """Add the gradient of the batch's loss; ``{"avg_loss", "loss", "metrics", "metric_sums"}``.
+
+        The loss defaults to ``verl_grpo`` (``cross_entropy`` for a batch with ``labels`` and no
+        ``advantages``). ``metrics`` are global token means; ``metric_sums`` are the raw
+        ``.sum``/``.tokens`` pairs a data-parallel layer reduces with
+        :func:`arctic_platform.engine.metrics.reduce_metrics`. ``avg_loss`` and ``loss`` both equal
+        ``metrics["loss"]``.
+        """
+        request = self._prepare(batch, meta, processing, default_loss=default_loss_for(batch))
+        if request.loss is None:
+            raise EngineInputError("processing.loss_fn", "forward_backward needs a loss")
+        self._wake_if_offloaded()
+        self.model.train()
+        sums = MetricSums()
+        for _, outputs, rows in scored_microbatches(self.model, request, self.device):
+            result = request.loss(outputs, rows)
+            result.loss.backward()
+            sums.add(result.metrics)
+        metrics = sums.finalize()
+        loss = metrics.get("loss", 0.0)
+        return {"avg_loss": loss, "loss": loss, "metrics": metrics, "metric_sums": sums.raw()}
+
+    def forward(
+        self, batch: Mapping, meta: Mapping | None = None, processing: Mapping | None = None
+    ) -> dict:
+        """Position-indexed ``logprobs`` ``[B, S]`` float32 (+ ``entropy`` when asked), no grad.
+
+        Entropy is computed when ``processing.config.calculate_entropy`` or
+        ``meta.calculate_entropy`` is true, or when ``processing.post`` names
+        ``compute_entropy_and_logprobs`` and neither says otherwise. With a ``processing.loss_fn``
+        the loss's metrics and ``avg_loss`` are returned too (no gradient).
+        """
+        request = self._prepare(batch, meta, processing, default_loss=None)
+        self._wake_if_offloaded()
+        return forward_no_grad(self.model, request, self.device)
+
+    def step(self, learning_rate: float | None = None) -> dict:
+        """One optimizer update from the accumulated gradients (see module doc).
+
+        ``learning_rate`` replaces the peak learning rate for this and later steps (the schedule
+        still scales it). Returns ``grad_norm`` (before clipping), ``last_lr`` (the rate this update
+        used), ``global_steps`` and ``metrics`` with the same plus ``skipped``.
+        """
+        if learning_rate is not None:
+            learning_rate = to_float("learning_rate", learning_rate)
+            if learning_rate <= 0:
+                raise EngineInputError("learning_rate", f"must be > 0, got {learning_rate}")
+        self._wake_if_offloaded()
+        if learning_rate is not None:
+            self._set_peak_lr(learning_rate)
+        lr = float(self.optimizer.param_groups[0]["lr"])
+        grads = [p.grad for p in self._trainable if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
+        grad_norm = float(norm)
+        if not math.isfinite(grad_norm):
+            self.optimizer.zero_grad(set_to_none=True)
+            return self._step_result(grad_norm, lr, skipped=True)
+        clip = self.config.optimizer.grad_clip
+        if clip > 0 and grads:
+            torch.nn.utils.clip_grads_with_norm_(self._trainable, clip, norm)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        self.global_steps += 1
+        return self._step_result(grad_norm, lr, skipped=False)
+
+    # -- checkpoints ----------------------------------------------------------------------
+
+    def save_checkpoint(
+        self,
+        path: str | Path | None = None,
+        *,
+        step: int | None = None,
+        export_hf: bool = False,
+        save_total_limit: int | None = None,
+    ) -> dict:
+        """Save to ``<path>/checkpoint-<step>/`` (see :mod:`arctic_platform.engine.checkpoint`).
+
+        ``path`` is the job folder, by default ``<checkpoint_dir>/<job_name>``; ``step`` defaults
+        to ``global_steps``; ``save_total_limit`` to the config's. Returns ``{"path",
+        "global_step", "checkpoint_id", "hf_path"}``.
+        """
+        step = self.global_steps if step is None else to_int("step", step, minimum=0)
+        if save_total_limit is not None:
+            save_total_limit = to_int("save_total_limit", save_total_limit, minimum=0)
+        else:
+            save_total_limit = self.config.save_total_limit
+        return ckpt.save_checkpoint(
+            self._job_dir(path),
+            step,
+            model=self.model,
+            optimizer=self.optimizer,
+            scheduler=self.scheduler,
+            trainer_state={"global_steps": self.global_steps, "lr_override": self._lr_override},
+            tokenizer=self._tokenizer(),
+            export_hf=export_hf,
+            save_total_limit=save_total_limit,
+        )
+
+    def load_checkpoint(self, path: str | Path | None = None, *, step: int | None = None) -> dict:
+        """Restore a checkpoint: ``path`` is a checkpoint folder or a job folder (default
+        ``<checkpoint_dir>/<job_name>``), where ``step`` or else ``latest`` picks one.
+
+        Accumulated gradients are dropped. Returns ``{"path", "global_step", "checkpoint_id"}``.
+        """
+        if step is not None:
+            step = to_int("step", step, minimum=0)
+        directory = ckpt.resolve_checkpoint(self._job_dir(path), step)
+        state = ckpt.load_checkpoint(
+            directory, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler
+        )
+        self.optimizer.zero_grad(set_to_none=True)
+        self.global_steps = int(state["global_steps"])
+        self._lr_override = state.get("lr_override")
+        return {
+            "path": str(directory),
+            "global_step": self.global_steps,
+            "checkpoint_id": directory.name,
+        }
+
+    # -- colocation -----------------------------------------------------------------------
+
+    def sleep(self, mode: str = "all") -> dict:
+        """Offload weights, gradients and optimizer state to CPU memory (CUDA only).
+
+        On a CPU engine there is nothing to offload and the answer says so. Idempotent; compute
+        calls wake the engine on demand.
+        """
+        if mode not in SLEEP_MODES:
+            raise EngineInputError("mode", f"unknown sleep mode {mode!r}; known: {SLEEP_MODES}")
+        if self.device.type == "cpu":
+            return {"offloaded": False, "reason": "model is on cpu"}
+        if self._offloaded:
+            return {"offloaded": True, "status": "already_offloaded"}
+        moved = self._move_state(torch.device("cpu"))
+        self._offloaded = True
+        torch.cuda.empty_cache()
+        return {"offloaded": True, "status": "offloaded", "bytes": moved}
+
+    def wake(self) -> dict:
+        """Bring offloaded state back to the device; idempotent."""
+        if self.device.type == "cpu":
+            return {"offloaded": False, "reason": "model is on cpu"}
+        if not self._offloaded:
+            return {"offloaded": False, "status": "already_on_device"}
+        moved = self._move_state(self.device)
+        self._offloaded = False
+        return {"offloaded": False, "status": "reloaded", "bytes": moved}
+
+    def empty_cache(self) -> dict:
+        """Release cached allocator memory (CUDA) after a Python garbage collection."""
+        gc.collect()
+        if self.device.type != "cuda":
+            return {"emptied": False, "reason": f"no allocator cache on {self.device.type}"}
+        torch.cuda.empty_cache()
+        return {"emptied": True}
+
+    # -- internals ------------------------------------------------------------------------
+
+    def _prepare(self, batch, meta, processing, *, default_loss: str | None) -> Request:
+        return prepare_request(
+            batch,
+            meta,
+            processing,
+            vocab_size=self.vocab_size,
+            max_tokens=self.config.max_tokens_per_microbatch,
+            packing=self.config.packing,
+            default_loss=default_loss,
+        )
+
+    def _set_peak_lr(self, lr: float) -> None:
+        self._lr_override = lr
+        factor = lr_factor(self.config.scheduler, self.scheduler.last_epoch)
+        self.scheduler.base_lrs = [lr for _ in self.optimizer.param_groups]
+        for group in self.optimizer.param_groups:
+            group["initial_lr"] = lr
+            group["lr"] = lr * factor
+
+    def _step_result(self, grad_norm: float, lr: float, *, skipped: bool) -> dict:
+        metrics = {"grad_norm": grad_norm, "last_lr": lr, "skipped": int(skipped)}
+        return {
+            "grad_norm": grad_norm,
+            "last_lr": lr,
+            "global_steps": self.global_steps,
+            "metrics": metrics,
+        }
+
+    def _job_dir(self, path) -> Path:
+        if path is not None:
+            return Path(path)
+        if self.config.checkpoint_dir is None:
+            raise EngineInputError("path", "no checkpoint folder: pass path or set checkpoint_dir")
+        return Path(self.config.checkpoint_dir) / self.config.job_name
+
+    def _tokenizer(self):
+        """The model's tokenizer, saved beside checkpoints; None for a model without one."""
+        try:
+            return load_tokenizer(self.config.model)
+        except (OSError, ValueError):
+            return None
+
+    def _wake_if_offloaded(self) -> None:
+        if self._offloaded:
+            self.wake()
+
+    def _move_state(self, device: torch.device) -> int:
+        """Move parameters, gradients and optimizer state to ``device``; return bytes moved."""
+        moved = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        self.model.to(device)
+        for state in self.optimizer.state.values():
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor) and key != "step":
+                    state[key] = value.to(device)
+                    moved += value.numel() * value.element_size()
+        return moved

@@ -1,0 +1,233 @@
+"""SamplingEngine throughput and weight-sync speed, against transformers' generate in the same run.
+
+Model ``builtin:small`` (~25 M parameters, float32 on CPU), same weights for both sides.
+
+(a) ``throughput``: 32 prompts of 64 tokens, 128 sampled tokens each (temperature 1, no top-k or
+    top-p; ``min_tokens``/``min_new_tokens`` = 128 so both produce exactly 32 x 128 tokens).
+    Generated tokens per second, ours / ``model.generate``. Target >= 1.0.
+(b) ``prefix_sharing``: 2 prompts of 512 tokens, n = 8 samples each, 64 new tokens. Ours prefills
+    each prompt once; the baseline is ``model.generate`` on the prompts repeated 8 times.
+    Target >= 1.5.
+(c) ``weight_sync``: the model's weight bytes per second from a separate trainer model into the
+    engine: in process (``sync_in_process``), through the safetensors chunk stream in one process,
+    and streamed over a pipe to a receiving process that loads them into its own SamplingEngine
+    (timed from the first byte sent to the receiver's acknowledgement, after it was ready).
+
+Runs alternate baseline and engine so background load hits both alike; the ratios use the best
+of the alternating runs (medians are reported too), and sync speeds the best of three.
+Run: ``python -m benchmarks.engine_sample`` (writes ``benchmarks/results/engine_sample.json``).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from arctic_platform.engine.config import ModelConfig, SamplingEngineConfig
+from arctic_platform.engine.models import load_causal_lm
+from arctic_platform.engine.sampler import SamplingEngine
+from arctic_platform.engine.weights import (
+    iter_weights_from_chunks,
+    stream_weights,
+    sync_in_process,
+)
+from benchmarks._common import write_result
+
+MODEL = ModelConfig(name="builtin:small")
+CHUNK_BYTES = 16 * 1024 * 1024
+REPEAT = 3
+MB = 1e6
+
+
+def _timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def _alternate(baseline, ours, repeat: int = REPEAT) -> dict:
+    """Run baseline and engine in turns; median and best seconds of each.
+
+    On a shared machine another process can slow any single run several-fold; the best of the
+    alternating runs is the figure least disturbed by it, so the ratio is taken from the best
+    runs and the medians are reported beside it.
+    """
+    base_times, our_times = [], []
+    for _ in range(repeat):
+        base_times.append(_timed(baseline))
+        our_times.append(_timed(ours))
+    return {
+        "generate_s": min(base_times),
+        "engine_s": min(our_times),
+        "generate_median_s": statistics.median(base_times),
+        "engine_median_s": statistics.median(our_times),
+    }
+
+
+def _speed(times: dict, tokens: int, target: float) -> dict:
+    return {
+        "generate_tokens_per_s": tokens / times["generate_s"],
+        "engine_tokens_per_s": tokens / times["engine_s"],
+        "ratio": times["generate_s"] / times["engine_s"],
+        "ratio_of_medians": times["generate_median_s"] / times["engine_median_s"],
+        "target": target,
+        **times,
+    }
+
+
+def _hf_generate(model, input_ids: torch.Tensor, new_tokens: int) -> torch.Tensor:
+    with torch.inference_mode():
+        out = model.generate(
+            input_ids,
+            attention_mask=torch.ones_like(input_ids),
+            do_sample=True,
+            temperature=1.0,
+            top_k=0,
+            top_p=1.0,
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            pad_token_id=0,
+        )
+    assert out.shape[1] - input_ids.shape[1] == new_tokens
+    return out
+
+
+def _ours(engine: SamplingEngine, prompts: list[list[int]], n: int, new_tokens: int):
+    params = {"n": n, "max_tokens": new_tokens, "min_tokens": new_tokens, "seed": 0}
+    outs = engine.generate(prompts, params)
+    assert all(len(o["token_ids"]) == new_tokens for o in outs)
+    return outs
+
+
+def bench_throughput(engine: SamplingEngine) -> dict:
+    batch, prompt_len, new_tokens = 32, 64, 128
+    prompts = torch.randint(5, 100, (batch, prompt_len), generator=torch.Generator().manual_seed(1))
+    _ours(engine, prompts[:2].tolist(), 1, 4)  # warm up both paths
+    _hf_generate(engine.model, prompts[:2], 4)
+    times = _alternate(
+        lambda: _hf_generate(engine.model, prompts, new_tokens),
+        lambda: _ours(engine, prompts.tolist(), 1, new_tokens),
+    )
+    return {
+        "batch": batch,
+        "prompt_len": prompt_len,
+        "new_tokens": new_tokens,
+        **_speed(times, batch * new_tokens, target=1.0),
+    }
+
+
+def bench_prefix_sharing(engine: SamplingEngine) -> dict:
+    prompts_n, n, prompt_len, new_tokens = 2, 8, 512, 64
+    prompts = torch.randint(
+        5, 100, (prompts_n, prompt_len), generator=torch.Generator().manual_seed(2)
+    )
+    repeated = prompts.repeat_interleave(n, dim=0)
+    times = _alternate(
+        lambda: _hf_generate(engine.model, repeated, new_tokens),
+        lambda: _ours(engine, prompts.tolist(), n, new_tokens),
+    )
+    return {
+        "prompts": prompts_n,
+        "n": n,
+        "prompt_len": prompt_len,
+        "new_tokens": new_tokens,
+        **_speed(times, prompts_n * n * new_tokens, target=1.5),
+    }
+
+
+def bench_weight_sync(engine: SamplingEngine) -> dict:
+    trainer = load_causal_lm(MODEL)
+    with torch.no_grad():
+        for param in trainer.parameters():
+            param.mul_(1.01)  # different weights, so every sync really changes the sampler
+    nbytes = sum(p.numel() * p.element_size() for p in trainer.parameters())
+    in_process = min(_timed(lambda: sync_in_process(trainer, engine)) for _ in range(REPEAT))
+
+    def through_chunks() -> None:
+        engine.load_weights(iter_weights_from_chunks(stream_weights(trainer, CHUNK_BYTES)))
+
+    serialised = min(_timed(through_chunks) for _ in range(REPEAT))
+    chunks = list(stream_weights(trainer, CHUNK_BYTES))
+    cross = min(_send_to_receiver(chunks) for _ in range(REPEAT))
+    return {
+        "weight_bytes": nbytes,
+        "chunk_bytes": CHUNK_BYTES,
+        "chunks": len(chunks),
+        "in_process_s": in_process,
+        "in_process_mb_per_s": nbytes / in_process / MB,
+        "chunk_stream_in_process_s": serialised,
+        "chunk_stream_in_process_mb_per_s": nbytes / serialised / MB,
+        "cross_process_s": cross,
+        "cross_process_mb_per_s": nbytes / cross / MB,
+    }
+
+
+def _send_to_receiver(chunks: list[bytes]) -> float:
+    """Seconds from the first chunk byte written to a ready receiver until it reports loaded."""
+    root = Path(__file__).resolve().parent.parent
+    child = subprocess.Popen(
+        [sys.executable, "-m", "benchmarks.engine_sample", "--receive"],
+        cwd=root,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+    )
+    try:
+        assert child.stdout.readline().strip() == b"ready"
+        start = time.perf_counter()
+        for blob in chunks:
+            child.stdin.write(struct.pack("<Q", len(blob)))
+            child.stdin.write(blob)
+        child.stdin.write(struct.pack("<Q", 0))
+        child.stdin.flush()
+        report = json.loads(child.stdout.readline())
+        elapsed = time.perf_counter() - start
+        assert report["complete"], report
+        return elapsed
+    finally:
+        child.stdin.close()
+        child.wait(timeout=60)
+
+
+def receive() -> None:
+    """Receiver process: length-prefixed chunks on stdin into a SamplingEngine; report on stdout."""
+    engine = SamplingEngine(SamplingEngineConfig(model=MODEL))
+    source = sys.stdin.buffer
+
+    def chunks():
+        while True:
+            (size,) = struct.unpack("<Q", source.read(8))
+            if size == 0:
+                return
+            yield source.read(size)
+
+    print("ready", flush=True)
+    report = engine.load_weights(iter_weights_from_chunks(chunks()))
+    print(json.dumps(report), flush=True)
+
+
+def main() -> None:
+    torch.manual_seed(0)
+    engine = SamplingEngine(SamplingEngineConfig(model=MODEL))
+    result = {
+        "model": MODEL.name,
+        "parameters": sum(p.numel() for p in engine.model.parameters()),
+        "torch_threads": torch.get_num_threads(),
+        "throughput": bench_throughput(engine),
+        "prefix_sharing": bench_prefix_sharing(engine),
+        "weight_sync": bench_weight_sync(engine),
+    }
+    write_result("engine_sample", result)
+
+
+if __name__ == "__main__":
+    if "--receive" in sys.argv:
+        receive()
+    else:
+        main()

@@ -1,0 +1,232 @@
+"""fwd_bwd throughput of the TrainingEngine against a minimal hand-written torch loop.
+
+(a) **overhead**: a batch of equal-length rows (no padding, so both sides do the same model work)
+    through ``TrainingEngine.forward_backward`` (``verl_grpo`` loss) vs a hand loop:
+    ``model(input_ids, attention_mask).logits``, log_softmax gather, masked token-mean loss,
+    ``backward``. Target: engine >= 0.95x.
+(b) **packing**: a length-skewed batch (lengths uniform in 16..1024) through the engine with its
+    default packing vs the same hand loop on the padded batch. Target: >= 1.5x.
+
+Throughput is real (non-padding) tokens per second. For each comparison one process loads both
+sides and alternates them iteration by iteration (``--warmup`` discarded, then ``--a-repeat`` /
+``--b-repeat`` timed pairs; medians), so a machine whose load drifts slows both sides alike.
+Peak RSS (``ru_maxrss``) is measured separately, one process per configuration running one
+iteration.
+Gradients accumulate across iterations on both sides (no optimizer step), so both do the same
+work every iteration.
+
+Run: ``python -m benchmarks.engine_train`` (``--help`` for sizes; ``--threads 1`` on a machine
+shared with other jobs, where idle-waiting OpenMP threads distort timings). Writes
+``benchmarks/results/engine_train.json`` and prints it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+
+MODEL = "builtin:small"
+COMPARISONS = {"a": ("engine", "loop"), "b": ("engine_packed", "loop_padded")}
+
+
+def fixed_batch(rows: int, prompt: int, response: int, seed: int) -> dict:
+    """Equal-length rows: prompt then response, no padding."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    width = prompt + response
+    input_ids = torch.randint(5, 100, (rows, width), generator=g)
+    response_mask = torch.zeros(rows, width)
+    response_mask[:, prompt:] = 1
+    return _rl_fields(input_ids, torch.ones(rows, width, dtype=torch.long), response_mask, g)
+
+
+def skewed_batch(rows: int, low: int, high: int, seed: int, prompt: int = 8) -> dict:
+    """Lengths uniform in ``[low, high]``, right-padded to the longest.
+
+    The lengths are a stratified uniform sample (the midpoints of ``rows`` equal strata, shuffled)
+    so that a small batch is as skewed as the distribution, not as one lucky draw.
+    """
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    lengths = [int(low + (high - low) * (i + 0.5) / rows) for i in range(rows)]
+    lengths = [lengths[i] for i in torch.randperm(rows, generator=g).tolist()]
+    width = max(lengths)
+    input_ids = torch.zeros(rows, width, dtype=torch.long)
+    attention_mask = torch.zeros(rows, width, dtype=torch.long)
+    response_mask = torch.zeros(rows, width)
+    for b, n in enumerate(lengths):
+        input_ids[b, :n] = torch.randint(5, 100, (n,), generator=g)
+        attention_mask[b, :n] = 1
+        response_mask[b, prompt:n] = 1
+    return _rl_fields(input_ids, attention_mask, response_mask, g)
+
+
+def _rl_fields(input_ids, attention_mask, response_mask, g) -> dict:
+    import torch
+
+    rows = input_ids.shape[0]
+    return {
+        "input_ids": input_ids,
+        "attention_mask": attention_mask,
+        "response_mask": response_mask,
+        "advantages": torch.randn(rows, 1, generator=g) * response_mask,
+        "old_log_probs": torch.full(input_ids.shape, -4.6) * response_mask,
+    }
+
+
+def hand_loop_step(model, batch: dict) -> None:
+    """The baseline: what a researcher writes by hand for a masked token-mean PG loss."""
+    import torch
+
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    logits = model(input_ids=ids, attention_mask=mask).logits
+    logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+    token_logp = logp.gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+    loss_mask = batch["response_mask"][:, 1:]
+    loss = -(token_logp * batch["advantages"][:, 1:] * loss_mask).sum() / loss_mask.sum()
+    loss.backward()
+
+
+def _setup(comparison: str, args):
+    import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    if comparison == "a":
+        return fixed_batch(args.a_rows, args.a_prompt, args.a_response, seed=1)
+    return skewed_batch(args.b_rows, 16, 1024, seed=2)
+
+
+def _runner(side: str, batch: dict):
+    """A zero-argument callable doing one fwd_bwd of ``batch`` on ``side``."""
+    from arctic_platform.engine.config import ModelConfig, TrainingEngineConfig
+    from arctic_platform.engine.models import load_causal_lm
+    from arctic_platform.engine.trainer import TrainingEngine
+
+    model_config = ModelConfig(name=MODEL)
+    if side.startswith("loop"):
+        model = load_causal_lm(model_config).train()
+        return lambda: hand_loop_step(model, batch)
+    engine = TrainingEngine(TrainingEngineConfig(model=model_config, seed=0))
+    return lambda: engine.forward_backward(batch)
+
+
+def time_worker(comparison: str, args) -> dict:
+    """Both sides of a comparison in this process, alternating; median seconds per side."""
+    import torch
+
+    batch = _setup(comparison, args)
+    sides = COMPARISONS[comparison]
+    runners = {side: _runner(side, batch) for side in sides}
+    times: dict[str, list[float]] = {side: [] for side in sides}
+    repeat = args.a_repeat if comparison == "a" else args.b_repeat
+    for i in range(args.warmup + repeat):
+        for side in sides:
+            start = time.perf_counter()
+            runners[side]()
+            if i >= args.warmup:
+                times[side].append(time.perf_counter() - start)
+    real = int(batch["attention_mask"].sum())
+    out = {
+        "rows": int(batch["input_ids"].shape[0]),
+        "real_tokens": real,
+        "padded_tokens": int(batch["input_ids"].numel()),
+        "torch_threads": torch.get_num_threads(),
+    }
+    for side in sides:
+        median = statistics.median(times[side])
+        out[side] = {
+            "median_seconds": median,
+            "all_seconds": times[side],
+            "tokens_per_second": real / median,
+        }
+    return out
+
+
+def rss_worker(comparison: str, side: str, args) -> dict:
+    """Peak RSS of one configuration alone: load it, run one fwd_bwd."""
+    batch = _setup(comparison, args)
+    _runner(side, batch)()
+    return {"peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+
+
+def run_in_subprocess(worker: str, argv: list[str]) -> dict:
+    cmd = [sys.executable, "-m", "benchmarks.engine_train", "--worker", worker, *argv]
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error")
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"{worker} failed:\n{done.stderr[-4000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--a-repeat", type=int, default=7, help="timed pairs for (a)")
+    parser.add_argument("--b-repeat", type=int, default=3, help="timed pairs for (b)")
+    parser.add_argument("--a-rows", type=int, default=4)
+    parser.add_argument("--a-prompt", type=int, default=64)
+    parser.add_argument("--a-response", type=int, default=192)
+    parser.add_argument("--b-rows", type=int, default=4)
+    parser.add_argument(
+        "--threads", type=int, default=0, help="torch threads per process (0: torch's default)"
+    )
+    args = parser.parse_args()
+    if args.worker:
+        kind, comparison, *side = args.worker.split(":")
+        result = (
+            time_worker(comparison, args)
+            if kind == "time"
+            else rss_worker(comparison, side[0], args)
+        )
+        print(json.dumps(result))
+        return
+
+    settings = {k: v for k, v in vars(args).items() if k != "worker"}
+    argv = [f"--{k.replace('_', '-')}={v}" for k, v in settings.items()]
+    report = {}
+    for comparison, (fast, base) in COMPARISONS.items():
+        timing = run_in_subprocess(f"time:{comparison}", argv)
+        for side in (fast, base):
+            timing[side] |= run_in_subprocess(f"rss:{comparison}:{side}", argv)
+        timing["ratio"] = timing[fast]["tokens_per_second"] / timing[base]["tokens_per_second"]
+        timing["padding_fraction"] = 1 - timing["real_tokens"] / timing["padded_tokens"]
+        report[comparison] = timing
+
+    from benchmarks._common import write_result
+
+    write_result(
+        "engine_train",
+        {
+            "model": MODEL,
+            "note": (
+                "tokens/s counts real (non-padding) tokens; both sides of a comparison alternate "
+                "in one process; peak RSS per configuration in its own process"
+            ),
+            "settings": settings,
+            "a_overhead": {
+                "ratio_engine_vs_hand_loop": report["a"].pop("ratio"),
+                "target": 0.95,
+                **report["a"],
+            },
+            "b_packing": {
+                "ratio_packed_engine_vs_padded_loop": report["b"].pop("ratio"),
+                "target": 1.5,
+                **report["b"],
+            },
+        },
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,103 @@
+"""Batch, meta and processing validation: conversions accepted, errors naming the field."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from arctic_platform.engine.batching import validate_batch
+from arctic_platform.engine.errors import EngineInputError
+from arctic_platform.engine.meta import parse_meta, parse_processing
+from arctic_platform.engine.postprocess import DEFAULT_POST
+from tests.engine.rl_batches import rl_batch
+
+
+def test_conversions():
+    batch = rl_batch(rows=3, seed=0)
+    as_numpy = {k: v.numpy() for k, v in batch.items()}
+    as_numpy["attention_mask"] = as_numpy["attention_mask"].astype(bool)
+    as_numpy["advantages"] = as_numpy["advantages"].astype(np.float64)
+    parsed = validate_batch({**as_numpy, "uid": ["a", "b", "c"]})  # unknown keys are ignored
+    assert parsed.input_ids.dtype == torch.long
+    assert parsed.attention_mask.dtype == torch.bool
+    assert parsed.get("advantages").dtype == torch.float32
+    assert parsed.get("response_mask").dtype == torch.bool
+    assert "uid" not in parsed.tensors
+    assert parsed.standard_positions
+    mask = batch["attention_mask"]
+    want = (mask.cumsum(1) - 1).clamp(min=0)
+    assert torch.equal(parsed.position_ids[mask.bool()], want[mask.bool()])
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        (lambda b: b.update(input_ids=b["input_ids"][0]), "batch.input_ids"),
+        (lambda b: b.update(input_ids=-b["input_ids"]), "batch.input_ids"),
+        (lambda b: b.update(position_ids=b["input_ids"][:, 1:]), "batch.position_ids"),
+        (lambda b: b.update(position_ids=b["input_ids"].float()), "batch.position_ids"),
+        (
+            lambda b: b.update(attention_mask=torch.zeros_like(b["attention_mask"])),
+            "batch.attention_mask",
+        ),
+        (lambda b: b.update(prompts=b["prompts"][:2]), "batch.prompts"),
+        (lambda b: b.update(advantages=b["advantages"] > 0), "batch.advantages"),
+        (lambda b: b.update(loss_mask=b["response_mask"] * 0.5), "batch.loss_mask"),
+        (lambda b: b.update(labels=b["input_ids"]), "batch.labels"),  # labels on padding
+        (lambda b: b.update(advantages="high"), "batch.advantages"),
+    ],
+)
+def test_bad_fields(change, field):
+    batch = rl_batch(rows=3, seed=1)
+    change(batch)
+    with pytest.raises(EngineInputError) as info:
+        validate_batch(batch, vocab_size=128)
+    assert info.value.field == field
+
+
+def test_meta_accepts_wire_scalars_and_rejects_bad_types():
+    meta = parse_meta(
+        {
+            "batch_num_tokens": torch.tensor(37),
+            "global_batch_size": np.int64(8),
+            "dp_size": 2,
+            "temperature": np.float32(0.5),
+            "rollout_n": 4,  # verl sends more keys than the engine reads
+            "rollout_is_weights": None,
+        }
+    )
+    assert (meta.batch_num_tokens, meta.global_batch_size, meta.dp_size) == (37.0, 8, 2)
+    assert meta.temperature == 0.5
+    for bad, field in [
+        ({"dp_size": 1.5}, "meta.dp_size"),
+        ({"dp_size": True}, "meta.dp_size"),
+        ({"batch_num_tokens": torch.ones(2)}, "meta.batch_num_tokens"),
+        ({"batch_num_tokens": 0}, "meta.batch_num_tokens"),
+        ({"temperature": float("nan")}, "meta.temperature"),
+        ({"calculate_entropy": "yes"}, "meta.calculate_entropy"),
+        ({"actor_config": [1]}, "meta.actor_config"),
+    ]:
+        with pytest.raises(EngineInputError) as info:
+            parse_meta(bad)
+        assert info.value.field == field
+
+
+def test_processing_defaults_and_errors():
+    default = parse_processing(None, default_loss="verl_grpo")
+    assert default.post == DEFAULT_POST and default.loss_fn == "verl_grpo"
+    assert not default.explicit_post
+    explicit = parse_processing(
+        {"post": ["compute_entropy_and_logprobs"], "loss_fn": None}, default_loss="x"
+    )
+    assert explicit.loss_fn is None and explicit.explicit_post
+    for bad, field in [
+        ({"post": "apply_temperature"}, "processing.post"),
+        ({"post": ["nope"]}, "processing.post[0]"),
+        ({"loss_fn": 3}, "processing.loss_fn"),
+        ({"config": [1]}, "processing.config"),
+        ({"config": {"calculate_entropy": 1}}, "processing.config.calculate_entropy"),
+    ]:
+        with pytest.raises(EngineInputError) as info:
+            parse_processing(bad, default_loss=None).calculate_entropy  # noqa: B018
+        assert info.value.field == field
