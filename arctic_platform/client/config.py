@@ -1,0 +1,532 @@
+"""``ArcticRLClientConfig``: which backend runs the compute and which jobs it creates.
+
+One typed object, loadable from YAML, serves ``arctic_platform.client`` and ``arctic_platform.rl``::
+
+    model: Qwen/Qwen3-0.6B
+    seed: 1
+    backend: {type: http, url: "http://trainer-box:7000", token_env: ARCTIC_TOKEN}
+    training: {optimizer: {lr: 1.0e-6}, max_tokens_per_microbatch: 8192}
+    sampling: {max_batch_size: 64}
+    log_prob: {}
+
+* ``backend`` is a discriminated union on ``type``: ``inprocess`` (the default), ``http``,
+  ``cortex`` or ``ray``. Secrets never appear in it: it names the environment variable that holds
+  a token (``token_env``, ``pat_env_var``).
+* ``training``, ``sampling`` and ``log_prob`` describe the jobs. A training job exists unless
+  ``training: null``; a sampling or log-prob job exists only when its section is present. Each job
+  inherits ``model``, ``dtype`` and ``seed`` from the top level unless it sets its own.
+  :meth:`ArcticRLClientConfig.to_create_job_request` maps them onto the server's ``SubJobConfig``.
+* ``training_job_id`` / ``sampling_job_id`` / ``log_prob_job_id`` attach to running jobs instead
+  of creating new ones (what ``client.reconnect_config()`` fills in).
+
+Every section forbids unknown keys; the error names the key and suggests the closest known one.
+The flat field names RL frameworks already pass (``model_name``, ``comm_protocol``,
+``training_gpus``, ``backend="local"``, ``ds_config``, ...) are accepted and folded into this form
+(:mod:`arctic_platform.client.legacy`); what has no meaning here is kept in ``ignored_settings``.
+Importing this module needs only pydantic and PyYAML (no torch).
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Annotated, Any, Literal
+from urllib.parse import urlparse
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    NonNegativeFloat,
+    NonNegativeInt,
+    PositiveFloat,
+    PositiveInt,
+    field_validator,
+    model_validator,
+)
+
+from arctic_platform.server.job_config import CreateJobRequest
+
+Dtype = Literal["auto", "float32", "bfloat16", "float16"]
+DEFAULT_MAX_REQUEST_BYTES = 60 * 1024 * 1024
+LOOPBACK_HOSTS = {"127.0.0.1", "localhost", "::1", "[::1]"}
+
+
+def did_you_mean(name: object, candidates: set[str]) -> str:
+    """`` (did you mean 'lr'?)`` for the closest candidate, or ``""`` when none is close."""
+    close = difflib.get_close_matches(str(name), sorted(candidates), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def unknown_field_message(
+    names: list[str], known: set[str], where: str, shown: set[str] | None = None
+) -> str:
+    """``unknown field 'lrr' in OptimizerSettings (did you mean 'lr'?); known fields: ...``.
+
+    Suggestions come from ``known``; the listing shows ``shown`` (default: ``known``).
+    """
+    parts = [f"unknown field {name!r} in {where}{did_you_mean(name, known)}" for name in names]
+    listing = ", ".join(sorted(known if shown is None else shown))
+    return "; ".join(parts) + f"; known fields: {listing}"
+
+
+class _Section(BaseModel):
+    """A config section: unknown keys are errors that suggest the closest known key."""
+
+    model_config = ConfigDict(extra="forbid", validate_default=True, populate_by_name=True)
+
+    @classmethod
+    def known_keys(cls) -> set[str]:
+        keys = set(cls.model_fields)
+        keys |= {f.alias for f in cls.model_fields.values() if f.alias}
+        return keys
+
+    @model_validator(mode="before")
+    @classmethod
+    def _reject_unknown(cls, data: Any) -> Any:
+        if isinstance(data, Mapping):
+            unknown = [k for k in data if k not in cls.known_keys()]
+            if unknown:
+                raise ValueError(unknown_field_message(unknown, cls.known_keys(), cls.__name__))
+        return data
+
+
+# -- backends ---------------------------------------------------------------------------------
+
+
+class InProcessBackend(_Section):
+    """Engines in this process (needs the ``engine`` extra). Checkpoints and job records go to
+    ``data_dir``."""
+
+    type: Literal["inprocess"] = "inprocess"
+    data_dir: Path = Path("arctic-data")
+    device: str = "auto"
+    max_concurrent_ops: PositiveInt = 2
+    job_ready_timeout: PositiveFloat = 1800.0
+
+
+class HttpBackend(_Section):
+    """An ``arctic-platform serve`` process (the on-prem API).
+
+    Give ``url``, or ``host`` and ``port``. ``token_env`` names the environment variable holding
+    the bearer token. With ``launch_local_server`` the client starts ``arctic-platform serve`` on
+    ``host:port`` (``port: 0`` picks a free one) with ``data_dir`` and ``device``, and stops it at
+    shutdown.
+    """
+
+    type: Literal["http"] = "http"
+    url: str | None = None
+    host: str = "127.0.0.1"
+    port: int = Field(7000, ge=0, le=65535)
+    token_env: str | None = None
+    launch_local_server: bool = False
+    data_dir: Path = Path("arctic-data")
+    device: str = "auto"
+    startup_timeout: PositiveFloat = 600.0
+    job_ready_timeout: PositiveFloat = 1800.0
+    request_timeout: PositiveFloat = 1800.0
+    connect_retries: NonNegativeInt = 3
+
+    @model_validator(mode="after")
+    def _check(self) -> HttpBackend:
+        if self.url is not None:
+            _check_url("url", self.url)
+            if self.launch_local_server:
+                raise ValueError("launch_local_server: give host and port, not url, to launch")
+        elif self.port == 0 and not self.launch_local_server:
+            raise ValueError("port: 0 (a free port) only makes sense with launch_local_server")
+        return self
+
+    @property
+    def base_url(self) -> str:
+        if self.url is not None:
+            return self.url.rstrip("/")
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+
+class CortexBackend(_Section):
+    """A server speaking the Cortex/SnowAPI job API (``arctic-platform serve`` included).
+
+    ``base_url`` (e.g. ``http://127.0.0.1:7000``) or ``host`` (an account host; the URL is then
+    ``https://{host}``), plus ``database``, ``schema`` and ``endpoint``. Authentication
+    (``auth: auto``): the PAT headers are sent whenever ``pat_env_var`` is set in the environment,
+    and required unless ``base_url`` is a plain-HTTP loopback URL (a local server without tokens).
+    ``auth: pat`` always requires the token; ``auth: none`` never sends it.
+
+    Data-plane requests are polled every ``poll_interval`` s, growing by ``poll_backoff`` up to
+    ``poll_max_interval``, for at most ``poll_timeout`` s. Request bodies above
+    ``max_request_bytes`` travel as chunk groups. Transient failures are retried ``max_retries``
+    times, waiting from ``retry_initial_wait`` up to ``retry_max_wait`` seconds (exponential, with
+    jitter).
+    """
+
+    type: Literal["cortex"] = "cortex"
+    base_url: str | None = None
+    host: str | None = None
+    database: str = ""
+    schema_: str = Field("", alias="schema")
+    endpoint: str = Field("cortex-training", min_length=1)
+    pat_env_var: str = Field("CORTEX_PAT", min_length=1)
+    auth: Literal["auto", "pat", "none"] = "auto"
+    verify_tls: bool = True
+    request_timeout: PositiveFloat = 300.0
+    poll_timeout: PositiveFloat = 1800.0
+    job_ready_timeout: PositiveFloat = 1800.0
+    poll_interval: PositiveFloat = 0.5
+    poll_backoff: float = Field(1.25, ge=1.0)
+    poll_max_interval: PositiveFloat = 6.0
+    max_retries: NonNegativeInt = 10
+    retry_initial_wait: PositiveFloat = 0.5
+    retry_max_wait: PositiveFloat = 10.0
+    max_request_bytes: int = Field(DEFAULT_MAX_REQUEST_BYTES, ge=64 * 1024)
+
+    @model_validator(mode="after")
+    def _check(self) -> CortexBackend:
+        if self.base_url is None and self.host is None:
+            raise ValueError("base_url or host: give one (where the Cortex API is served)")
+        if self.base_url is not None:
+            _check_url("base_url", self.base_url)
+        if not self.database or not self.schema_:
+            raise ValueError("database and schema: both are required (they are part of the URL)")
+        return self
+
+    @property
+    def root_url(self) -> str:
+        return (self.base_url or f"https://{self.host}").rstrip("/")
+
+    @property
+    def prefix(self) -> str:
+        return (
+            f"{self.root_url}/api/v2/databases/{self.database}/schemas/{self.schema_}/"
+            f"{self.endpoint}"
+        )
+
+    @property
+    def is_local_plain_http(self) -> bool:
+        """A ``http://`` URL on loopback: a local server, which may run without tokens."""
+        if self.base_url is None:
+            return False
+        parsed = urlparse(self.base_url)
+        return parsed.scheme == "http" and (parsed.hostname or "") in LOOPBACK_HOSTS
+
+    def resolve_pat(self) -> str | None:
+        """The PAT to send, or None; raises when one is required but the variable is unset."""
+        if self.auth == "none":
+            return None
+        token = os.environ.get(self.pat_env_var) or None
+        if token is None and (self.auth == "pat" or not self.is_local_plain_http):
+            raise ValueError(
+                f"pat_env_var: the environment variable {self.pat_env_var} holding the Cortex "
+                "programmatic access token is unset or empty"
+            )
+        return token
+
+
+class RayBackend(_Section):
+    """Ray actors, one per device (the server side arrives with the Ray backend issue).
+
+    ``address``: ``auto`` (attach to a running cluster, else start one), ``local`` (start a
+    private one) or a cluster address. Reconnecting from another process needs the job ids from
+    ``reconnect_config()`` and the object ``get_server_state()`` returns.
+    """
+
+    type: Literal["ray"] = "ray"
+    address: str = Field("auto", min_length=1)
+    namespace: str | None = None
+    num_training_workers: PositiveInt = 1
+    colocate: bool = False
+    job_ready_timeout: PositiveFloat = 1800.0
+
+
+Backend = Annotated[
+    InProcessBackend | HttpBackend | CortexBackend | RayBackend, Field(discriminator="type")
+]
+BACKEND_TYPES = ("inprocess", "http", "cortex", "ray")
+
+
+def _check_backend_type(backend: Any) -> None:
+    """A clear error for a missing or misspelt ``backend.type`` (before the union reports it)."""
+    if not isinstance(backend, Mapping):
+        return
+    kind = backend.get("type")
+    if kind is None:
+        raise ValueError(f"backend.type: required; one of {', '.join(BACKEND_TYPES)}")
+    if kind not in BACKEND_TYPES:
+        raise ValueError(
+            f"backend.type: unknown backend {kind!r}{did_you_mean(kind, set(BACKEND_TYPES))}; "
+            f"choose one of {', '.join(BACKEND_TYPES)}"
+        )
+
+
+def _check_url(name: str, url: str) -> None:
+    parsed = urlparse(url)
+    if parsed.scheme not in ("http", "https") or not parsed.netloc:
+        raise ValueError(f"{name}: expected an http:// or https:// URL, got {url!r}")
+
+
+# -- jobs -------------------------------------------------------------------------------------
+
+
+class OptimizerSettings(_Section):
+    """AdamW; ``grad_clip <= 0`` disables gradient clipping."""
+
+    lr: PositiveFloat = 1e-5
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: PositiveFloat = 1e-8
+    weight_decay: NonNegativeFloat = 0.0
+    grad_clip: float = 1.0
+
+
+class ScheduleSettings(_Section):
+    """Linear warmup, then constant, linear or cosine decay (decay needs ``total_steps``)."""
+
+    name: Literal["constant", "linear", "cosine"] = "constant"
+    warmup_steps: NonNegativeInt = 0
+    total_steps: PositiveInt | None = None
+    min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0)
+
+    @model_validator(mode="after")
+    def _check(self) -> ScheduleSettings:
+        if self.name != "constant" and self.total_steps is None:
+            raise ValueError(f"total_steps: the {self.name} schedule needs it")
+        return self
+
+
+class LoraSettings(_Section):
+    """Low-rank adapters: only the adapter weights train; weight sync merges them."""
+
+    r: PositiveInt = 8
+    alpha: PositiveFloat = 16.0
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    target_modules: list[str] | Literal["all-linear"] = "all-linear"
+
+
+class _Job(_Section):
+    model: str | None = Field(None, min_length=1)
+    dtype: Dtype | None = None
+    seed: int | None = None
+    n_gpus: PositiveInt = 1
+
+
+class TrainingJob(_Job):
+    """The trainer: optimizer, schedule, microbatch token budget, LoRA, checkpoint retention.
+
+    ``checkpoint_dir`` is the folder (on the machine running the engines) that
+    ``save_checkpoint``/``load_checkpoint`` use when called without ``path``; by default the
+    server's own checkpoint folder.
+    """
+
+    max_seq_len: PositiveInt = 4096
+    train_batch_size: PositiveInt | None = None
+    optimizer: OptimizerSettings = OptimizerSettings()
+    schedule: ScheduleSettings = ScheduleSettings()
+    max_tokens_per_microbatch: PositiveInt = 16384
+    packing: bool = True
+    gradient_checkpointing: bool = False
+    attn_implementation: str | None = None
+    lora: LoraSettings | None = None
+    save_total_limit: PositiveInt | None = None
+    checkpoint_dir: str | None = None
+
+
+class InferenceJob(_Job):
+    """A sampler (``sampling``) or a frozen reference scorer (``log_prob``).
+
+    ``max_seq_len`` bounds prompt plus completion (default: the model's context length);
+    ``vllm_config`` is the vLLM engine dictionary frameworks pass (``max_num_seqs`` and
+    ``max_model_len`` are honoured, other keys are recorded by the server as ignored).
+    """
+
+    max_seq_len: PositiveInt | None = None
+    max_batch_size: PositiveInt = 256
+    max_tokens_per_microbatch: PositiveInt = 16384
+    vllm_config: dict[str, Any] = Field(default_factory=dict)
+
+
+# -- the config -------------------------------------------------------------------------------
+
+
+class ArcticRLClientConfig(_Section):
+    """Backend, jobs and reconnect ids of a client (see the module docstring)."""
+
+    model: str | None = Field(None, min_length=1)
+    dtype: Dtype = "auto"
+    seed: int | None = None
+    backend: Backend = InProcessBackend()
+    training: TrainingJob | None = TrainingJob()
+    sampling: InferenceJob | None = None
+    log_prob: InferenceJob | None = None
+    training_job_id: str | None = None
+    sampling_job_id: str | None = None
+    log_prob_job_id: str | None = None
+    tensor_type: Literal["auto", "numpy", "torch"] = "auto"
+    experiment_name: str | None = None
+    # Provenance of a folded legacy config: "local" lets the environment override apply.
+    legacy_backend: Literal["local", "dss-platform"] | None = Field(None, exclude=True)
+    # Legacy settings that were accepted but have no meaning on these engines.
+    ignored_settings: dict[str, Any] = Field(default_factory=dict, exclude=True, repr=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _reject_unknown(cls, data: Any) -> Any:
+        from arctic_platform.client.legacy import LEGACY_FIELDS, fold_legacy
+
+        if isinstance(data, Mapping):
+            known = cls.known_keys() | LEGACY_FIELDS
+            unknown = [k for k in data if k not in known]
+            if unknown:
+                shown = cls.known_keys() - {"legacy_backend", "ignored_settings"}
+                raise ValueError(
+                    unknown_field_message(unknown, known, "ArcticRLClientConfig", shown)
+                )
+            data = fold_legacy(data)
+            _check_backend_type(data.get("backend"))
+        return data
+
+    @field_validator("training_job_id", "sampling_job_id", "log_prob_job_id", mode="before")
+    @classmethod
+    def _id_as_str(cls, value: Any) -> Any:
+        return str(value) if isinstance(value, int) and not isinstance(value, bool) else value
+
+    @model_validator(mode="after")
+    def _check_jobs(self) -> ArcticRLClientConfig:
+        if self.reconnecting:
+            return self
+        jobs = self.jobs()
+        if not jobs:
+            raise ValueError(
+                "training, sampling, log_prob: no job configured; configure at least one "
+                "(or give *_job_id to attach to running jobs)"
+            )
+        for role, job in jobs.items():
+            if (job.model or self.model) is None:
+                raise ValueError(
+                    f"model: required (the model the {role} job loads: a local path, a hub "
+                    "name or builtin:tiny); set it at the top level or in the job's section"
+                )
+        return self
+
+    # -- views ------------------------------------------------------------------------------
+
+    @property
+    def reconnecting(self) -> bool:
+        """True when the config names running jobs to attach to."""
+        return any(
+            v is not None
+            for v in (self.training_job_id, self.sampling_job_id, self.log_prob_job_id)
+        )
+
+    def jobs(self) -> dict[str, TrainingJob | InferenceJob]:
+        """The configured jobs by role, in creation order (inference first, training last)."""
+        pairs = (
+            ("sampling", self.sampling),
+            ("log_prob", self.log_prob),
+            ("training", self.training),
+        )
+        return {role: job for role, job in pairs if job is not None}
+
+    def sub_job_configs(self) -> list[dict[str, Any]]:
+        """The ``sub_job_configs`` of the Cortex create-job body, one per configured job."""
+        return [self._sub_job(role, job) for role, job in self.jobs().items()]
+
+    def to_create_job_request(self) -> CreateJobRequest:
+        """The job spec every backend creates jobs from (validated by the server's model)."""
+        return CreateJobRequest.model_validate(
+            {"sub_job_configs": self.sub_job_configs(), "experiment_name": self.experiment_name}
+        )
+
+    def _sub_job(self, role: str, job: TrainingJob | InferenceJob) -> dict[str, Any]:
+        spec: dict[str, Any] = {
+            "job_type": "log_probability" if role == "log_prob" else role,
+            "model_name": job.model or self.model,
+            "dtype": job.dtype or self.dtype,
+        }
+        seed = job.seed if job.seed is not None else self.seed
+        if seed is not None:
+            spec["seed"] = seed
+        if isinstance(job, TrainingJob):
+            opt = job.optimizer
+            settings: dict[str, Any] = {
+                "n_gpus": job.n_gpus,
+                "max_seq_len": job.max_seq_len,
+                "optimizer": {
+                    "name": "AdamW",
+                    "lr": opt.lr,
+                    "betas": list(opt.betas),
+                    "eps": opt.eps,
+                    "weight_decay": opt.weight_decay,
+                },
+                "gradient_clipping": opt.grad_clip,
+                "lr_scheduler": job.schedule.model_dump(exclude_none=True),
+                "max_tokens_per_microbatch": job.max_tokens_per_microbatch,
+                "packing": job.packing,
+                "activation_checkpointing": job.gradient_checkpointing,
+            }
+            optional = {
+                "train_batch_size": job.train_batch_size,
+                "attn_implementation": job.attn_implementation,
+                "save_total_limit": job.save_total_limit,
+            }
+            if job.lora is not None:
+                optional["peft_config"] = {"peft_type": "Lora", **job.lora.model_dump()}
+            settings.update({k: v for k, v in optional.items() if v is not None})
+            spec["training_config"] = settings
+        else:
+            settings = {
+                "n_gpus": job.n_gpus,
+                "max_batch_size": job.max_batch_size,
+                "max_tokens_per_microbatch": job.max_tokens_per_microbatch,
+                "vllm_config": dict(job.vllm_config),
+            }
+            if job.max_seq_len is not None:
+                settings["max_seq_len"] = job.max_seq_len
+            spec["inference_config"] = settings
+        return spec
+
+    # -- YAML -------------------------------------------------------------------------------
+
+    @classmethod
+    def from_yaml(cls, path: str | os.PathLike) -> ArcticRLClientConfig:
+        """Load a YAML file (a mapping at the top level); errors name the file and the field."""
+        import yaml
+
+        text = Path(path).read_text()
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            raise ValueError(f"{path}: not valid YAML: {exc}") from None
+        if data is None:
+            data = {}
+        if not isinstance(data, Mapping):
+            raise ValueError(
+                f"{path}: expected a mapping at the top level, got {type(data).__name__}"
+            )
+        return cls.model_validate(data)
+
+    def to_yaml(self, path: str | os.PathLike | None = None) -> str:
+        """The config as YAML (written to ``path`` when given); ``from_yaml`` reads it back."""
+        import yaml
+
+        text = yaml.safe_dump(
+            self.model_dump(mode="json", by_alias=True), sort_keys=False, default_flow_style=False
+        )
+        if path is not None:
+            Path(path).write_text(text)
+        return text
+
+
+def load_config(config: ArcticRLClientConfig | Mapping | str | os.PathLike) -> ArcticRLClientConfig:
+    """A config object from an object, a dict, or the path of a YAML file."""
+    if isinstance(config, ArcticRLClientConfig):
+        return config
+    if isinstance(config, Mapping):
+        return ArcticRLClientConfig.model_validate(config)
+    if isinstance(config, (str, os.PathLike)):
+        return ArcticRLClientConfig.from_yaml(config)
+    raise TypeError(
+        "config: expected an ArcticRLClientConfig, a dict or the path of a YAML file, got "
+        f"{type(config).__name__}"
+    )

@@ -1,0 +1,516 @@
+"""The ``cortex`` backend: any server speaking the Cortex/SnowAPI job API (ours included).
+
+Facts of the API: reference/client_wire_api.md §2. How this transport uses it:
+
+* **Jobs.** ``POST {prefix}`` with ``{"sub_job_configs": [...]}`` creates one job holding every
+  configured sub-job; ``GET {prefix}/{job}`` is polled until ``running`` (0.5 s, x1.25, at most
+  6 s between polls, bounded by ``job_ready_timeout``); the sub-job ids are read from the job
+  info. Shutdown cancels the job if this client created it (an attached client leaves it).
+* **Data plane.** Every op posts to ``{prefix}/{job}/{route}`` and gets ``{"request_id"}``; the
+  transport polls ``GET .../requests/{rid}`` with the same backoff until the request is done
+  (bounded by ``poll_timeout``), collecting ``result_chunk`` events through ``next_cursor`` and
+  checking their sha256, then decodes the DSSST1 result (inline base64 or chunks) or the JSON one.
+  ``forward`` uses our ``forward-no-grad`` route; sleep/wake/cache ops and weight sync travel as
+  ``/operation`` envelopes, answered inline or with a ``request_id``.
+* **Chunking and exactly-once gradients.** Octet bodies above ``max_request_bytes`` travel as a
+  request chunk group. ``forward-backward`` is *always* sent as a group (``force_chunk``), so every
+  call has a ``chunk_group_id``: re-posting a chunk whose response was lost returns the original
+  ``request_id`` instead of running the step again. Chunk-group errors are never retried per chunk;
+  on ``chunk_group_restart_required`` the whole group is replayed once from chunk 0 with the same
+  group id.
+* **Retries** (tenacity, exponential backoff with jitter from ``retry_initial_wait`` (0.5 s) up to
+  ``retry_max_wait`` (10 s), at most ``max_retries``): connection
+  errors and 404/409/429/5xx are retried for requests that are safe to repeat (polls, job status,
+  chunk posts, side-effect-free submissions). ``step``, ``save``, ``load`` and operations carry no
+  idempotency key in the API, so only failures to connect and 429 are retried for them; any other
+  failure is raised rather than risking a second optimizer step. 409/5xx answers whose code says
+  the job ended (``job_failed``, ``engine_failure``, ...) are final.
+* **Auth.** The PAT headers (``Authorization: Bearer``, ``X-Snowflake-Authorization-Token-Type:
+  PROGRAMMATIC_ACCESS_TOKEN``) are sent when the token variable is set, and required unless
+  ``base_url`` is a plain-HTTP loopback URL (see ``CortexBackend``).
+* **Errors.** A failed request's error is ``"<Kind>: <message>"`` on our server; the kind maps to
+  the same exception class the other backends raise for it (``BadRequest`` ->
+  :class:`InvalidRequestError`, ...); any other failure is a :class:`ServerError` with code
+  ``request_failed``.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import logging
+import re
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+from tenacity import Retrying, retry_if_exception, stop_after_attempt
+
+from arctic_platform import wire
+from arctic_platform.client.config import ArcticRLClientConfig, CortexBackend
+from arctic_platform.client.errors import (
+    ArcticRLError,
+    ChunkGroupError,
+    InvalidRequestError,
+    NotFoundError,
+    RequestTimeoutError,
+    ServerError,
+    server_error,
+)
+from arctic_platform.client.tensors import resolve_tensor_type
+from arctic_platform.client.transport import ROLES, JobHandles, Request, Transport
+from arctic_platform.client.transports.http_common import (
+    connection_error,
+    decode_body,
+    error_from_response,
+    octet_request,
+    retry_wait,
+)
+
+log = logging.getLogger(__name__)
+
+PAT_TYPE_HEADER = "X-Snowflake-Authorization-Token-Type"
+PAT_TYPE = "PROGRAMMATIC_ACCESS_TOKEN"
+RESPONSE_OPTIONS = {"response_options": {"format": "dssst1", "delivery": "chunked"}}
+RETRY_STATUSES = frozenset({404, 409, 429, 500, 502, 503, 504})
+FINAL_CODES = frozenset(
+    {
+        "job_failed",
+        "job_cancelled",
+        "job_terminated",
+        "failed_precondition",
+        "engine_failure",
+        "invalid_argument",
+    }
+)
+MAX_EVENTS = 512
+DONE = {"done", "completed", "succeeded"}
+FAILED = {"failed"}
+CANCELLED = {"cancelled", "canceled"}
+ENDED_JOB = {"failed", "cancelled", "canceled", "terminated", "done"}
+ROLE_OF_TYPE = {
+    "training": "training",
+    "sampling": "sampling",
+    "log_probability": "log_prob",
+    "log_prob": "log_prob",
+}
+# Error kinds our server records for failed requests, and the status the same error has inline.
+FAILED_KINDS = {
+    "BadRequest": (400, "invalid_argument"),
+    "Unauthorized": (401, "unauthenticated"),
+    "NotFound": (404, "not_found"),
+    "Conflict": (409, "conflict"),
+    "EngineFailure": (500, "engine_failure"),
+}
+LIFECYCLE_OPS = {
+    "sleep-inference",
+    "wake-inference",
+    "sleep-training",
+    "wake-training",
+    "empty-training-cache",
+}
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """Which failures of one HTTP request may be retried."""
+
+    statuses: frozenset[int]
+    after_send: bool  # retry connection failures that happen after the request was sent
+
+
+REPEATABLE = RetryPolicy(RETRY_STATUSES, after_send=True)
+NOT_REPEATABLE = RetryPolicy(frozenset({429}), after_send=False)
+
+
+class CortexTransport(Transport):
+    """One Cortex job with its sub-jobs (see module doc)."""
+
+    def __init__(self, config: ArcticRLClientConfig) -> None:
+        backend = config.backend
+        assert isinstance(backend, CortexBackend)
+        self.config = config
+        self.backend = backend
+        self.jobs = JobHandles()
+        self.job_id: str | None = None
+        self._owns_job = False
+        self._tensor_type = resolve_tensor_type(config.tensor_type)
+        headers = {}
+        token = backend.resolve_pat()
+        if token is not None:
+            headers = {"Authorization": f"Bearer {token}", PAT_TYPE_HEADER: PAT_TYPE}
+        self._client: httpx.Client | None = httpx.Client(
+            headers=headers,
+            timeout=httpx.Timeout(backend.request_timeout, connect=10.0),
+            verify=backend.verify_tls,
+        )
+
+    @property
+    def _job_url(self) -> str:
+        return f"{self.backend.prefix}/{self.job_id}"
+
+    # -- lifecycle --------------------------------------------------------------------------
+
+    def initialize(self) -> JobHandles:
+        if self.config.reconnecting:
+            return self._attach()
+        body = self.config.to_create_job_request().model_dump(
+            mode="json", by_alias=True, exclude_none=True
+        )
+        answer = self._request(
+            "POST", self.backend.prefix, op="create job", policy=NOT_REPEATABLE, json=body
+        )
+        self.job_id = str(_field(answer, "job_id", "create job"))
+        self._owns_job = True
+        info = self._wait_running()
+        found = _sub_jobs(info)
+        for role in self.config.jobs():
+            if role not in found:
+                raise ServerError(
+                    f"job {self.job_id} has no {role} sub-job", status=None, code="bad_response"
+                )
+            setattr(self.jobs, role, found[role])
+        return self.jobs
+
+    def _attach(self) -> JobHandles:
+        ids = {r: getattr(self.config, f"{r}_job_id") for r in ROLES}
+        parents = {i.split(":", 1)[0] for i in ids.values() if i is not None}
+        if len(parents) != 1:
+            raise ValueError(
+                f"training_job_id/sampling_job_id/log_prob_job_id: on cortex they must be "
+                f"sub-jobs of one job, got parents {sorted(parents)}"
+            )
+        self.job_id = parents.pop()
+        known = set(_sub_jobs(self._wait_running()).values())
+        for role, job_id in ids.items():
+            if job_id is None:
+                continue
+            if ":" not in job_id or job_id not in known:
+                raise NotFoundError(
+                    f"sub-job {job_id!r} is not in job {self.job_id}",
+                    status=404,
+                    code="not_found",
+                    op="attach",
+                )
+            setattr(self.jobs, role, job_id)
+        return self.jobs
+
+    def shutdown(self) -> None:
+        if self._client is None:
+            return
+        if self._owns_job and self.job_id is not None:
+            try:
+                self._request(
+                    "POST", f"{self._job_url}:cancel", op="cancel job", policy=NOT_REPEATABLE
+                )
+            except ArcticRLError as exc:
+                log.warning("could not cancel job %s: %s", self.job_id, exc)
+        self._owns_job = False
+        self._client.close()
+        self._client = None
+        self.jobs = JobHandles()
+
+    def _wait_running(self) -> dict:
+        backend = self.backend
+        deadline = time.monotonic() + backend.job_ready_timeout
+        interval = backend.poll_interval
+        while True:
+            info = self._request("GET", self._job_url, op="job status", policy=REPEATABLE)
+            if isinstance(info, dict) and isinstance(info.get("job"), dict):
+                info = info["job"]
+            status = _state(_field(info, "status", "job status"), "job_state_")
+            if status == "running":
+                return info
+            if status in ENDED_JOB:
+                states = {s.get("sub_job_id"): s.get("status") for s in info.get("sub_jobs") or []}
+                raise server_error(
+                    409,
+                    f"job_{status}",
+                    f"job {self.job_id} is {status}: {info.get('reason')} (sub-jobs: {states})",
+                    op="create job",
+                )
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise RequestTimeoutError(
+                    f"job {self.job_id} is still {status} after {backend.job_ready_timeout:.0f}s"
+                )
+            time.sleep(min(interval, remaining))
+            interval = min(interval * backend.poll_backoff, backend.poll_max_interval)
+
+    # -- ops --------------------------------------------------------------------------------
+
+    def call(self, request: Request) -> Any:
+        op = request.op
+        if op == "forward-backward":
+            return self._octet(request, "forward-backward", force_chunk=True)
+        if op == "forward":
+            return self._octet(request, "forward-no-grad", force_chunk=False)
+        if op == "generate":
+            return self._octet(request, "generate", force_chunk=False)
+        if op == "log-probs":
+            return self._submit_json(op, "log-probs", request.body, REPEATABLE)
+        if op in ("step", "save"):
+            return self._submit_json(op, op, request.body, NOT_REPEATABLE)
+        if op == "load-checkpoint":
+            return self._load(request)
+        if op == "operation":
+            return self._operation(request.body)
+        if op in LIFECYCLE_OPS:
+            payload = request.body
+            if op == "wake-inference":
+                payload = {} if payload is None else {"tags": payload}
+            envelope = {
+                "operation_type": op,
+                "sub_job_id": request.job_id,
+                "payload": payload or {},
+            }
+            return self._operation(envelope)
+        raise ValueError(f"op: the cortex transport has no route for {op!r}")
+
+    def _octet(self, request: Request, route: str, *, force_chunk: bool) -> Any:
+        op = request.op
+        url = f"{self._job_url}/{route}"
+        buffers = wire.dumps_buffers(request.body, metadata=RESPONSE_OPTIONS)
+        size = sum(memoryview(b).nbytes for b in buffers)
+        limit = self.backend.max_request_bytes
+        if not force_chunk and size <= limit:
+            content, headers = octet_request(buffers)
+            answer = self._request(
+                "POST", url, op=op, policy=REPEATABLE, content=content, headers=headers
+            )
+            return self._poll(str(_field(answer, "request_id", op)), op)
+        chunks = wire.encode_byte_chunks(
+            b"".join(buffers), kind="request", operation=op, max_bytes=limit, force_chunk=True
+        )
+        return self._poll(self._send_group(url, chunks, op), op)
+
+    def _send_group(self, url: str, chunks: list[bytes], op: str) -> str:
+        """Post a chunk group; replay it once from chunk 0 if the server asks (module doc)."""
+        try:
+            return self._post_group(url, chunks, op)
+        except ChunkGroupError as exc:
+            if exc.code != "chunk_group_restart_required":
+                raise
+            log.warning("%s: the server asks to restart the chunk group; replaying it once", op)
+        return self._post_group(url, chunks, op)
+
+    def _post_group(self, url: str, chunks: list[bytes], op: str) -> str:
+        request_id = None
+        for index, chunk in enumerate(chunks):
+            content, headers = octet_request([chunk])
+            answer = self._request(
+                "POST", url, op=op, policy=REPEATABLE, content=content, headers=headers
+            )
+            request_id = answer.get("request_id") if isinstance(answer, dict) else None
+            if request_id is not None and index != len(chunks) - 1:
+                raise ServerError(
+                    f"request_id returned for chunk {index} of {len(chunks)}",
+                    status=None,
+                    code="bad_response",
+                    op=op,
+                )
+        if request_id is None:
+            raise ServerError(
+                "no request_id after the final chunk", status=None, code="bad_response", op=op
+            )
+        return str(request_id)
+
+    def _submit_json(self, op: str, route: str, body: Any, policy: RetryPolicy) -> Any:
+        answer = self._request("POST", f"{self._job_url}/{route}", op=op, policy=policy, json=body)
+        return self._poll(str(_field(answer, "request_id", op)), op)
+
+    def _operation(self, envelope: dict) -> Any:
+        op = str(envelope.get("operation_type", "operation"))
+        answer = self._request(
+            "POST", f"{self._job_url}/operation", op=op, policy=NOT_REPEATABLE, json=envelope
+        )
+        if (
+            isinstance(answer, dict)
+            and set(answer) <= {"request_id", "job_id"}
+            and "request_id" in answer
+        ):
+            return self._poll(str(answer["request_id"]), op)
+        return answer
+
+    def _load(self, request: Request) -> Any:
+        op = request.op
+        body = dict(request.body)
+        if "path" in body:
+            raise InvalidRequestError(
+                "path: the cortex API loads checkpoints by checkpoint_id (or step), not by a "
+                "server-side folder; pass checkpoint_id= (save_checkpoint returns it) or step=",
+                status=None,
+                code="invalid_argument",
+                op=op,
+            )
+        if "checkpoint_id" not in body:
+            step = body.pop("step", None)
+            listing = self._request("GET", f"{self._job_url}/checkpoints", op=op, policy=REPEATABLE)
+            found = [
+                c
+                for c in _field(listing, "checkpoints", op)
+                if step is None or c.get("global_steps") == step
+            ]
+            if not found:
+                which = "" if step is None else f" at step {step}"
+                raise NotFoundError(
+                    f"job {self.job_id} has no checkpoint{which}",
+                    status=404,
+                    code="not_found",
+                    op=op,
+                )
+            latest = max(
+                found, key=lambda c: (c.get("global_steps") or 0, c.get("created_at") or 0)
+            )
+            body["checkpoint_id"] = latest["checkpoint_id"]
+        body.setdefault("target_sub_job_id", request.job_id)
+        return self._submit_json(op, "load", body, NOT_REPEATABLE)
+
+    # -- polling ----------------------------------------------------------------------------
+
+    def _poll(self, request_id: str, op: str) -> Any:
+        backend = self.backend
+        url = f"{self._job_url}/requests/{request_id}"
+        deadline = time.monotonic() + backend.poll_timeout
+        interval = backend.poll_interval
+        cursor: str | None = None
+        chunks: list[bytearray] = []
+        while True:
+            params: dict[str, Any] = {"max_events": MAX_EVENTS}
+            if cursor:
+                params["cursor"] = cursor
+            state = self._request("GET", url, op=op, policy=REPEATABLE, params=params)
+            for event in state.get("events") or []:
+                if isinstance(event, dict) and event.get("type") == "result_chunk":
+                    chunks.append(_chunk_payload(event, op))
+            cursor = state.get("next_cursor") or None
+            if cursor:
+                continue  # more events are waiting: fetch them now
+            status = _state(state.get("status"), "request_state_")
+            if status in DONE:
+                return self._result(state, chunks, op)
+            if status in FAILED:
+                raise _failed_request(state.get("error"), op)
+            if status in CANCELLED:
+                raise server_error(
+                    409, "request_cancelled", f"request {request_id} was cancelled", op=op
+                )
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise RequestTimeoutError(
+                    f"{op}: request {request_id} is still {status} after "
+                    f"{backend.poll_timeout:.0f}s"
+                )
+            time.sleep(min(interval, remaining))
+            interval = min(interval * backend.poll_backoff, backend.poll_max_interval)
+
+    def _result(self, state: dict, chunks: list[bytearray], op: str) -> Any:
+        if chunks:
+            try:
+                return wire.decode_result_chunks(chunks, tensor_type=self._tensor_type)
+            except wire.WireError as exc:
+                raise ServerError(
+                    f"malformed result chunks: {exc}", status=None, code="bad_response", op=op
+                ) from None
+        result = state.get("result")
+        if isinstance(result, dict) and result.get("wire_format") == wire.WIRE_FORMAT_VERSION:
+            payload = bytearray(base64.b64decode(_field(result, "payload_b64", op)))
+            return decode_body(payload, "application/octet-stream", self._tensor_type, op=op)
+        return {} if result is None else result
+
+    # -- HTTP -------------------------------------------------------------------------------
+
+    def _request(self, method: str, url: str, *, op: str, policy: RetryPolicy, **kwargs) -> Any:
+        """One HTTP exchange with the policy's retries; decoded JSON, or the client's errors."""
+        if self._client is None:
+            raise ArcticRLError(f"{op}: the transport was shut down")
+        client = self._client
+
+        def retryable(exc: BaseException) -> bool:
+            if isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout)):
+                return True
+            if isinstance(exc, httpx.TransportError):
+                return policy.after_send
+            if isinstance(exc, ChunkGroupError):
+                return False
+            if isinstance(exc, ServerError):
+                return exc.status in policy.statuses and exc.code not in FINAL_CODES
+            return False
+
+        retrying = Retrying(
+            stop=stop_after_attempt(1 + self.backend.max_retries),
+            wait=retry_wait(self.backend.retry_initial_wait, self.backend.retry_max_wait),
+            retry=retry_if_exception(retryable),
+            before_sleep=lambda rs: log.info(
+                "%s: retrying after %s (attempt %d)", op, rs.outcome.exception(), rs.attempt_number
+            ),
+            reraise=True,
+        )
+        try:
+            for attempt in retrying:
+                with attempt:
+                    response = client.request(method, url, **kwargs)
+                    if response.status_code >= 400:
+                        raise error_from_response(response.status_code, response.content, op=op)
+        except httpx.HTTPError as exc:
+            raise connection_error(exc, url, op=op) from None
+        content_type = response.headers.get("content-type", "")
+        return decode_body(bytearray(response.content), content_type, self._tensor_type, op=op)
+
+
+def _field(value: Any, name: str, op: str) -> Any:
+    if not isinstance(value, dict) or name not in value:
+        raise ServerError(
+            f"the answer has no {name!r}: {str(value)[:200]}",
+            status=None,
+            code="bad_response",
+            op=op,
+        )
+    return value[name]
+
+
+def _state(value: Any, prefix: str) -> str:
+    text = str(value or "").lower()
+    return text[len(prefix) :] if text.startswith(prefix) else text
+
+
+def _sub_jobs(info: dict) -> dict[str, str]:
+    """Role -> sub-job id, from a job's info (the first sub-job of each type)."""
+    found: dict[str, str] = {}
+    for sub in info.get("sub_jobs") or []:
+        role = ROLE_OF_TYPE.get(_state(sub.get("job_type"), "job_type_"))
+        if role is not None and role not in found and sub.get("sub_job_id"):
+            found[role] = str(sub["sub_job_id"])
+    return found
+
+
+def _chunk_payload(event: dict, op: str) -> bytearray:
+    try:
+        payload = bytearray(base64.b64decode(event["payload_b64"]))
+    except (KeyError, ValueError, TypeError) as exc:
+        raise ServerError(
+            f"malformed result chunk: {exc}", status=None, code="bad_response", op=op
+        ) from None
+    expected = event.get("payload_sha256")
+    if expected is not None and hashlib.sha256(payload).hexdigest() != expected:
+        raise ServerError(
+            "a result chunk does not match its payload_sha256",
+            status=None,
+            code="bad_response",
+            op=op,
+        )
+    return payload
+
+
+_KIND = re.compile(r"^([A-Za-z]+): (.*)$", re.DOTALL)
+
+
+def _failed_request(error: Any, op: str) -> ServerError:
+    """The exception for a failed request: the same class its error has on the other backends."""
+    text = str(error or "the request failed without an error message")
+    match = _KIND.match(text)
+    if match and match.group(1) in FAILED_KINDS:
+        status, code = FAILED_KINDS[match.group(1)]
+        return server_error(status, code, match.group(2), op=op)
+    return server_error(None, "request_failed", text, op=op)

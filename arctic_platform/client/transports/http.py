@@ -1,0 +1,253 @@
+"""The ``http`` backend: an ``arctic-platform serve`` process, over its on-prem API.
+
+Jobs: one ``POST /initialize`` per configured job (it returns when the engine is ready, with the
+sub-job id), ``POST /destroy?job_id=`` at shutdown for the jobs this client created. Ops:
+``POST /{op}?job_id=<sub-job id>``; tensor bodies (forward-backward, forward, generate) as
+streamed DSSST1 frames, everything else JSON; the response is DSSST1 or JSON by its
+Content-Type.
+
+Retries: only failures to connect are retried (the request never reached the server). A
+connection that breaks after the request was sent is reported, not replayed: the on-prem API has
+no idempotency key, and replaying a ``forward-backward`` or ``step`` could apply it twice.
+
+With ``launch_local_server`` the client starts ``arctic-platform serve`` itself (same Python,
+inherited stdout/stderr so its log is visible), waits for ``GET /health``, fails fast with the
+exit code if it dies, and stops it at shutdown.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import subprocess
+import sys
+import time
+from typing import Any
+
+import httpx
+from tenacity import Retrying, retry_if_exception_type, stop_after_attempt
+
+from arctic_platform import wire
+from arctic_platform.client.config import ArcticRLClientConfig, HttpBackend
+from arctic_platform.client.errors import (
+    ArcticRLError,
+    BackendUnavailableError,
+    RequestTimeoutError,
+    server_error,
+)
+from arctic_platform.client.tensors import resolve_tensor_type
+from arctic_platform.client.transport import ROLES, JobHandles, Request, Transport
+from arctic_platform.client.transports.http_common import (
+    connection_error,
+    decode_body,
+    error_from_response,
+    octet_request,
+    read_response,
+    retry_wait,
+)
+
+log = logging.getLogger(__name__)
+CONNECT_ERRORS = (httpx.ConnectError, httpx.ConnectTimeout)
+
+
+class HttpTransport(Transport):
+    """Talks to one on-prem server (see module doc)."""
+
+    def __init__(self, config: ArcticRLClientConfig) -> None:
+        backend = config.backend
+        assert isinstance(backend, HttpBackend)
+        self.config = config
+        self.backend = backend
+        self.jobs = JobHandles()
+        self._tensor_type = resolve_tensor_type(config.tensor_type)
+        self._created: list[tuple[str, str]] = []
+        self._process: subprocess.Popen | None = None
+        self._base_url = backend.base_url
+        headers = {}
+        if backend.token_env is not None:
+            token = os.environ.get(backend.token_env)
+            if not token:
+                raise ValueError(
+                    f"backend.token_env: the environment variable {backend.token_env} holding "
+                    "the server's bearer token is unset or empty"
+                )
+            headers["Authorization"] = f"Bearer {token}"
+        self._headers = headers
+        self._client: httpx.Client | None = None
+
+    # -- lifecycle --------------------------------------------------------------------------
+
+    def initialize(self) -> JobHandles:
+        if self.backend.launch_local_server and not self.config.reconnecting:
+            self._launch()
+        self._client = httpx.Client(
+            base_url=self._base_url,
+            headers=self._headers,
+            timeout=httpx.Timeout(self.backend.request_timeout, connect=10.0),
+        )
+        self._get("/health", op="health")
+        if self.config.reconnecting:
+            return self._attach()
+        specs = self.config.sub_job_configs()
+        for (role, _), spec in zip(self.config.jobs().items(), specs, strict=True):
+            answer = self._post_json(
+                "/initialize", spec, op="initialize", timeout=self.backend.job_ready_timeout
+            )
+            job_id = str(answer["job_id"])
+            self._created.append((job_id, role))
+            setattr(self.jobs, role, job_id)
+        return self.jobs
+
+    def _attach(self) -> JobHandles:
+        for role in ROLES:
+            job_id = getattr(self.config, f"{role}_job_id")
+            if job_id is None:
+                continue
+            info = self._get(f"/job/{job_id}", op="attach")
+            status = str(info.get("status", "")).lower()
+            if status != "running":
+                raise server_error(
+                    409,
+                    f"job_{status}",
+                    f"job {job_id} is {status}: {info.get('reason')}",
+                    op="attach",
+                )
+            setattr(self.jobs, role, job_id)
+        return self.jobs
+
+    def shutdown(self) -> None:
+        created, self._created = self._created, []
+        if self._client is not None:
+            for job_id, role in created:
+                try:
+                    self._post_json(
+                        "/destroy",
+                        {"job_type": role},
+                        op="destroy",
+                        params={"job_id": job_id},
+                    )
+                except ArcticRLError as exc:
+                    log.warning("could not destroy job %s: %s", job_id, exc)
+            self._client.close()
+            self._client = None
+        self._stop_server()
+        self.jobs = JobHandles()
+
+    def reconnect_backend(self) -> HttpBackend:
+        """The server's actual URL, not "launch one": a reconnecting client attaches to it."""
+        return self.backend.model_copy(update={"url": self._base_url, "launch_local_server": False})
+
+    # -- ops --------------------------------------------------------------------------------
+
+    def call(self, request: Request) -> Any:
+        params = {"job_id": request.job_id}
+        path = f"/{request.op}"
+        if request.binary:
+            content, headers = octet_request(wire.dumps_buffers(request.body))
+            return self._send(
+                "POST", path, op=request.op, params=params, content=content, headers=headers
+            )
+        return self._post_json(path, request.body, op=request.op, params=params)
+
+    # -- HTTP -------------------------------------------------------------------------------
+
+    def _get(self, path: str, *, op: str) -> Any:
+        return self._send("GET", path, op=op)
+
+    def _post_json(self, path: str, body: Any, *, op: str, params=None, timeout=None) -> Any:
+        if body is None:
+            return self._send("POST", path, op=op, params=params, timeout=timeout)
+        return self._send("POST", path, op=op, params=params, json=body, timeout=timeout)
+
+    def _send(self, method: str, path: str, *, op: str, timeout=None, **kwargs) -> Any:
+        if self._client is None:
+            raise ArcticRLError(f"{op}: the transport is not initialized or was shut down")
+        client = self._client
+        if timeout is not None:
+            kwargs["timeout"] = httpx.Timeout(timeout, connect=10.0)
+        retrying = Retrying(
+            stop=stop_after_attempt(1 + self.backend.connect_retries),
+            wait=retry_wait(0.2, 2.0),
+            retry=retry_if_exception_type(CONNECT_ERRORS),
+            reraise=True,
+        )
+        try:
+            for attempt in retrying:
+                with attempt:
+                    request = client.build_request(method, path, **kwargs)
+                    response = client.send(request, stream=True)
+                    try:
+                        body = read_response(response)
+                    finally:
+                        response.close()
+        except httpx.HTTPError as exc:
+            raise connection_error(exc, f"{self._base_url}{path}", op=op) from None
+        if response.status_code >= 400:
+            raise error_from_response(response.status_code, body, op=op)
+        content_type = response.headers.get("content-type", "")
+        return decode_body(body, content_type, self._tensor_type, op=op)
+
+    # -- local server -----------------------------------------------------------------------
+
+    def _launch(self) -> None:
+        backend = self.backend
+        port = backend.port or _free_port(backend.host)
+        host = backend.host
+        self._base_url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
+        command = [
+            sys.executable,
+            "-c",
+            "from arctic_platform.cli import main; main()",
+            "serve",
+            "--host",
+            host,
+            "--port",
+            str(port),
+            "--data-dir",
+            str(backend.data_dir),
+            "--device",
+            backend.device,
+        ]
+        if backend.token_env is not None:
+            command += ["--token-env", backend.token_env]
+        log.info("launching a local server: %s", " ".join(command[3:]))
+        self._process = subprocess.Popen(command)
+        deadline = time.monotonic() + backend.startup_timeout
+        with httpx.Client(timeout=3.0) as probe:
+            while True:
+                code = self._process.poll()
+                if code is not None:
+                    self._process = None
+                    raise BackendUnavailableError(
+                        f"the local server exited with code {code} before becoming healthy "
+                        "(its log is above)"
+                    )
+                with contextlib.suppress(httpx.HTTPError):
+                    if probe.get(f"{self._base_url}/health").status_code == 200:
+                        return
+                if time.monotonic() > deadline:
+                    self._stop_server()
+                    raise RequestTimeoutError(
+                        f"the local server did not answer /health within {backend.startup_timeout}s"
+                    )
+                time.sleep(0.2)
+
+    def _stop_server(self) -> None:
+        process, self._process = self._process, None
+        if process is None:
+            return
+        process.terminate()
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def _free_port(host: str) -> int:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]

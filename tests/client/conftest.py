@@ -1,0 +1,88 @@
+"""Fixtures for client tests: our real server (Service + FastAPI app) on a loopback port."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+TINY = "builtin:tiny"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextmanager
+def serve_app(app) -> Iterator[str]:
+    """Serve an ASGI ``app`` with uvicorn in a background thread; yield its base URL."""
+    import uvicorn
+
+    port = free_port()
+    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", http="httptools")
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        if time.monotonic() > deadline or not thread.is_alive():
+            raise RuntimeError("the test server did not start")
+        time.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+
+
+@pytest.fixture(scope="session")
+def service(tmp_path_factory):
+    """One real Service for the client tests' servers (jobs are per client)."""
+    from arctic_platform.server.service import Service, ServiceSettings
+
+    svc = Service(ServiceSettings(data_dir=tmp_path_factory.mktemp("server"), device="cpu"))
+    yield svc
+    svc.close()
+
+
+def make_app(service, tokens=(), middleware=None):
+    from arctic_platform.server.app import create_app
+    from arctic_platform.server.auth import TokenAuth
+
+    app = create_app(service, auth=TokenAuth(list(tokens)), close_service_on_shutdown=False)
+    return app if middleware is None else middleware(app)
+
+
+@pytest.fixture(scope="session")
+def server_url(service) -> Iterator[str]:
+    """Base URL of our server (both APIs) on a free 127.0.0.1 port, for the whole session."""
+    with serve_app(make_app(service)) as url:
+        yield url
+
+
+def backend_config(kind: str, url: str | None, data_dir: Path, **extra) -> dict:
+    """The ``backend:`` section of a test client on ``kind``."""
+    if kind == "inprocess":
+        backend = {"type": "inprocess", "data_dir": str(data_dir), "device": "cpu"}
+    elif kind == "http":
+        backend = {"type": "http", "url": url}
+    elif kind == "cortex":
+        backend = {
+            "type": "cortex",
+            "base_url": url,
+            "database": "DB",
+            "schema": "RL",
+            "poll_interval": 0.01,
+            "poll_max_interval": 0.05,
+        }
+    else:
+        raise ValueError(kind)
+    backend.update(extra)
+    return backend
