@@ -30,6 +30,7 @@ from arctic_platform.server.http_common import (
 )
 from arctic_platform.server.op_bodies import GenerateBody, parse
 from arctic_platform.server.ops import BINARY_RESULTS
+from arctic_platform.server.service import LIFECYCLE_OPERATIONS
 
 PREFIX = "/api/v2/databases/{database}/schemas/{schema}/{endpoint}"
 EXPORT_TTL_S = 900
@@ -250,7 +251,7 @@ async def operation(job_id: str, request: Request) -> Any:
     sub, op, payload = service.dispatch(job_id, "operation", body, owner=owner)
     if sub is None:
         return service.inline_operation(job_id, op, payload, owner=owner)
-    if op in ("reset-prefix-cache", "sleep-inference", "wake-inference"):
+    if op in LIFECYCLE_OPERATIONS:
         # Quick operations answer inline, as the Cortex API does for these types.
         return await run_in_threadpool(service.call, sub, op, payload)
     future = service.submit(sub, op, payload)

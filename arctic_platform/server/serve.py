@@ -7,6 +7,8 @@ exposing it unauthenticated is refused rather than warned about.
 from __future__ import annotations
 
 import logging
+import signal
+import sys
 from pathlib import Path
 
 from arctic_platform.server.auth import TokenAuth
@@ -46,6 +48,9 @@ def serve(
     )
     app = create_app(service, auth=auth, max_body_bytes=max_body_mb * 1024 * 1024)
     log.info("arctic-platform serving on http://%s:%d (data dir %s)", host, port, data_dir)
+    # uvicorn drains in-flight requests on SIGTERM, then re-raises the signal; this handler turns
+    # that into exit status 0, since SIGTERM is the normal way to stop a server.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     uvicorn.run(
         app,
         host=host,

@@ -47,13 +47,16 @@ from arctic_platform.server.store import MetadataStore
 
 TERMINAL = ("failed", "cancelled", "terminated")
 INLINE_OPERATIONS = {"cancel-request", "tail-logs"}
-OPERATION_TYPES = {
-    "weight-sync",
+# Colocation lifecycle ops travel as operations on the Cortex API, which has no route for them.
+LIFECYCLE_OPERATIONS = {
     "reset-prefix-cache",
     "sleep-inference",
     "wake-inference",
-    *INLINE_OPERATIONS,
+    "sleep-training",
+    "wake-training",
+    "empty-training-cache",
 }
+OPERATION_TYPES = {"weight-sync", *LIFECYCLE_OPERATIONS, *INLINE_OPERATIONS}
 LOG_LINES_PER_JOB = 2000
 
 
@@ -355,7 +358,7 @@ class Service:
         return sub.queue.submit(fn, *args).result()
 
     def _guarded(self, job: Job, sub: SubJob, op: str, runner) -> Any:
-        from arctic_platform.engine.errors import EngineInputError
+        from arctic_platform.engine.errors import EngineInputError, SamplerStateError
 
         if job.cancelled.is_set():
             raise Conflict(f"job {job.job_id} was cancelled", code="job_cancelled")
@@ -367,6 +370,9 @@ class Service:
                 raise
             except EngineInputError as exc:
                 raise BadRequest(f"{op}: {exc}", field=exc.field) from None
+            except SamplerStateError as exc:
+                # A weight sync failed part-way: the job is healthy once a full sync succeeds.
+                raise Conflict(f"{op}: {exc}", code="weights_incomplete") from None
             except Exception as exc:
                 reason = f"{op} failed on {sub.sub_job_id}: {type(exc).__name__}: {exc}"
                 self._log(job, reason + "\n" + traceback.format_exc(limit=8))

@@ -1,0 +1,91 @@
+"""Fixtures for server tests: a real Service on a temp dir and its FastAPI app."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from contextlib import contextmanager
+
+import httpx
+import pytest
+import uvicorn
+
+from arctic_platform.server.app import create_app
+from arctic_platform.server.auth import TokenAuth
+from arctic_platform.server.service import Service, ServiceSettings
+
+TINY = "builtin:tiny"
+OCTET = {"content-type": "application/octet-stream"}
+CORTEX = "/api/v2/databases/DB/schemas/RL/cortex-training"
+
+
+def sub_job(kind: str, **extra) -> dict:
+    spec = {"job_type": kind, "model_name": TINY, "seed": 0}
+    if kind == "training":
+        spec["training_config"] = {"optimizer": {"name": "AdamW", "lr": 1e-3}}
+    spec.update(extra)
+    return spec
+
+
+def job_request(*kinds: str) -> dict:
+    kinds = kinds or ("training", "sampling", "log_probability")
+    return {"sub_job_configs": [sub_job(k) for k in kinds]}
+
+
+@pytest.fixture
+def service(tmp_path):
+    svc = Service(ServiceSettings(data_dir=tmp_path / "data", device="cpu"))
+    yield svc
+    svc.close()
+
+
+@pytest.fixture
+def running_job(service):
+    """A job with training, sampling and log-prob sub-jobs, ready to use."""
+    info = service.create_job(job_request())
+    service.wait_until_running(info["job_id"], timeout=120)
+    return info["job_id"]
+
+
+def make_app(service, tokens=(), max_body_bytes=256 * 1024 * 1024):
+    return create_app(
+        service,
+        auth=TokenAuth(list(tokens)),
+        max_body_bytes=max_body_bytes,
+        close_service_on_shutdown=False,
+    )
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextmanager
+def live_server(app):
+    """Serve ``app`` with uvicorn on a free loopback port in a thread; yield its base URL."""
+    port = free_port()
+    server = uvicorn.Server(
+        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", http="httptools")
+    )
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        if time.monotonic() > deadline or not thread.is_alive():
+            raise RuntimeError("test server did not start")
+        time.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+
+
+@pytest.fixture
+def http(service):
+    """An httpx client talking to the real app over 127.0.0.1."""
+    with live_server(make_app(service)) as url, httpx.Client(base_url=url, timeout=120) as client:
+        yield client

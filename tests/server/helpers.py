@@ -1,0 +1,35 @@
+"""A GRPO step's data, built the way an RL loop builds it (shared by the server tests)."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from arctic_platform.advantages import grpo_advantages
+from arctic_platform.layout import training_batch
+
+PROMPTS = ["1+2=", "3+4="]
+SAMPLING = {"n": 4, "max_tokens": 6, "temperature": 1.0, "seed": 7}
+
+
+def reward(text: str) -> float:
+    """A programmatic reward: how many digits the completion has."""
+    return float(sum(ch.isdigit() for ch in text))
+
+
+def grpo_batch(prompt_ids: list[list[int]], results: list[dict], n: int) -> dict:
+    """The verl-layout batch for generation ``results`` (``n`` samples per prompt)."""
+    rewards = [reward(r["text"]) for r in results]
+    advantages = grpo_advantages(np.array(rewards), group_size=n)
+    prompts = [prompt_ids[i // n] for i in range(len(results))]
+    responses = [list(r["token_ids"]) for r in results]
+    batch = training_batch(prompts, responses, pad_token_id=0, advantages=advantages)
+    return {k: torch.as_tensor(v) for k, v in batch.items()}
+
+
+def weights_of(engine) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in engine.model.state_dict().items()}
+
+
+def same_weights(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -1,0 +1,154 @@
+"""The on-prem HTTP API over a real uvicorn server on 127.0.0.1."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from arctic_platform import wire
+from tests.server.conftest import OCTET, TINY
+from tests.server.helpers import PROMPTS, SAMPLING, grpo_batch, same_weights, weights_of
+
+
+def post_frame(http, path: str, body) -> object:
+    response = http.post(path, content=wire.dumps(body), headers=OCTET)
+    assert response.status_code == 200, response.text
+    assert response.headers["content-type"] == "application/octet-stream"
+    return wire.loads(response.content, tensor_type="torch")
+
+
+def initialize(http, job_type: str, **extra) -> str:
+    body = {"model_name": TINY, "job_type": job_type, "seed": 0, **extra}
+    response = http.post("/initialize", json=body)
+    assert response.status_code == 200, response.text
+    assert response.json()["running"] is True
+    return response.json()["job_id"]
+
+
+def test_health_and_a_whole_grpo_step(http, service):
+    assert http.get("/health").json() == {"status": "OK"}
+    training = initialize(
+        http, "training", training_config={"optimizer": {"lr": 1e-3}}, ds_config={"zero": 3}
+    )
+    sampling = initialize(http, "sampling", vllm_config={"max_num_seqs": 16})
+    log_prob = initialize(http, "log_prob")
+    assert http.get(f"/job/{training}").json()["status"] == "RUNNING"
+    assert set(http.get("/status").json()["jobs"]) == {training, sampling, log_prob}
+
+    generated = post_frame(
+        http, f"/generate?job_id={sampling}", {"prompts": PROMPTS, "sampling_params": SAMPLING}
+    )["results"]
+    assert len(generated) == len(PROMPTS) * SAMPLING["n"]
+    tokenizer = service.resolve(sampling, owner=None).engine.tokenizer
+    batch = grpo_batch([tokenizer(p)["input_ids"] for p in PROMPTS], generated, SAMPLING["n"])
+    old = post_frame(http, f"/forward?job_id={training}", {"batch": batch})["batch"]["logprobs"]
+    ref = post_frame(http, f"/forward?job_id={log_prob}", {"batch": batch})["batch"]["logprobs"]
+    assert torch.equal(old, ref)  # same initial weights, same scoring code
+    batch |= {"old_log_probs": old, "ref_log_prob": ref}
+    meta = {"actor_config": {"use_kl_loss": True, "kl_loss_coef": 0.01, "kl_loss_type": "k3"}}
+    train = post_frame(
+        http,
+        f"/forward-backward?job_id={training}",
+        {"batch": batch, "meta": meta, "processing": {"loss_fn": "verl_grpo"}},
+    )
+    assert {"job_id", "avg_loss", "loss", "metrics"} == set(train)
+    assert {"actor/pg_loss", "kl_loss", "kl_coef", "loss"} <= set(train["metrics"])
+    step = http.post(f"/step?job_id={training}", json={}).json()
+    assert step["global_steps"] == 1 and step["metrics"]["grad_norm"] == step["grad_norm"]
+
+    sampler = service.resolve(sampling, owner=None).engine
+    before = weights_of(sampler)
+    sync = http.post(
+        f"/operation?job_id={training}",
+        json={
+            "operation_type": "weight-sync",
+            "sub_job_id": training,
+            "sub_job_type": "training",
+            "payload": {"source_sub_job_id": training, "target_sub_job_ids": [sampling]},
+        },
+    ).json()
+    assert sync["status"] == "ok"
+    assert not same_weights(before, weights_of(sampler))
+
+    saved = http.post(f"/save?job_id={training}", json={"export_hf": False}).json()
+    assert saved["global_step"] == 1 and saved["path"].endswith("checkpoint-1")
+    http.post(f"/step?job_id={training}", json={})  # no gradients: weights unchanged, step 2
+    loaded = http.post(f"/load-checkpoint?job_id={training}", json={"path": None, "step": 1}).json()
+    assert loaded["global_step"] == 1
+
+    for op, body in [
+        ("sleep-inference", {"level": 1}),
+        ("wake-inference", ["weights", "kv_cache"]),
+        ("reset-prefix-cache", {"drain": True, "timeout_s": 60.0, "retry_interval_s": 0.1}),
+    ]:
+        assert http.post(f"/{op}?job_id={sampling}", json=body).status_code == 200
+    for op in ("sleep-training", "wake-training", "empty-training-cache"):
+        result = http.post(f"/{op}?job_id={training}", json={}).json()
+        assert result["workers"][0]["reason"]  # CPU: says honestly why nothing moved
+    log_probs = post_frame(
+        http, f"/log-probs?job_id={log_prob}", {"prompts": ["ab"], "completions": ["cd"]}
+    )
+    assert len(log_probs["results"][0]["logprobs"]) == 2
+    assert http.post(
+        "/destroy", params={"job_id": training}, json={"job_type": "training"}
+    ).json() == {"job_id": training}
+    assert http.get(f"/job/{training}").json()["status"] == "CANCELLED"
+
+
+def test_errors_name_the_problem_and_leave_state_alone(http, service):
+    training = initialize(http, "training", training_config={"optimizer": {"lr": 1e-3}})
+    sampling = initialize(http, "sampling")
+    before = weights_of(service.resolve(training, owner=None).engine)
+    cases = [
+        (http.post("/step?job_id=nosuchjob", json={}), 404, "not found"),
+        (
+            http.post(f"/generate?job_id={training}", json={"prompts": ["x"]}),
+            400,
+            "does not run on a training",
+        ),
+        (http.post(f"/step?job_id={sampling}", json={}), 400, "wrong_job_type"),
+        (
+            http.post(
+                f"/forward-backward?job_id={training}", content=b"\x80\x04junk", headers=OCTET
+            ),
+            400,
+            "legacy pickle",
+        ),
+        (
+            http.post(f"/forward-backward?job_id={training}", content=b"garbage!", headers=OCTET),
+            400,
+            "malformed DSSST1",
+        ),
+        (
+            http.post(
+                f"/step?job_id={training}",
+                content=b"{not json",
+                headers={"content-type": "application/json"},
+            ),
+            400,
+            "malformed JSON",
+        ),
+        (http.post(f"/step?job_id={training}", json={"lr": 1}), 400, "lr: Extra inputs"),
+        (http.post("/step", json={}), 422, "job_id"),
+        (http.post(f"/explode?job_id={training}", json={}), 404, "unknown op"),
+        (
+            http.post("/initialize", json={"model_name": TINY, "job_type": "trainer"}),
+            400,
+            "job_type",
+        ),
+        (
+            http.post(
+                f"/forward-backward?job_id={training}",
+                content=wire.dumps({"batch": {"input_ids": np.ones((2, 3), np.int64)}}),
+                headers=OCTET,
+            ),
+            400,
+            "attention_mask",
+        ),
+    ]
+    for response, status, text in cases:
+        assert response.status_code == status, response.text
+        assert text in response.text
+        assert "message" in response.json()
+    assert same_weights(before, weights_of(service.resolve(training, owner=None).engine))
+    assert http.post(f"/step?job_id={training}", json={}).json()["global_steps"] == 1

@@ -1,0 +1,198 @@
+"""`arctic-platform serve` as users run it: a subprocess on a free loopback port."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from contextlib import contextmanager
+
+import httpx
+import pytest
+
+from arctic_platform import wire
+from tests.server.conftest import CORTEX, OCTET, TINY, free_port, job_request
+
+pytestmark = pytest.mark.slow
+
+
+@contextmanager
+def serve_process(data_dir, *extra: str, env: dict | None = None):
+    port = free_port()
+    command = [
+        sys.executable,
+        "-m",
+        "arctic_platform.cli",
+        "serve",
+        "--port",
+        str(port),
+        "--data-dir",
+        str(data_dir),
+        "--device",
+        "cpu",
+        "--log-level",
+        "warning",
+        *extra,
+    ]
+    process = subprocess.Popen(
+        command, env={**os.environ, **(env or {})}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                break
+        except httpx.TransportError:
+            pass
+        if process.poll() is not None or time.monotonic() > deadline:
+            output = process.stdout.read().decode(errors="replace")
+            process.kill()
+            raise RuntimeError(f"server did not start:\n{output}")
+        time.sleep(0.1)
+    try:
+        yield process, url
+    finally:
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                process.kill()
+        process.stdout.close()
+
+
+def wait_request(http, job_id, request_id):
+    deadline = time.monotonic() + 120
+    while (body := http.get(f"{CORTEX}/{job_id}/requests/{request_id}").json())["status"] != "done":
+        assert body["status"] in ("pending", "running") and time.monotonic() < deadline, body
+        time.sleep(0.05)
+    return body["result"]
+
+
+def onprem_steps(url: str, steps: int, results: list) -> None:
+    with httpx.Client(base_url=url, timeout=120) as http:
+        job = http.post(
+            "/initialize",
+            json={
+                "model_name": TINY,
+                "job_type": "training",
+                "training_config": {"optimizer": {"lr": 1e-3}},
+            },
+        ).json()
+        ids = [[1, 10, 11, 12, 13], [1, 14, 15, 16, 17]]
+        batch = {"input_ids": ids, "attention_mask": [[1] * 5] * 2, "labels": ids}
+        import numpy as np
+
+        frame = wire.dumps(
+            {
+                "batch": {k: np.array(v) for k, v in batch.items()},
+                "processing": {"loss_fn": "cross_entropy"},
+            }
+        )
+        losses = []
+        for _ in range(steps):
+            out = http.post(
+                f"/forward-backward?job_id={job['job_id']}", content=frame, headers=OCTET
+            )
+            losses.append(wire.loads(out.content)["loss"])
+            http.post(f"/step?job_id={job['job_id']}", json={})
+        results.append(losses)
+
+
+def test_two_clients_on_two_jobs_at_once_then_restart(tmp_path):
+    with serve_process(tmp_path) as (_, url):
+        results: list = []
+        threads = [threading.Thread(target=onprem_steps, args=(url, 5, results)) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert len(results) == 2
+        assert results[0] == results[1]  # same model, same seed, same batch: same losses
+        assert results[0][-1] < results[0][0]  # and training works
+        with httpx.Client(base_url=url, timeout=120) as http:
+            job_id = http.post(CORTEX, json=job_request("training")).json()["job_id"]
+            while http.get(f"{CORTEX}/{job_id}").json()["status"] != "running":
+                time.sleep(0.05)
+            saved = wait_request(
+                http, job_id, http.post(f"{CORTEX}/{job_id}/save", json={}).json()["request_id"]
+            )
+    with serve_process(tmp_path) as (_, url), httpx.Client(base_url=url, timeout=120) as http:
+        assert http.get(f"{CORTEX}/{job_id}").json()["status"] == "terminated"
+        listed = http.get(f"{CORTEX}/{job_id}/checkpoints").json()["checkpoints"]
+        assert [c["checkpoint_id"] for c in listed] == [saved["checkpoint_id"]]
+        spec = job_request("training")["sub_job_configs"][0]
+        spec["source_checkpoint_info"] = {
+            "checkpoint_id": saved["checkpoint_id"],
+            "source_job_id": job_id,
+        }
+        new_id = http.post(CORTEX, json={"sub_job_configs": [spec]}).json()["job_id"]
+        while (status := http.get(f"{CORTEX}/{new_id}").json()["status"]) != "running":
+            assert status in ("pending", "initializing"), http.get(f"{CORTEX}/{new_id}").json()
+            time.sleep(0.05)
+
+
+def test_sigterm_finishes_the_op_in_flight_then_exits(tmp_path):
+    with serve_process(tmp_path) as (process, url), httpx.Client(base_url=url, timeout=120) as http:
+        job = http.post("/initialize", json={"model_name": TINY, "job_type": "sampling"}).json()
+        body = wire.dumps(
+            {
+                "prompts": ["1+1="] * 2,
+                "sampling_params": {"n": 8, "max_tokens": 100, "min_tokens": 100, "seed": 3},
+            }
+        )
+        outcome = {}
+
+        def generate():
+            outcome["response"] = http.post(
+                f"/generate?job_id={job['job_id']}", content=body, headers=OCTET
+            )
+
+        thread = threading.Thread(target=generate)
+        thread.start()
+        time.sleep(0.3)  # the op is running now
+        process.send_signal(signal.SIGTERM)
+        thread.join(timeout=120)
+        assert process.wait(timeout=60) == 0
+        response = outcome["response"]
+        assert response.status_code == 200
+        results = wire.loads(response.content)["results"]
+        assert len(results) == 16 and all(len(r["token_ids"]) == 100 for r in results)
+
+
+def test_refuses_to_listen_beyond_loopback_without_a_token(tmp_path):
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "arctic_platform.cli",
+            "serve",
+            "--host",
+            "0.0.0.0",
+            "--data-dir",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode != 0
+    assert "without authentication" in result.stderr + result.stdout
+
+
+def test_token_protected_server(tmp_path):
+    env = {"ARCTIC_TEST_SERVE_TOKEN": "s3cret"}
+    with serve_process(tmp_path, "--token-env", "ARCTIC_TEST_SERVE_TOKEN", env=env) as (
+        _process,
+        url,
+    ):
+        assert httpx.get(f"{url}/health").status_code == 200
+        assert httpx.get(f"{url}/status").status_code == 401
+        assert (
+            httpx.get(f"{url}/status", headers={"authorization": "Bearer s3cret"}).status_code
+            == 200
+        )
