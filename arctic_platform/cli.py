@@ -33,6 +33,69 @@ def version() -> None:
 
 
 @app.command()
+def train(
+    config: Annotated[
+        Path | None, typer.Option(help="Recipe YAML (default: the built-in addition recipe).")
+    ] = None,
+    backend: Annotated[
+        str | None, typer.Option(help="inprocess, http, cortex or ray (default: the recipe's).")
+    ] = None,
+    url: Annotated[
+        str | None,
+        typer.Option(help="Server URL for --backend http|cortex; without it one is started."),
+    ] = None,
+    output_dir: Annotated[
+        Path | None, typer.Option(help="Run directory (default: runs/<timestamp>).")
+    ] = None,
+    resume: Annotated[
+        bool, typer.Option(help="Continue the run in --output-dir (or the newest one).")
+    ] = False,
+    set_: Annotated[
+        list[str] | None,
+        typer.Option("--set", help="Override a recipe key, e.g. --set grpo.steps=20 (repeatable)."),
+    ] = None,
+    progress: Annotated[bool, typer.Option(help="Show the progress bar.")] = True,
+) -> None:
+    """Run a recipe: SFT warm-up then GRPO; writes metrics.jsonl and a reward plot."""
+    from arctic_platform._extras import require
+
+    require("torch", "recipes", purpose="arctic-platform train")
+    require("matplotlib", "recipes", purpose="the reward plot")
+    from rich.console import Console
+
+    from arctic_platform.recipes.config import load_recipe
+    from arctic_platform.recipes.grpo import run_recipe
+    from arctic_platform.recipes.launch import (
+        backend_settings,
+        check_options,
+        resolve_run_dir,
+        server_for_run,
+    )
+
+    console = Console()
+    try:
+        check_options(backend, url)
+        run_dir = resolve_run_dir(output_dir, resume=resume)
+        with server_for_run(backend, url, run_dir) as server_url:
+            recipe = load_recipe(config, set_ or [], backend_settings(backend, server_url))
+            console.print(f"[bold]{recipe.name}[/] -> {run_dir}")
+            summary = run_recipe(recipe, run_dir, resume=resume, show_progress=progress)
+    except ValueError as exc:
+        console.print(f"[red]error:[/] {exc}")
+        raise typer.Exit(code=2) from None
+    grpo_evals = summary.eval_rewards("grpo")
+    sft_evals = summary.eval_rewards("sft")
+    if grpo_evals:
+        start = sft_evals[-1] if sft_evals else None
+        begin = "n/a" if start is None else f"{start:.3f}"
+        console.print(
+            f"held-out reward: {begin} when GRPO started -> {grpo_evals[-1]:.3f} at the end"
+        )
+    console.print(f"metrics: {summary.metrics_path}")
+    console.print(f"plot:    {summary.plot_path}")
+
+
+@app.command()
 def serve(
     host: Annotated[str, typer.Option(help="Interface to bind (non-loopback needs a token).")] = (
         "127.0.0.1"
@@ -51,12 +114,31 @@ def serve(
         int, typer.Option(min=1, help="Ops running at once across jobs.")
     ] = 2,
     log_level: Annotated[str, typer.Option(help="debug, info, warning, error.")] = "info",
+    ray: Annotated[
+        bool,
+        typer.Option(
+            "--ray",
+            help="Run the engines as Ray actors; a training job runs data-parallel over its "
+            "n_gpus workers.",
+        ),
+    ] = False,
+    ray_address: Annotated[
+        str | None,
+        typer.Option(help="With --ray: auto (default), local, or a cluster's host:port."),
+    ] = None,
+    colocate: Annotated[
+        bool, typer.Option(help="With --ray: put a job's trainer and samplers on shared devices.")
+    ] = False,
 ) -> None:
     """Serve the on-prem and Cortex-compatible HTTP APIs over one set of engines."""
     from arctic_platform._extras import require
 
     require("fastapi", "server", purpose="arctic-platform serve")
     require("torch", "server", purpose="arctic-platform serve")
+    if not ray and (ray_address is not None or colocate):
+        raise typer.BadParameter("--ray-address and --colocate need --ray")
+    if ray:
+        require("ray", "ray", purpose="arctic-platform serve --ray")
     from arctic_platform.server.serve import serve as run_server
 
     run_server(
@@ -68,6 +150,8 @@ def serve(
         max_body_mb=max_body_mb,
         max_concurrent_ops=max_concurrent_ops,
         log_level=log_level,
+        ray_address=(ray_address or "auto") if ray else None,
+        colocate=colocate,
     )
 
 

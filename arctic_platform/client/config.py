@@ -226,18 +226,27 @@ class CortexBackend(_Section):
 
 
 class RayBackend(_Section):
-    """Ray actors, one per device (the server side arrives with the Ray backend issue).
+    """Ray actors, one per device; the training job runs data-parallel over its workers.
 
     ``address``: ``auto`` (attach to a running cluster, else start one), ``local`` (start a
-    private one) or a cluster address. Reconnecting from another process needs the job ids from
-    ``reconnect_config()`` and the object ``get_server_state()`` returns.
+    private one) or a cluster address (``host:port`` or ``ray://host:port``).
+    ``num_training_workers`` (the training job's ``n_gpus``) ranks train with ``data_parallel``
+    ``ddp`` (replicated) or ``fsdp`` (sharded); ``colocate`` puts trainer and inference replicas
+    on the same devices. ``data_dir`` (job records, default checkpoints) is a path on this
+    machine; with workers on several nodes it must be storage every node sees. Reconnecting from
+    another process needs the job ids from ``reconnect_config()`` and the actor handle
+    ``get_server_state()`` returns.
     """
 
     type: Literal["ray"] = "ray"
     address: str = Field("auto", min_length=1)
     namespace: str | None = None
     num_training_workers: PositiveInt = 1
+    data_parallel: Literal["ddp", "fsdp"] = "ddp"
     colocate: bool = False
+    data_dir: Path = Path("arctic-data")
+    device: str = "auto"
+    max_concurrent_ops: PositiveInt = 2
     job_ready_timeout: PositiveFloat = 1800.0
 
 
@@ -330,6 +339,8 @@ class TrainingJob(_Job):
     lora: LoraSettings | None = None
     save_total_limit: PositiveInt | None = None
     checkpoint_dir: str | None = None
+    # How a multi-worker (Ray) server trains this job; None: the server's default (ddp).
+    data_parallel: Literal["ddp", "fsdp"] | None = None
 
 
 class InferenceJob(_Job):
@@ -466,6 +477,7 @@ class ArcticRLClientConfig(_Section):
                 "activation_checkpointing": job.gradient_checkpointing,
             }
             optional = {
+                "data_parallel": job.data_parallel,
                 "train_batch_size": job.train_batch_size,
                 "attn_implementation": job.attn_implementation,
                 "save_total_limit": job.save_total_limit,

@@ -14,8 +14,13 @@ from arctic_platform.server.job_config import sampling_engine_config, training_e
 
 
 def build_engine(service, sub, source: dict | None) -> Any:
-    """A TrainingEngine, SamplingEngine or LogProbEngine for ``sub``, on the server's device."""
+    """A TrainingEngine, SamplingEngine or LogProbEngine for ``sub``, on the server's device (or,
+    with ``engine_backend="ray"``, the Ray engine standing in for it)."""
     settings = service.settings
+    if settings.engine_backend == "ray":
+        from arctic_platform.server.ray_engines import build_ray_engine
+
+        return build_ray_engine(service, sub, source)
     spec = sub.spec
     if sub.kind == "training":
         from arctic_platform.engine.trainer import TrainingEngine

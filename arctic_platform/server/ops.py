@@ -199,7 +199,12 @@ def _weight_sync(service, sub, engine, job_id, body):
         synced = []
         for target in targets:
             service.require_running(target)
-            result = service.run_on(target, sync_in_process, engine.model, target.engine)
+            # An engine whose weights live elsewhere (Ray workers) moves them itself.
+            remote = getattr(engine, "sync_weights_to", None)
+            if remote is not None:
+                result = service.run_on(target, remote, target.engine)
+            else:
+                result = service.run_on(target, sync_in_process, engine.model, target.engine)
             synced.append({"sub_job_id": target.sub_job_id, **result})
         return {"job_id": job_id, "status": "ok", "targets": synced}
 

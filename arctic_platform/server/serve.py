@@ -27,8 +27,14 @@ def serve(
     max_body_mb: int,
     max_concurrent_ops: int,
     log_level: str = "info",
+    ray_address: str | None = None,
+    colocate: bool = False,
 ) -> None:
-    """Run the server until SIGINT/SIGTERM; in-flight ops finish before it exits."""
+    """Run the server until SIGINT/SIGTERM; in-flight ops finish before it exits.
+
+    With ``ray_address`` (``auto``, ``local`` or a cluster address) the engines run as Ray
+    actors on that cluster (``colocate``: trainer and samplers share devices).
+    """
     import uvicorn
 
     from arctic_platform.server.app import create_app
@@ -43,19 +49,46 @@ def serve(
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s %(message)s")
     if not auth.enabled:
         log.warning("no --token-env: serving without authentication on %s only", host)
+    started_ray = False
+    if ray_address is not None:
+        from arctic_platform.server.ray_cluster import connect
+
+        try:
+            started_ray = connect(ray_address, field="--ray-address")
+        except ValueError as exc:
+            raise SystemExit(str(exc)) from None
     service = Service(
-        ServiceSettings(data_dir=data_dir, device=device, max_concurrent_ops=max_concurrent_ops)
+        ServiceSettings(
+            data_dir=data_dir,
+            device=device,
+            max_concurrent_ops=max_concurrent_ops,
+            engine_backend="local" if ray_address is None else "ray",
+            colocate=colocate,
+        )
     )
     app = create_app(service, auth=auth, max_body_bytes=max_body_mb * 1024 * 1024)
-    log.info("arctic-platform serving on http://%s:%d (data dir %s)", host, port, data_dir)
+    engines = "in this process" if ray_address is None else f"on Ray ({ray_address})"
+    log.info(
+        "arctic-platform serving on http://%s:%d (data dir %s, engines %s)",
+        host,
+        port,
+        data_dir,
+        engines,
+    )
     # uvicorn drains in-flight requests on SIGTERM, then re-raises the signal; this handler turns
     # that into exit status 0, since SIGTERM is the normal way to stop a server.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    uvicorn.run(
-        app,
-        host=host,
-        port=port,
-        log_level=log_level,
-        http="httptools",
-        timeout_graceful_shutdown=None,
-    )
+    try:
+        uvicorn.run(
+            app,
+            host=host,
+            port=port,
+            log_level=log_level,
+            http="httptools",
+            timeout_graceful_shutdown=None,
+        )
+    finally:
+        if started_ray:
+            import ray
+
+            ray.shutdown()

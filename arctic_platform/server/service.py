@@ -24,7 +24,7 @@ import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import ValidationError
 
@@ -68,6 +68,10 @@ class ServiceSettings:
     device: str = "auto"
     max_concurrent_ops: int = 2
     default_seed: int = 42
+    # "local": engines in this process; "ray": engines in Ray actors (a training sub-job runs
+    # data-parallel over n_gpus workers), placed on shared devices when ``colocate`` is set.
+    engine_backend: Literal["local", "ray"] = "local"
+    colocate: bool = False
 
 
 @dataclass
@@ -510,7 +514,10 @@ class Service:
                 sub.status = job.status
             if sub.queue is not None:
                 sub.queue.shutdown(wait=wait, cancel_futures=True)
-            sub.engine = None
+            engine, sub.engine = sub.engine, None
+            close = getattr(engine, "close", None)  # engines holding outside resources (Ray)
+            if close is not None:
+                close()
 
     def _set_status(self, job: Job, status: str, reason: str | None) -> None:
         with self._lock:

@@ -10,20 +10,14 @@ Retries: only failures to connect are retried (the request never reached the ser
 connection that breaks after the request was sent is reported, not replayed: the on-prem API has
 no idempotency key, and replaying a ``forward-backward`` or ``step`` could apply it twice.
 
-With ``launch_local_server`` the client starts ``arctic-platform serve`` itself (same Python,
-inherited stdout/stderr so its log is visible), waits for ``GET /health``, fails fast with the
-exit code if it dies, and stops it at shutdown.
+With ``launch_local_server`` the client starts ``arctic-platform serve`` itself
+(:class:`arctic_platform.client.local_server.LocalServer`) and stops it at shutdown.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
-import socket
-import subprocess
-import sys
-import time
 from typing import Any
 
 import httpx
@@ -31,12 +25,8 @@ from tenacity import Retrying, retry_if_exception_type, stop_after_attempt
 
 from arctic_platform import wire
 from arctic_platform.client.config import ArcticRLClientConfig, HttpBackend
-from arctic_platform.client.errors import (
-    ArcticRLError,
-    BackendUnavailableError,
-    RequestTimeoutError,
-    server_error,
-)
+from arctic_platform.client.errors import ArcticRLError, server_error
+from arctic_platform.client.local_server import LocalServer
 from arctic_platform.client.tensors import resolve_tensor_type
 from arctic_platform.client.transport import ROLES, JobHandles, Request, Transport
 from arctic_platform.client.transports.http_common import (
@@ -63,7 +53,7 @@ class HttpTransport(Transport):
         self.jobs = JobHandles()
         self._tensor_type = resolve_tensor_type(config.tensor_type)
         self._created: list[tuple[str, str]] = []
-        self._process: subprocess.Popen | None = None
+        self._server: LocalServer | None = None
         self._base_url = backend.base_url
         headers = {}
         if backend.token_env is not None:
@@ -81,7 +71,16 @@ class HttpTransport(Transport):
 
     def initialize(self) -> JobHandles:
         if self.backend.launch_local_server and not self.config.reconnecting:
-            self._launch()
+            backend = self.backend
+            self._server = LocalServer(
+                host=backend.host,
+                port=backend.port,
+                data_dir=backend.data_dir,
+                device=backend.device,
+                token_env=backend.token_env,
+                startup_timeout=backend.startup_timeout,
+            )
+            self._base_url = self._server.start()
         self._client = httpx.Client(
             base_url=self._base_url,
             headers=self._headers,
@@ -132,7 +131,9 @@ class HttpTransport(Transport):
                     log.warning("could not destroy job %s: %s", job_id, exc)
             self._client.close()
             self._client = None
-        self._stop_server()
+        if self._server is not None:
+            self._server.stop()
+            self._server = None
         self.jobs = JobHandles()
 
     def reconnect_backend(self) -> HttpBackend:
@@ -188,66 +189,3 @@ class HttpTransport(Transport):
             raise error_from_response(response.status_code, body, op=op)
         content_type = response.headers.get("content-type", "")
         return decode_body(body, content_type, self._tensor_type, op=op)
-
-    # -- local server -----------------------------------------------------------------------
-
-    def _launch(self) -> None:
-        backend = self.backend
-        port = backend.port or _free_port(backend.host)
-        host = backend.host
-        self._base_url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
-        command = [
-            sys.executable,
-            "-c",
-            "from arctic_platform.cli import main; main()",
-            "serve",
-            "--host",
-            host,
-            "--port",
-            str(port),
-            "--data-dir",
-            str(backend.data_dir),
-            "--device",
-            backend.device,
-        ]
-        if backend.token_env is not None:
-            command += ["--token-env", backend.token_env]
-        log.info("launching a local server: %s", " ".join(command[3:]))
-        self._process = subprocess.Popen(command)
-        deadline = time.monotonic() + backend.startup_timeout
-        with httpx.Client(timeout=3.0) as probe:
-            while True:
-                code = self._process.poll()
-                if code is not None:
-                    self._process = None
-                    raise BackendUnavailableError(
-                        f"the local server exited with code {code} before becoming healthy "
-                        "(its log is above)"
-                    )
-                with contextlib.suppress(httpx.HTTPError):
-                    if probe.get(f"{self._base_url}/health").status_code == 200:
-                        return
-                if time.monotonic() > deadline:
-                    self._stop_server()
-                    raise RequestTimeoutError(
-                        f"the local server did not answer /health within {backend.startup_timeout}s"
-                    )
-                time.sleep(0.2)
-
-    def _stop_server(self) -> None:
-        process, self._process = self._process, None
-        if process is None:
-            return
-        process.terminate()
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-
-
-def _free_port(host: str) -> int:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]

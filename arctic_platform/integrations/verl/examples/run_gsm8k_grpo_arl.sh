@@ -1,0 +1,81 @@
+#!/usr/bin/env bash
+# GRPO on GSM8K with verl driving arctic-platform's engines (Qwen3-0.6B, one GPU box).
+#
+# verl keeps its loop, dataloader, rewards and GRPO advantages; generation, log-probs,
+# forward/backward and optimizer steps run on an `arctic-platform serve` process that the verl
+# driver launches on this machine (remote_backend.arctic.backend=http). verl's own processes are
+# CPU-only: one forwarder worker and one rollout replica.
+#
+# Requirements (a GPU machine):
+#   pip install torch                       # your CUDA build
+#   pip install "arctic-platform[verl]"
+#   pip install <a verl with verl.remote_backend>   # verl-project/verl PR #7102 (V1 trainer)
+#   python examples/data_preprocess/gsm8k.py --local_save_dir "$DATA_DIR"   # from verl's repo
+#
+# Any Hydra override can be appended: ./run_gsm8k_grpo_arl.sh trainer.total_training_steps=20
+set -euo pipefail
+
+export PYTHONUNBUFFERED=1
+export HYDRA_FULL_ERROR=1
+# The plugin: registers the `arctic` remote backend and rollout replica in every verl process.
+export VERL_USE_EXTERNAL_MODULES=arctic_platform.integrations.verl.register
+
+DATA_DIR=${DATA_DIR:-$HOME/data/gsm8k}
+MODEL=${MODEL:-Qwen/Qwen3-0.6B}
+# GPUs of this box for the engines: the trainer and the sampler share them (the sampler sleeps
+# while the trainer runs).
+ENGINE_GPUS=${ENGINE_GPUS:-1}
+
+python3 -m verl.trainer.main_ppo \
+    hydra.searchpath="[pkg://arctic_platform.integrations.verl.config]" \
+    remote_backend=arctic \
+    remote_backend.arctic.backend=http \
+    remote_backend.arctic.http.device=cuda \
+    remote_backend.arctic.http.data_dir="$PWD/arctic-data" \
+    remote_backend.arctic.training.n_gpus="$ENGINE_GPUS" \
+    remote_backend.arctic.sampling.n_gpus="$ENGINE_GPUS" \
+    remote_backend.arctic.training.attn_implementation=sdpa \
+    remote_backend.arctic.device_peak_tflops=989 \
+    algorithm.adv_estimator=grpo \
+    algorithm.norm_adv_by_std_in_grpo=True \
+    algorithm.use_kl_in_reward=False \
+    data.train_files="$DATA_DIR/train.parquet" \
+    data.val_files="$DATA_DIR/test.parquet" \
+    data.train_batch_size=16 \
+    data.max_prompt_length=512 \
+    data.max_response_length=1024 \
+    data.filter_overlong_prompts=True \
+    data.truncation=error \
+    data.shuffle=False \
+    actor_rollout_ref.model.path="$MODEL" \
+    actor_rollout_ref.model.enable_gradient_checkpointing=True \
+    actor_rollout_ref.actor.optim.lr=1e-6 \
+    actor_rollout_ref.actor.optim.lr_warmup_steps_ratio=0.05 \
+    actor_rollout_ref.actor.ppo_mini_batch_size=16 \
+    actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16 \
+    actor_rollout_ref.actor.ppo_max_token_len_per_gpu=16384 \
+    actor_rollout_ref.actor.use_kl_loss=False \
+    actor_rollout_ref.actor.entropy_coeff=0 \
+    actor_rollout_ref.actor.clip_ratio=0.2 \
+    actor_rollout_ref.actor.loss_agg_mode=token-mean \
+    actor_rollout_ref.actor.data_loader_seed=42 \
+    actor_rollout_ref.rollout.name=arctic \
+    actor_rollout_ref.rollout.tensor_model_parallel_size=1 \
+    actor_rollout_ref.rollout.n=5 \
+    actor_rollout_ref.rollout.temperature=1.0 \
+    actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=16 \
+    actor_rollout_ref.rollout.agent.num_workers=1 \
+    actor_rollout_ref.rollout.checkpoint_engine.backend=naive \
+    actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=16 \
+    trainer.n_gpus_per_node=1 \
+    trainer.nnodes=1 \
+    trainer.critic_warmup=0 \
+    trainer.logger="['console']" \
+    trainer.project_name=arctic_platform_verl \
+    trainer.experiment_name=gsm8k_grpo_qwen3_0p6b \
+    trainer.val_before_train=False \
+    trainer.save_freq=-1 \
+    trainer.test_freq=10 \
+    trainer.total_training_steps=80 \
+    trainer.total_epochs=15 \
+    "$@"

@@ -1,0 +1,562 @@
+"""Engines whose work runs in Ray actors: what a Service holds for a sub-job on the Ray backend.
+
+A :class:`RayTrainingEngine` and a :class:`RayInferenceEngine` have the methods the ops call on the
+local engines (``forward_backward``, ``step``, ``generate``, ...) with the same results, so the
+Service, its queues, its failure handling and both HTTP APIs work unchanged over them.
+
+Training over N worker actors (a :class:`~arctic_platform.server.data_parallel.DataParallelEngine`
+each):
+
+* The proxy validates the whole request first (the same ``prepare_request`` the engine runs), so
+  bad input fails before any worker is asked and names the field as on one engine.
+* Rows are split across workers by token count (:mod:`arctic_platform.server.dp_split`). With
+  N > 1 the workers get ``meta.dp_size`` multiplied by N and the global ``batch_num_tokens`` and
+  ``global_batch_size`` of the whole request (the client's, or the counts one engine would use
+  for it), so the averaged gradient equals one engine's on the whole batch. With one worker the
+  request goes through unchanged and the result is bit-for-bit the local engine's.
+* Metrics are reduced from every worker's raw ``.sum``/``.tokens`` pairs; ``forward`` puts rows
+  back in their original order.
+* Weight sync: rank 0 (every rank with FSDP, which gathers) streams safetensors chunks into the
+  object store and the replica fetches them one at a time: bulk bytes go trainer -> replica
+  without passing through the process that holds the Service.
+
+Failures: replies are gathered as they arrive, and the first worker that died
+(``RayActorError``) or raised ends the op with :class:`WorkerFailure` naming the worker; the Service
+then marks the job failed and releases its engines, which kills the job's remaining actors and
+frees its placement group. Other jobs are untouched.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import warnings
+import weakref
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+
+from arctic_platform.server.dp_split import merge_rows, split_by_tokens, take_rows
+from arctic_platform.server.ray_placement import JobShape, Placement
+from arctic_platform.server.ray_workers import InferenceWorker, Rejected, TrainingWorker
+
+START_TIMEOUT_S = 600.0
+COLLECTIVE_TIMEOUT_S = 1800.0
+WEIGHT_CHUNK_BYTES = 64 * 1024 * 1024
+
+
+class WorkerFailure(RuntimeError):
+    """A worker actor died or raised: the job cannot continue (the Service fails it)."""
+
+
+class _Actors:
+    """The actors of one sub-job and a gather that fails fast on the first failing actor."""
+
+    def __init__(self, sub_job_id: str, role: str, actors: list, names: list[str]) -> None:
+        self.sub_job_id = sub_job_id
+        self.role = role
+        self.handles = actors
+        self.names = names
+
+    def describe(self, rank: int) -> str:
+        if len(self.handles) == 1:
+            return f"{self.role} actor {self.names[rank]}"
+        return f"{self.role} worker {rank} of {len(self.handles)} ({self.names[rank]})"
+
+    def gather(self, refs: Mapping[int, Any], what: str, timeout: float | None = None) -> dict:
+        """``{rank: reply}``; raises at the first failure or rejection (see module doc)."""
+        import ray
+
+        pending = {ref: rank for rank, ref in refs.items()}
+        replies: dict[int, Any] = {}
+        while pending:
+            ready, _ = ray.wait(list(pending), num_returns=1, timeout=timeout)
+            if not ready:
+                waiting = ", ".join(self.describe(r) for r in sorted(pending.values()))
+                raise TimeoutError(
+                    f"{what}: no reply within {timeout:.0f}s from {waiting} (cluster resources "
+                    f"available now: {ray.available_resources()})"
+                )
+            for ref in ready:
+                rank = pending.pop(ref)
+                try:
+                    replies[rank] = ray.get(ref)
+                except ray.exceptions.RayActorError as exc:
+                    raise WorkerFailure(
+                        f"{self.describe(rank)} died during {what}: {_first_line(exc)}"
+                    ) from None
+                except ray.exceptions.RayTaskError as exc:
+                    cause = exc.cause if exc.cause is not None else exc
+                    raise WorkerFailure(
+                        f"{self.describe(rank)} failed during {what}: "
+                        f"{type(cause).__name__}: {_first_line(cause)}"
+                    ) from None
+        _raise_rejection(replies.values())
+        return replies
+
+    def kill(self) -> None:
+        import ray
+
+        for actor in self.handles:
+            with contextlib.suppress(Exception):  # already gone: nothing to release
+                ray.kill(actor, no_restart=True)
+
+
+class RayTrainingEngine:
+    """A training sub-job over ``workers`` data-parallel actors (see module doc)."""
+
+    def __init__(
+        self,
+        *,
+        sub_job_id: str,
+        config,
+        strategy: str,
+        workers: int,
+        placement: Placement,
+        on_close: Callable[[], None],
+    ) -> None:
+        import ray
+
+        self.config = config
+        self.strategy = strategy
+        self.workers = workers
+        self._on_close = on_close
+        remote = ray.remote(TrainingWorker)
+        names = [_actor_name(sub_job_id, f"rank-{r}") for r in range(workers)]
+        handles = [
+            remote.options(name=names[r], **placement.options("training", r)).remote(r, workers)
+            for r in range(workers)
+        ]
+        self.actors = _Actors(sub_job_id, "training", handles, names)
+        try:
+            addr, port = "", 0
+            if workers > 1:
+                first = self.actors.gather(
+                    {0: handles[0].rendezvous.remote()}, "startup", START_TIMEOUT_S
+                )
+                addr, port = first[0]
+            started = self.actors.gather(
+                {
+                    r: h.start.remote(config, strategy, addr, port, COLLECTIVE_TIMEOUT_S)
+                    for r, h in enumerate(handles)
+                },
+                "startup",
+                START_TIMEOUT_S,
+            )
+        except BaseException:
+            self.close()
+            raise
+        self.vocab_size = int(started[0]["vocab_size"])
+
+    # -- compute --------------------------------------------------------------------------
+
+    def forward_backward(
+        self, batch: Mapping, meta: Mapping | None = None, processing: Mapping | None = None
+    ) -> dict:
+        from arctic_platform.engine.errors import EngineInputError
+        from arctic_platform.engine.forward import default_loss_for
+        from arctic_platform.engine.metrics import reduce_metrics
+
+        request = self._validate(batch, meta, processing, default_loss_for(batch))
+        if request.loss is None:
+            raise EngineInputError("processing.loss_fn", "forward_backward needs a loss")
+        _, shards = self._split(batch, request)
+        meta_out = self._worker_meta(request, meta)
+        replies = self.actors.gather(
+            {
+                r: h.forward_backward.remote(shards[r], meta_out, processing)
+                for r, h in enumerate(self.actors.handles)
+            },
+            "forward-backward",
+        )
+        metrics = reduce_metrics(replies[r]["metric_sums"] for r in range(self.workers))
+        loss = metrics.get("loss", 0.0)
+        return {"avg_loss": loss, "loss": loss, "metrics": metrics}
+
+    def forward(
+        self, batch: Mapping, meta: Mapping | None = None, processing: Mapping | None = None
+    ) -> dict:
+        from arctic_platform.engine.metrics import reduce_metrics
+
+        request = self._validate(batch, meta, processing, None)
+        parts, shards = self._split(batch, request)
+        meta_out = self._worker_meta(request, meta)
+        replies = self.actors.gather(
+            {
+                r: h.forward.remote(shards[r], meta_out, processing)
+                for r, h in enumerate(self.actors.handles)
+            },
+            "forward",
+        )
+        active = [r for r in range(self.workers) if len(parts[r])]
+        out: dict[str, Any] = {}
+        for name in ("logprobs", "entropy"):
+            if name in replies[active[0]]:
+                pieces = [(parts[r], replies[r][name]) for r in active]
+                out[name] = _torch(merge_rows(pieces, request.batch.size))
+        out["metrics"] = {}
+        if request.loss is not None:
+            out["metrics"] = reduce_metrics(replies[r]["metric_sums"] for r in active)
+            out["avg_loss"] = out["loss"] = out["metrics"].get("loss", 0.0)
+        return out
+
+    def step(self, learning_rate: float | None = None) -> dict:
+        replies = self._on_all("step", learning_rate)
+        return replies[0]
+
+    # -- checkpoints and weights ----------------------------------------------------------
+
+    def save_checkpoint(
+        self,
+        path=None,
+        *,
+        step: int | None = None,
+        export_hf: bool = False,
+        save_total_limit: int | None = None,
+    ) -> dict:
+        ranks = self._gathering_ranks()
+        replies = self.actors.gather(
+            {
+                r: self.actors.handles[r].save_checkpoint.remote(
+                    None if path is None else str(path), step, export_hf, save_total_limit
+                )
+                for r in ranks
+            },
+            "save",
+        )
+        return replies[0]
+
+    def load_checkpoint(self, path=None, *, step: int | None = None) -> dict:
+        return self._on_all("load_checkpoint", None if path is None else str(path), step)[0]
+
+    def sync_weights_to(self, target: RayInferenceEngine) -> dict:
+        """Stream the current weights into ``target``'s replica through the object store."""
+        replies = self.actors.gather(
+            {
+                r: self.actors.handles[r].weight_chunks.remote(WEIGHT_CHUNK_BYTES)
+                for r in self._gathering_ranks()
+            },
+            "weight-sync",
+        )
+        return target.load_weight_chunks(replies[0])
+
+    # -- colocation -----------------------------------------------------------------------
+
+    def sleep(self, mode: str = "all") -> dict:
+        return _combine(self._on_all("sleep", mode))
+
+    def wake(self) -> dict:
+        return _combine(self._on_all("wake"))
+
+    def empty_cache(self) -> dict:
+        return _combine(self._on_all("empty_cache"))
+
+    def close(self) -> None:
+        """Kill the workers and give back the job's placement; idempotent."""
+        _close(self)
+
+    # -- internals ------------------------------------------------------------------------
+
+    def _on_all(self, method: str, *args: Any) -> dict:
+        return self.actors.gather(
+            {r: getattr(h, method).remote(*args) for r, h in enumerate(self.actors.handles)},
+            method.replace("_", "-"),
+        )
+
+    def _gathering_ranks(self) -> list[int]:
+        """Ranks a save or export needs: rank 0 holds everything, unless FSDP shards it."""
+        if self.strategy == "fsdp" and self.workers > 1:
+            return list(range(self.workers))
+        return [0]
+
+    def _validate(self, batch, meta, processing, default_loss):
+        from arctic_platform.engine.forward import prepare_request
+
+        with warnings.catch_warnings():
+            # Object-store arrays are read-only; validation only reads them.
+            warnings.filterwarnings("ignore", message=".*not writable.*")
+            return prepare_request(
+                batch,
+                meta,
+                processing,
+                vocab_size=self.vocab_size,
+                max_tokens=self.config.max_tokens_per_microbatch,
+                packing=self.config.packing,
+                default_loss=default_loss,
+            )
+
+    def _split(self, batch: Mapping, request) -> tuple[list[np.ndarray], list[dict | None]]:
+        size = request.batch.size
+        tokens = request.batch.attention_mask.sum(1).numpy()
+        parts = split_by_tokens(tokens, self.workers)
+        arrays = {name: _numpy(value) for name, value in batch.items()}
+        shards = [take_rows(arrays, rows, size) if len(rows) else None for rows in parts]
+        return parts, shards
+
+    def _worker_meta(self, request, meta: Mapping | None) -> dict:
+        """The meta every worker gets: the client's, plus global counts when N > 1."""
+        out = dict(meta or {})
+        if self.workers == 1:
+            return out
+        out["dp_size"] = request.meta.dp_size * self.workers
+        aggregation = getattr(request.loss, "agg", None)
+        if aggregation is not None:
+            out["batch_num_tokens"] = aggregation.num_tokens
+            out["global_batch_size"] = aggregation.num_seqs
+        return out
+
+
+class RayInferenceEngine:
+    """A sampling or log-prob sub-job served by one replica actor."""
+
+    def __init__(
+        self,
+        *,
+        sub_job_id: str,
+        kind: str,
+        config,
+        placement: Placement,
+        index: int,
+        on_close: Callable[[], None],
+    ) -> None:
+        import ray
+
+        self._on_close = on_close
+        name = _actor_name(sub_job_id, "replica")
+        handle = (
+            ray.remote(InferenceWorker)
+            .options(name=name, **placement.options(kind, index))
+            .remote(kind)
+        )
+        self.actors = _Actors(sub_job_id, kind, [handle], [name])
+        try:
+            self.actors.gather({0: handle.start.remote(config)}, "startup", START_TIMEOUT_S)
+        except BaseException:
+            self.close()
+            raise
+
+    def generate(self, prompts, sampling_params=None):
+        return self._call("generate", prompts, sampling_params)
+
+    def log_probs(self, prompts, completions=None, top_k: int = 1):
+        return self._call("log_probs", prompts, completions, top_k)
+
+    def forward(self, batch, meta=None, processing=None) -> dict:
+        batch = {name: _numpy(value) for name, value in batch.items()}
+        return self._call("forward", batch, meta, processing)
+
+    def sleep(self, level: int = 1) -> dict:
+        return self._call("sleep", level)
+
+    def wake(self, tags=None) -> dict:
+        return self._call("wake", tags)
+
+    def reset_prefix_cache(self) -> dict:
+        return self._call("reset_prefix_cache")
+
+    def load_weight_chunks(self, refs: list) -> dict:
+        handle = self.actors.handles[0]
+        return self.actors.gather({0: handle.load_weight_chunks.remote(refs)}, "weight-sync")[0]
+
+    def close(self) -> None:
+        """Kill the replica and give back the job's placement; idempotent."""
+        _close(self)
+
+    def _call(self, method: str, *args: Any) -> Any:
+        handle = self.actors.handles[0]
+        reply = self.actors.gather({0: handle.call.remote(method, *args)}, method)[0]
+        return _torch_tree(reply)
+
+
+class RayEngines:
+    """Builds the Ray engines of one Service and owns each job's placement (see module doc)."""
+
+    def __init__(self, service) -> None:
+        self.service = service
+        self._lock = threading.Lock()
+        self._placements: dict[str, tuple[Placement, int]] = {}
+
+    def build(self, sub, source: dict | None):
+        from arctic_platform.server.engines import _weights_dir
+        from arctic_platform.server.errors import BadRequest
+        from arctic_platform.server.job_config import (
+            sampling_engine_config,
+            training_engine_config,
+        )
+
+        settings = self.service.settings
+        spec = sub.spec
+        placement = self._acquire(sub.job_id)
+        release = _once(lambda: self._release(sub.job_id))
+        try:
+            if sub.kind == "training":
+                if source is not None and not spec.training_config.load_optimizer_states:
+                    raise BadRequest(
+                        "training_config.load_optimizer_states: starting from a checkpoint "
+                        "restores its optimizer state; false is not supported"
+                    )
+                config = training_engine_config(
+                    spec,
+                    device=placement.device,
+                    checkpoint_dir=str(self.service.checkpoint_root),
+                    job_name=sub.sub_job_id.replace(":", "-"),
+                    default_seed=settings.default_seed,
+                )
+                engine = RayTrainingEngine(
+                    sub_job_id=sub.sub_job_id,
+                    config=config,
+                    strategy=spec.training_config.data_parallel,
+                    workers=spec.training_config.n_gpus,
+                    placement=placement,
+                    on_close=release,
+                )
+                if source is not None:
+                    try:
+                        engine.load_checkpoint(source["path"])
+                    except BaseException:
+                        engine.close()
+                        raise
+                return engine
+            config = sampling_engine_config(
+                spec,
+                device=placement.device,
+                default_seed=settings.default_seed,
+                model_name=_weights_dir(source) if source is not None else None,
+            )
+            return RayInferenceEngine(
+                sub_job_id=sub.sub_job_id,
+                kind=sub.kind,
+                config=config,
+                placement=placement,
+                index=int(sub.sub_job_id.rsplit(":", 1)[1]),
+                on_close=release,
+            )
+        except BaseException:
+            release()
+            raise
+
+    def _acquire(self, job_id: str) -> Placement:
+        with self._lock:
+            if job_id in self._placements:
+                placement, users = self._placements[job_id]
+                self._placements[job_id] = (placement, users + 1)
+                return placement
+            placement = Placement.create(
+                device=self.service.settings.device,
+                shape=self._shape(job_id),
+                colocate=self.service.settings.colocate,
+            )
+            self._placements[job_id] = (placement, 1)
+            return placement
+
+    def _release(self, job_id: str) -> None:
+        with self._lock:
+            placement, users = self._placements[job_id]
+            if users > 1:
+                self._placements[job_id] = (placement, users - 1)
+                return
+            del self._placements[job_id]
+        placement.release()
+
+    def _shape(self, job_id: str) -> JobShape:
+        owner = self.service.owner_of(job_id)
+        subs = self.service.get_job(job_id, owner=owner)["sub_jobs"]
+        kinds = [s["job_type"] for s in subs]
+        workers = sum(s["training_config"]["n_gpus"] for s in subs if s["job_type"] == "training")
+        return JobShape(
+            training_workers=workers,
+            samplers=kinds.count("sampling"),
+            scorers=kinds.count("log_probability"),
+        )
+
+
+_FACTORIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_FACTORIES_LOCK = threading.Lock()
+
+
+def build_ray_engine(service, sub, source: dict | None):
+    """The Ray engine of ``sub`` (the Service's engine builder on the Ray backend)."""
+    with _FACTORIES_LOCK:
+        factory = _FACTORIES.get(service)
+        if factory is None:
+            factory = _FACTORIES[service] = RayEngines(service)
+    return factory.build(sub, source)
+
+
+# -- helpers ------------------------------------------------------------------------------------
+
+
+def _actor_name(sub_job_id: str, what: str) -> str:
+    """Actor names show up in ``ray list actors``; a tool can find a job's actors by them."""
+    return f"arctic-platform/{sub_job_id}/{what}"
+
+
+def _raise_rejection(replies) -> None:
+    """Re-raise a worker's refusal as the exception the Service maps to a 4xx."""
+    from arctic_platform.engine.errors import EngineInputError, SamplerStateError
+
+    rejections = [r for r in replies if isinstance(r, Rejected)]
+    if not rejections:
+        return
+    first = next((r for r in rejections if r.kind != "peer"), rejections[0])
+    if first.kind == "state":
+        raise SamplerStateError(first.message)
+    raise EngineInputError(first.field or "batch", first.message)
+
+
+def _combine(answers: dict[int, dict]) -> dict:
+    """One answer for the job: the workers' common answer, or rank 0's plus each worker's."""
+    values = [answers[r] for r in sorted(answers)]
+    if all(v == values[0] for v in values):
+        return values[0]
+    return {**values[0], "per_worker": values}
+
+
+def _numpy(value: Any) -> Any:
+    """Torch tensors as numpy (they cross the object store without pickling)."""
+    import torch
+
+    if isinstance(value, torch.Tensor) and value.dtype != torch.bfloat16:
+        return value.detach().cpu().numpy()
+    return value
+
+
+def _torch(array: np.ndarray):
+    import torch
+
+    return torch.from_numpy(np.ascontiguousarray(array))
+
+
+def _torch_tree(value: Any) -> Any:
+    """Numpy arrays back to torch tensors, as the local engines return them."""
+    if isinstance(value, np.ndarray):
+        return _torch(value.copy() if not value.flags.writeable else value)
+    if isinstance(value, Mapping):
+        return {k: _torch_tree(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_torch_tree(v) for v in value]
+    return value
+
+
+def _close(engine) -> None:
+    engine.actors.kill()
+    on_close, engine._on_close = engine._on_close, None
+    if on_close is not None:
+        on_close()
+
+
+def _first_line(value: Any) -> str:
+    text = str(value).strip()
+    return text.splitlines()[0] if text else type(value).__name__
+
+
+def _once(fn: Callable[[], None]) -> Callable[[], None]:
+    done = threading.Event()
+
+    def run() -> None:
+        if not done.is_set():
+            done.set()
+            fn()
+
+    return run

@@ -1,0 +1,113 @@
+"""The server-state actor: a Service, with Ray engines, living in a Ray actor.
+
+The ``ray`` client backend creates one per client that creates jobs; ``get_server_state()`` hands
+out its actor handle, which any Ray task or actor in the cluster can pass to
+``create_arctic_rl_client(reconnect_config, server_state)`` to drive the same jobs. Because the
+Service lives in the actor (not in the client), every client sees the same job states, the same
+per-sub-job op queues and the same failure handling.
+
+The actor is threaded, so a long op on one job does not block others (or status queries); the
+Service's own queues keep each sub-job's ops in order. Replies are tagged rather than raised:
+``("ok", value)``, ``("error", {status, code, message, details})`` for a Service error (the
+client raises its matching exception) or ``("timeout", message)``; exceptions could not cross the
+actor boundary faithfully. Tensors in results cross as numpy arrays.
+
+The actor runs on the node of the process that creates it (its ``data_dir`` is that process's
+path) and asks for no CPU, so it never competes with engines for resources. Engine actors it
+creates share its fate: if the state actor goes away, so do its jobs' workers.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+MAX_CONCURRENT_CALLS = 64
+
+
+class ServerState:
+    """Owns a Ray-backed :class:`~arctic_platform.server.service.Service` (see module doc)."""
+
+    def __init__(
+        self, data_dir: str, *, device: str, max_concurrent_ops: int, colocate: bool
+    ) -> None:
+        from arctic_platform.server.service import Service, ServiceSettings
+
+        self.service = Service(
+            ServiceSettings(
+                data_dir=Path(data_dir),
+                device=device,
+                max_concurrent_ops=max_concurrent_ops,
+                engine_backend="ray",
+                colocate=colocate,
+            )
+        )
+
+    def create_job(self, body: dict) -> tuple:
+        return self._reply(lambda: self.service.create_job(body))
+
+    def wait_until_running(self, job_id: str, timeout: float) -> tuple:
+        return self._reply(lambda: self.service.wait_until_running(job_id, timeout=timeout))
+
+    def execute(self, target: str, op: str, body: Any) -> tuple:
+        return self._reply(lambda: self.service.execute(target, op, body))
+
+    def cancel_job(self, job_id: str) -> tuple:
+        return self._reply(lambda: self.service.cancel_job(job_id))
+
+    def get_job(self, job_id: str) -> tuple:
+        return self._reply(lambda: self.service.get_job(job_id))
+
+    def list_jobs(self) -> tuple:
+        return self._reply(self.service.list_jobs)
+
+    def actors(self, sub_job_id: str) -> tuple:
+        """The actor handles running a sub-job (its training ranks, or its replica)."""
+
+        def handles() -> list:
+            engine = self.service.resolve(sub_job_id, owner=None).engine
+            return [] if engine is None else list(engine.actors.handles)
+
+        return self._reply(handles)
+
+    def close(self) -> None:
+        """Stop the Service: in-flight ops finish, every job's actors are released."""
+        self.service.close()
+
+    @staticmethod
+    def _reply(fn) -> tuple:
+        from arctic_platform.server.errors import ServiceError
+        from arctic_platform.server.ray_workers import to_numpy
+
+        try:
+            return ("ok", to_numpy(fn()))
+        except ServiceError as exc:
+            return (
+                "error",
+                {
+                    "status": exc.status,
+                    "code": exc.code,
+                    "message": exc.message,
+                    "details": exc.details,
+                },
+            )
+        except TimeoutError as exc:
+            return ("timeout", str(exc))
+
+
+def start_server_state(
+    *, data_dir: str, device: str, max_concurrent_ops: int, colocate: bool
+) -> Any:
+    """Create the server-state actor on this node and wait until its Service is up."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    node = ray.get_runtime_context().get_node_id()
+    here = NodeAffinitySchedulingStrategy(node_id=node, soft=False)
+    actor = (
+        ray.remote(ServerState)
+        .options(num_cpus=0, max_concurrency=MAX_CONCURRENT_CALLS, scheduling_strategy=here)
+        .remote(data_dir, device=device, max_concurrent_ops=max_concurrent_ops, colocate=colocate)
+    )
+    ray.get(actor.list_jobs.remote())  # surfaces a constructor failure here, not on first use
+    return actor

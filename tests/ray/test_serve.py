@@ -1,0 +1,90 @@
+"""``arctic-platform serve --ray``: the HTTP APIs over a Ray-backed Service.
+
+The server runs in a thread of this process (the Service and its FastAPI app exactly as ``serve
+--ray`` builds them), attached to the test cluster. A Cortex client creates a job with 2 training
+workers and trains; an on-prem HTTP client attaches to the same job by id and steps it. The
+losses match one in-process engine on the same batch. The command line's Ray flags are checked
+in a subprocess.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from arctic_platform.client import create_arctic_rl_client
+from arctic_platform.layout import training_batch
+from tests.client.conftest import backend_config, serve_app
+
+pytest.importorskip("ray")
+pytestmark = pytest.mark.slow
+
+TINY = "builtin:tiny"
+BATCH = training_batch(
+    [[40, 41, 42], [50, 51], [43, 44, 45, 46], [52]],
+    [[60, 61, 62, 63], [70, 71], [64], [72, 73, 74, 75, 76]],
+    pad_token_id=0,
+    advantages=[1.0, -1.0, 0.5, -0.5],
+)
+BATCH["old_log_probs"] = np.full(BATCH["input_ids"].shape, -4.0, np.float32)
+BODY = {"batch": BATCH, "processing": {"loss_fn": "verl_grpo"}}
+
+
+@pytest.fixture(scope="module")
+def ray_server(ray_cluster, tmp_path_factory):
+    from arctic_platform.server.app import create_app
+    from arctic_platform.server.auth import TokenAuth
+    from arctic_platform.server.service import Service, ServiceSettings
+
+    service = Service(
+        ServiceSettings(
+            data_dir=tmp_path_factory.mktemp("serve"), device="cpu", engine_backend="ray"
+        )
+    )
+    with serve_app(create_app(service, auth=TokenAuth([]))) as url:
+        yield url
+
+
+def test_cortex_and_http_clients_train_on_ray_workers(ray_server, tmp_path):
+    job = {"model": TINY, "seed": 2, "training": {"n_gpus": 2}}
+    cortex = create_arctic_rl_client(
+        {**job, "backend": backend_config("cortex", ray_server, tmp_path)}, blocking_calls=True
+    )
+    with cortex:
+        trained = cortex.fwd_bwd(BODY)
+        assert cortex.step()["global_steps"] == 1
+        attach = {
+            "model": TINY,
+            "backend": backend_config("http", ray_server, tmp_path),
+            "training_job_id": cortex.training_job_id,
+        }
+        with create_arctic_rl_client(attach, blocking_calls=True) as http:
+            http.fwd_bwd(BODY)
+            assert http.step()["global_steps"] == 2
+    local = {**job, "backend": backend_config("inprocess", None, tmp_path / "local")}
+    with create_arctic_rl_client(local, blocking_calls=True) as reference:
+        expected = reference.fwd_bwd(BODY)
+    assert trained["loss"] == pytest.approx(expected["loss"], rel=1e-5)
+    for name, value in expected["metrics"].items():
+        assert trained["metrics"][name] == pytest.approx(value, rel=1e-5, abs=1e-7), name
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--ray", "--ray-address", "127.0.0.1:1"], "--ray-address: no Ray cluster answers"),
+        (["--colocate"], "--ray-address and --colocate need --ray"),
+    ],
+)
+def test_serve_ray_flags_fail_clearly(tmp_path, args, message):
+    result = subprocess.run(
+        [sys.executable, "-m", "arctic_platform.cli", "serve", "--data-dir", str(tmp_path), *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode != 0
+    assert message in result.stdout + result.stderr

@@ -1,0 +1,143 @@
+"""The main job end to end: learning, identical metrics across backends, resume, CLI errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from arctic_platform.client.local_server import LocalServer
+from arctic_platform.recipes import grpo
+from arctic_platform.recipes.config import load_recipe
+from arctic_platform.recipes.grpo import run_recipe
+from arctic_platform.recipes.launch import backend_settings
+
+pytestmark = pytest.mark.slow
+
+TIMING_KEYS = {"tokens_per_s"}
+
+
+def comparable(records: list[dict]) -> list[dict]:
+    """Metrics without wall-clock fields (timings differ between runs, nothing else may)."""
+    return [
+        {k: v for k, v in r.items() if k not in TIMING_KEYS and not k.startswith("time_")}
+        for r in records
+    ]
+
+
+SHORT = [
+    "sft.steps=12",
+    "grpo.steps=4",
+    "grpo.prompts_per_step=4",
+    "eval.every=8",
+    "eval.size=20",
+    "checkpoint.every=8",
+]
+
+
+def test_a_shortened_default_run_learns(tmp_path):
+    """CI-sized default recipe: SFT teaches the format, GRPO then raises held-out reward."""
+    recipe = load_recipe(None, ["grpo.steps=60", "eval.every=30", "checkpoint.every=0"])
+    summary = run_recipe(recipe, tmp_path / "run", show_progress=False)
+    sft = summary.eval_rewards("sft")
+    grpo_evals = summary.eval_rewards("grpo")
+    assert sft[-1] >= 0.3  # the warm-up works
+    assert grpo_evals[-1] >= sft[-1] + 0.1  # and GRPO improves on it
+    lines = summary.metrics_path.read_text().splitlines()
+    assert len(lines) == 450 + 60
+    last = json.loads(lines[-1])
+    for key in (
+        "step",
+        "phase",
+        "reward_mean",
+        "reward_std",
+        "pass_rate",
+        "loss",
+        "grad_norm",
+        "lr",
+        "response_len_mean",
+        "time_generate_s",
+        "time_train_s",
+        "eval_reward",
+    ):
+        assert key in last, key
+    assert summary.plot_path.stat().st_size > 10_000
+
+
+def test_http_and_cortex_give_the_same_metrics_as_inprocess(tmp_path):
+    reference = run_recipe(load_recipe(None, SHORT), tmp_path / "inprocess", show_progress=False)
+    with LocalServer(data_dir=tmp_path / "server", device="cpu") as url:
+        for backend in ("http", "cortex"):
+            recipe = load_recipe(None, SHORT, backend_settings(backend, url))
+            summary = run_recipe(recipe, tmp_path / backend, show_progress=False)
+            assert comparable(summary.records) == comparable(reference.records), backend
+
+
+def test_resume_after_a_crash_continues_with_identical_metrics(tmp_path, monkeypatch):
+    recipe = load_recipe(None, SHORT)
+    uninterrupted = run_recipe(recipe, tmp_path / "whole", show_progress=False)
+    original = grpo._Recipe.grpo_step
+
+    def crash_at_step_14(self, step):
+        if step == 14:
+            raise KeyboardInterrupt("simulated crash")
+        return original(self, step)
+
+    monkeypatch.setattr(grpo._Recipe, "grpo_step", crash_at_step_14)
+    with pytest.raises(KeyboardInterrupt):
+        run_recipe(recipe, tmp_path / "crashed", show_progress=False)
+    state = json.loads((tmp_path / "crashed" / "state.json").read_text())
+    assert state["step"] == 7  # the last checkpoint before the crash
+    monkeypatch.setattr(grpo._Recipe, "grpo_step", original)
+    resumed = run_recipe(recipe, tmp_path / "crashed", resume=True, show_progress=False)
+    assert comparable(resumed.records) == comparable(uninterrupted.records)
+
+
+def run_cli(*args: str, cwd) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "arctic_platform.cli", "train", "--no-progress", *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=cwd,
+    )
+
+
+def test_the_cli_runs_a_recipe_and_reports_where_its_files_are(tmp_path):
+    out = tmp_path / "cli-run"
+    result = run_cli("--output-dir", str(out), *[f"--set={s}" for s in SHORT], cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "metrics:" in result.stdout and str(out) in result.stdout.replace("\n", "")
+    assert (out / "metrics.jsonl").exists() and (out / "reward_curve.png").exists()
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--set", "grpo.stepz=3"], "stepz"),
+        (["--set", "grpo.steps=-1"], "grpo.steps"),
+        (["--set", "nonsense"], "expected key.path=value"),
+        (["--set", "client.backend.type=carrier-pigeon"], "carrier-pigeon"),
+        (["--backend", "telnet"], "--backend: unknown backend 'telnet'"),
+        (["--backend", "inprocess", "--url", "http://x"], "--url"),
+        (["--config", "missing.yaml"], "does not exist"),
+        (["--resume"], "--resume"),
+    ],
+)
+def test_bad_options_give_errors_naming_the_field(tmp_path, args, message):
+    result = run_cli(*args, cwd=tmp_path)
+    assert result.returncode == 2
+    assert message in result.stdout + result.stderr
+    assert "Traceback" not in result.stdout + result.stderr
+
+
+def test_bad_recipe_yaml_names_the_field(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("client: {model: builtin:tiny}\nsft: {steps: 1, batchsize: 4}\n")
+    result = run_cli("--config", str(bad), cwd=tmp_path)
+    assert result.returncode == 2 and "batchsize" in result.stdout
+    bad.write_text("client: [not, a, mapping]\n")
+    result = run_cli("--config", str(bad), cwd=tmp_path)
+    assert result.returncode == 2 and "client" in result.stdout
