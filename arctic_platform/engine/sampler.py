@@ -267,6 +267,9 @@ class SamplingEngine:
         mask = torch.ones(rows_total, width + max_new, dtype=torch.bool, device=device)
         logits = self._prefill(wave, counts, width, cache, mask)
         cache.start_decoding(width)
+        # Without padding (equal prompt lengths, or n samples of one prompt) every key is
+        # visible: no mask lets attention skip building and applying one at every step.
+        padded = not bool(mask[:, :width].all())
 
         tokens_out = torch.zeros(rows_total, max_new, dtype=torch.long, device=device)
         n_out = torch.zeros(rows_total, dtype=torch.long, device=device)
@@ -331,7 +334,7 @@ class SamplingEngine:
             out = self.model(
                 input_ids=tokens[:, None],
                 position_ids=state["position"][:, None],
-                attention_mask=mask[:, : width + step + 1],
+                attention_mask=mask[:, : width + step + 1] if padded else None,
                 past_key_values=cache,
                 use_cache=True,
                 logits_to_keep=1,

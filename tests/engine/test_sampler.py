@@ -82,6 +82,15 @@ def test_greedy_matches_transformers_generate(engine, reference):
     assert finish == {"stop", "length"}  # both paths (and early-finish compaction) exercised
 
 
+def test_greedy_matches_transformers_generate_without_padding(engine, reference):
+    # Prompts of one length take the unmasked decoding path.
+    prompts = ["12+34=", "56+78=", "90+12="]
+    outs = engine.generate(prompts, {"temperature": 0, "max_tokens": 30})
+    for prompt, out in zip(prompts, outs, strict=True):
+        expected = _strip_after_eos(_hf_greedy(reference, _ids(engine, prompt), 30))
+        assert out["token_ids"] == expected
+
+
 def test_token_id_prompts_equal_text_prompts(engine):
     params = {"temperature": 0.8, "seed": 11, "max_tokens": 12}
     by_text = engine.generate(PROMPTS[:3], params)
