@@ -425,10 +425,16 @@ class ArcticRLClientConfig(_Section):
     @property
     def reconnecting(self) -> bool:
         """True when the config names running jobs to attach to."""
-        return any(
-            v is not None
-            for v in (self.training_job_id, self.sampling_job_id, self.log_prob_job_id)
-        )
+        return bool(self.attach_ids())
+
+    def attach_ids(self) -> dict[str, str]:
+        """The running jobs this config attaches to: ``{role: sub-job id}`` of the ids it sets."""
+        ids = {
+            "training": self.training_job_id,
+            "sampling": self.sampling_job_id,
+            "log_prob": self.log_prob_job_id,
+        }
+        return {role: job_id for role, job_id in ids.items() if job_id is not None}
 
     def jobs(self) -> dict[str, TrainingJob | InferenceJob]:
         """The configured jobs by role, in creation order (inference first, training last)."""
@@ -447,6 +453,12 @@ class ArcticRLClientConfig(_Section):
         """The job spec every backend creates jobs from (validated by the server's model)."""
         return CreateJobRequest.model_validate(
             {"sub_job_configs": self.sub_job_configs(), "experiment_name": self.experiment_name}
+        )
+
+    def create_job_body(self) -> dict[str, Any]:
+        """:meth:`to_create_job_request` as the JSON body of the server's create-job call."""
+        return self.to_create_job_request().model_dump(
+            mode="json", by_alias=True, exclude_none=True
         )
 
     def _sub_job(self, role: str, job: TrainingJob | InferenceJob) -> dict[str, Any]:

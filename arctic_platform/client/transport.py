@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from abc import ABC, abstractmethod
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -24,6 +25,16 @@ log = logging.getLogger(__name__)
 Role = Literal["training", "sampling", "log_prob"]
 ROLES: tuple[Role, ...] = ("training", "sampling", "log_prob")
 
+# Colocation ops: sleep/wake an engine or empty its caches.
+LIFECYCLE_OPS = frozenset(
+    {
+        "sleep-inference",
+        "wake-inference",
+        "sleep-training",
+        "wake-training",
+        "empty-training-cache",
+    }
+)
 # Canonical op names on the wire (DESIGN.md §3).
 OPS = frozenset(
     {
@@ -35,15 +46,9 @@ OPS = frozenset(
         "generate",
         "log-probs",
         "operation",
-        "sleep-inference",
-        "wake-inference",
-        "sleep-training",
-        "wake-training",
-        "empty-training-cache",
+        *LIFECYCLE_OPS,
     }
 )
-# Ops whose bodies carry tensors: sent as DSSST1 frames by the HTTP transports.
-BINARY_OPS = frozenset({"forward-backward", "forward", "generate"})
 
 
 @dataclass(frozen=True)
@@ -82,6 +87,16 @@ class JobHandles:
                 f"(or pass {role}_job_id= to attach to a running one)"
             )
         return job_id
+
+    @classmethod
+    def from_sub_job_ids(cls, sub_job_ids: Iterable[str]) -> JobHandles:
+        """The handles of a new job: the first sub-job of each role among its ``sub_job_ids``."""
+        handles = cls()
+        for sub_job_id in sub_job_ids:
+            role = sub_job_id.split(":")[1]
+            if getattr(handles, role) is None:
+                setattr(handles, role, sub_job_id)
+        return handles
 
     def role_of(self, job_id: str) -> Role | None:
         """Which of this client's jobs ``job_id`` is."""

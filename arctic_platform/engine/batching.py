@@ -31,7 +31,7 @@ model-output position predicts it. That index turns model outputs back into the 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -233,7 +233,11 @@ class MicroBatch:
     token_rows: torch.Tensor
     token_cols: torch.Tensor
     pred_index: torch.Tensor
-    packed: bool = field(default=False)
+
+    @property
+    def packed(self) -> bool:
+        """Whether sequences were packed into the rows (they then carry no attention mask)."""
+        return self.attention_mask is None
 
     @property
     def num_tokens(self) -> int:
@@ -375,7 +379,6 @@ def _packed(
         token_rows=token_rows,
         token_cols=token_cols,
         pred_index=pred_index,
-        packed=True,
     )
 
 

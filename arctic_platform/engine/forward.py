@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from arctic_platform.engine.batching import Batch, MicroBatch, plan_microbatches, validate_batch
+from arctic_platform.engine.config import TrainingEngineConfig
 from arctic_platform.engine.errors import EngineInputError
 from arctic_platform.engine.logprobs import top_logprobs
 from arctic_platform.engine.losses import PreparedLoss, get_loss
@@ -76,6 +77,36 @@ def prepare_request(
         plan=plan,
         want_entropy=bool(asked) or (loss is not None and loss.needs_entropy),
     )
+
+
+def prepare_training_request(
+    batch: Mapping,
+    meta: Mapping | None,
+    processing: Mapping | None,
+    config: TrainingEngineConfig,
+    *,
+    vocab_size: int,
+    backward: bool,
+) -> Request:
+    """:func:`prepare_request` under a training engine's microbatch budget and packing.
+
+    For a backward pass (``forward_backward``) the loss defaults by the batch's kind
+    (:func:`default_loss_for`) and is required; a forward pass computes a loss only when one is
+    named. Every layer that accepts training requests (the engine, a data-parallel rank, the Ray
+    proxy) validates them through here, so they accept and reject the same requests.
+    """
+    request = prepare_request(
+        batch,
+        meta,
+        processing,
+        vocab_size=vocab_size,
+        max_tokens=config.max_tokens_per_microbatch,
+        packing=config.packing,
+        default_loss=default_loss_for(batch) if backward else None,
+    )
+    if backward and request.loss is None:
+        raise EngineInputError("processing.loss_fn", "forward_backward needs a loss")
+    return request
 
 
 def default_loss_for(batch: Mapping) -> str:

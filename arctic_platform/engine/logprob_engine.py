@@ -15,7 +15,7 @@ import torch
 
 from arctic_platform.engine.config import ModelConfig, SamplingEngineConfig
 from arctic_platform.engine.errors import EngineInputError
-from arctic_platform.engine.forward import check_top_k, forward_no_grad, prepare_request
+from arctic_platform.engine.forward import Request, check_top_k, forward_no_grad, prepare_request
 from arctic_platform.engine.models import load_causal_lm, load_tokenizer, resolve_device
 from arctic_platform.engine.trainer import seed_everything
 
@@ -60,16 +60,7 @@ class LogProbEngine:
         self, batch: Mapping, meta: Mapping | None = None, processing: Mapping | None = None
     ) -> dict:
         """Same contract as :meth:`TrainingEngine.forward`: position-indexed ``[B, S]`` outputs."""
-        request = prepare_request(
-            batch,
-            meta,
-            processing,
-            vocab_size=self.vocab_size,
-            max_tokens=self.max_tokens,
-            packing=True,
-            default_loss=None,
-        )
-        return forward_no_grad(self.model, request, self.device)
+        return forward_no_grad(self.model, self._prepare(batch, meta, processing), self.device)
 
     def log_probs(
         self,
@@ -95,15 +86,7 @@ class LogProbEngine:
         for i, row in enumerate(rows):
             input_ids[i, : len(row)] = torch.tensor(row, dtype=torch.long)
             attention_mask[i, : len(row)] = 1
-        request = prepare_request(
-            {"input_ids": input_ids, "attention_mask": attention_mask},
-            None,
-            None,
-            vocab_size=self.vocab_size,
-            max_tokens=self.max_tokens,
-            packing=True,
-            default_loss=None,
-        )
+        request = self._prepare({"input_ids": input_ids, "attention_mask": attention_mask})
         out = forward_no_grad(self.model, request, self.device, top_k=top_k)
         results = []
         for i, (prompt, completion) in enumerate(zip(prompt_ids, completion_ids, strict=True)):
@@ -122,6 +105,18 @@ class LogProbEngine:
                 }
             )
         return results
+
+    def _prepare(self, batch: Mapping, meta=None, processing=None) -> Request:
+        """A scoring request (a loss only when ``processing`` names one), packed by token budget."""
+        return prepare_request(
+            batch,
+            meta,
+            processing,
+            vocab_size=self.vocab_size,
+            max_tokens=self.max_tokens,
+            packing=True,
+            default_loss=None,
+        )
 
     def _tokenize(self, prompts, completions) -> tuple[list[list[int]], list[list[int]]]:
         if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or not prompts:

@@ -341,9 +341,7 @@ class SamplingEngine:
             )
             logits = out.logits[:, -1].float()
             state["position"] += 1
-        yield from self._outputs(
-            wave, counts, tokens_out, n_out, reason, lp_out, top_out, watcher.matched
-        )
+        yield from self._outputs(wave, tokens_out, n_out, reason, lp_out, top_out, watcher.matched)
 
     def _row_state(self, wave: list[_Slice], counts: torch.Tensor, device) -> dict:
         """Per-row tensors (one row per sequence), compacted together as sequences finish."""
@@ -426,7 +424,7 @@ class SamplingEngine:
         mask = torch.zeros(len(stop_ids), self.vocab_size + 1, dtype=torch.bool, device=self.device)
         return mask.scatter_(1, index, True)[:, : self.vocab_size]
 
-    def _outputs(self, wave, counts, tokens_out, n_out, reason, lp_out, top_out, matched):
+    def _outputs(self, wave, tokens_out, n_out, reason, lp_out, top_out, matched):
         tokens_out, n_out, reason = tokens_out.cpu(), n_out.tolist(), reason.tolist()
         lp_out = lp_out.cpu() if lp_out is not None else None
         top_ids, top_lp = (top_out[0].cpu(), top_out[1].cpu()) if top_out is not None else (0, 0)
@@ -476,7 +474,7 @@ class SamplingEngine:
         text = self._decode(ids, params)
         if why == _STOP_STR:
             before = self._decode(ids[:-1], params)
-            start = text.find(stop_string, max(0, len(before) - len(stop_string) + 1))
+            start = _find_new(stop_string, text, before)
             if start < 0:  # decoding was not prefix-stable; fall back to the first occurrence
                 start = text.find(stop_string)
             end = start + len(stop_string) if keep_stop else start
@@ -627,8 +625,14 @@ class _StopStringWatcher:
                 for ids in (tail, tail[:-1])
             )
             for stop in params.stop:
-                if text.find(stop, max(0, len(before) - len(stop) + 1)) >= 0:
+                if _find_new(stop, text, before) >= 0:
                     hit[row] = True
                     self.matched[slot] = stop
                     break
         return hit
+
+
+def _find_new(stop: str, text: str, before: str) -> int:
+    """Where ``stop`` occurs in ``text`` ending within its newest token (``before`` is the text
+    without that token), as vLLM matches stop strings; -1 if it does not."""
+    return text.find(stop, max(0, len(before) - len(stop) + 1))

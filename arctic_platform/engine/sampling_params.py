@@ -59,10 +59,6 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE
 
-    @property
-    def uses_top_k(self) -> bool:
-        return self.top_k > 0
-
     @classmethod
     def from_request(cls, value: Any, field: str = "sampling_params") -> SamplingParams:
         """Validate a vLLM-style dictionary (or pass a ``SamplingParams`` through).

@@ -19,6 +19,7 @@ Semantics clients rely on:
 
 from __future__ import annotations
 
+import functools
 import gc
 import math
 import random
@@ -33,9 +34,8 @@ from arctic_platform.engine.config import TrainingEngineConfig
 from arctic_platform.engine.errors import EngineInputError
 from arctic_platform.engine.forward import (
     Request,
-    default_loss_for,
     forward_no_grad,
-    prepare_request,
+    prepare_training_request,
     scored_microbatches,
 )
 from arctic_platform.engine.meta import to_float, to_int
@@ -90,19 +90,13 @@ class TrainingEngine:
         :func:`arctic_platform.engine.metrics.reduce_metrics`. ``avg_loss`` and ``loss`` both equal
         ``metrics["loss"]``.
         """
-        request = self._prepare(batch, meta, processing, default_loss=default_loss_for(batch))
-        if request.loss is None:
-            raise EngineInputError("processing.loss_fn", "forward_backward needs a loss")
+        request = self._prepare(batch, meta, processing, backward=True)
         self._wake_if_offloaded()
         self.model.train()
         sums = MetricSums()
         for _, outputs, rows in scored_microbatches(self.model, request, self.device):
-            result = request.loss(outputs, rows)
-            result.loss.backward()
-            sums.add(result.metrics)
-        metrics = sums.finalize()
-        loss = metrics.get("loss", 0.0)
-        return {"avg_loss": loss, "loss": loss, "metrics": metrics, "metric_sums": sums.raw()}
+            self._backward(request, outputs, rows, sums)
+        return self._backward_answer(sums)
 
     def forward(
         self, batch: Mapping, meta: Mapping | None = None, processing: Mapping | None = None
@@ -114,7 +108,7 @@ class TrainingEngine:
         ``compute_entropy_and_logprobs`` and neither says otherwise. With a ``processing.loss_fn``
         the loss's metrics and ``avg_loss`` are returned too (no gradient).
         """
-        request = self._prepare(batch, meta, processing, default_loss=None)
+        request = self._prepare(batch, meta, processing, backward=False)
         self._wake_if_offloaded()
         return forward_no_grad(self.model, request, self.device)
 
@@ -133,15 +127,14 @@ class TrainingEngine:
         if learning_rate is not None:
             self._set_peak_lr(learning_rate)
         lr = float(self.optimizer.param_groups[0]["lr"])
-        grads = [p.grad for p in self._trainable if p.grad is not None]
-        norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
+        norm = self._grad_norm()
         grad_norm = float(norm)
         if not math.isfinite(grad_norm):
             self.optimizer.zero_grad(set_to_none=True)
             return self._step_result(grad_norm, lr, skipped=True)
         clip = self.config.optimizer.grad_clip
-        if clip > 0 and grads:
-            torch.nn.utils.clip_grads_with_norm_(self._trainable, clip, norm)
+        if clip > 0:
+            self._clip_grads(clip, norm)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
@@ -164,19 +157,12 @@ class TrainingEngine:
         to ``global_steps``; ``save_total_limit`` to the config's. Returns ``{"path",
         "global_step", "checkpoint_id", "hf_path"}``.
         """
-        step = self.global_steps if step is None else to_int("step", step, minimum=0)
-        if save_total_limit is not None:
-            save_total_limit = to_int("save_total_limit", save_total_limit, minimum=0)
-        else:
-            save_total_limit = self.config.save_total_limit
-        return ckpt.save_checkpoint(
-            self._job_dir(path),
+        job_dir, step, save_total_limit = self._save_target(path, step, save_total_limit)
+        return self._write_checkpoint(
+            job_dir,
             step,
-            model=self.model,
-            optimizer=self.optimizer,
-            scheduler=self.scheduler,
-            trainer_state={"global_steps": self.global_steps, "lr_override": self._lr_override},
-            tokenizer=self._tokenizer(),
+            self.model,
+            self.optimizer,
             export_hf=export_hf,
             save_total_limit=save_total_limit,
         )
@@ -193,14 +179,7 @@ class TrainingEngine:
         state = ckpt.load_checkpoint(
             directory, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler
         )
-        self.optimizer.zero_grad(set_to_none=True)
-        self.global_steps = int(state["global_steps"])
-        self._lr_override = state.get("lr_override")
-        return {
-            "path": str(directory),
-            "global_step": self.global_steps,
-            "checkpoint_id": directory.name,
-        }
+        return self._loaded(directory, state)
 
     # -- colocation -----------------------------------------------------------------------
 
@@ -241,16 +220,33 @@ class TrainingEngine:
 
     # -- internals ------------------------------------------------------------------------
 
-    def _prepare(self, batch, meta, processing, *, default_loss: str | None) -> Request:
-        return prepare_request(
-            batch,
-            meta,
-            processing,
-            vocab_size=self.vocab_size,
-            max_tokens=self.config.max_tokens_per_microbatch,
-            packing=self.config.packing,
-            default_loss=default_loss,
+    def _prepare(self, batch, meta, processing, *, backward: bool) -> Request:
+        return prepare_training_request(
+            batch, meta, processing, self.config, vocab_size=self.vocab_size, backward=backward
         )
+
+    @staticmethod
+    def _backward(request: Request, outputs: Mapping, rows: Mapping, sums: MetricSums) -> None:
+        """Back-propagate one microbatch's share of the loss; add its metrics to ``sums``."""
+        result = request.loss(outputs, rows)
+        result.loss.backward()
+        sums.add(result.metrics)
+
+    @staticmethod
+    def _backward_answer(sums: MetricSums) -> dict:
+        """What ``forward_backward`` returns for the microbatches ``sums`` holds."""
+        metrics = sums.finalize()
+        loss = metrics.get("loss", 0.0)
+        return {"avg_loss": loss, "loss": loss, "metrics": metrics, "metric_sums": sums.raw()}
+
+    def _grad_norm(self) -> torch.Tensor:
+        """The total 2-norm of the accumulated gradients (0 without any)."""
+        grads = [p.grad for p in self._trainable if p.grad is not None]
+        return torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
+
+    def _clip_grads(self, max_norm: float, norm: torch.Tensor) -> None:
+        """Scale the gradients so their total norm (``norm``) is at most ``max_norm``."""
+        torch.nn.utils.clip_grads_with_norm_(self._trainable, max_norm, norm)
 
     def _set_peak_lr(self, lr: float) -> None:
         self._lr_override = lr
@@ -269,6 +265,51 @@ class TrainingEngine:
             "metrics": metrics,
         }
 
+    def _save_target(
+        self, path, step: int | None, save_total_limit: int | None
+    ) -> tuple[Path, int, int | None]:
+        """Validate a save's arguments: ``(job folder, step, retention)`` with the defaults."""
+        step = self.global_steps if step is None else to_int("step", step, minimum=0)
+        if save_total_limit is not None:
+            save_total_limit = to_int("save_total_limit", save_total_limit, minimum=0)
+        else:
+            save_total_limit = self.config.save_total_limit
+        return self._job_dir(path), step, save_total_limit
+
+    def _write_checkpoint(
+        self,
+        job_dir: Path,
+        step: int,
+        model: torch.nn.Module,
+        optimizer,
+        *,
+        export_hf: bool,
+        save_total_limit: int | None,
+    ) -> dict:
+        """Write ``model`` and ``optimizer`` with this engine's schedule and trainer state."""
+        return ckpt.save_checkpoint(
+            job_dir,
+            step,
+            model=model,
+            optimizer=optimizer,
+            scheduler=self.scheduler,
+            trainer_state={"global_steps": self.global_steps, "lr_override": self._lr_override},
+            tokenizer=self._tokenizer,
+            export_hf=export_hf,
+            save_total_limit=save_total_limit,
+        )
+
+    def _loaded(self, directory: Path, trainer_state: Mapping) -> dict:
+        """Finish a load: drop accumulated gradients, adopt the checkpoint's trainer state."""
+        self.optimizer.zero_grad(set_to_none=True)
+        self.global_steps = int(trainer_state["global_steps"])
+        self._lr_override = trainer_state.get("lr_override")
+        return {
+            "path": str(directory),
+            "global_step": self.global_steps,
+            "checkpoint_id": directory.name,
+        }
+
     def _job_dir(self, path) -> Path:
         if path is not None:
             return Path(path)
@@ -276,8 +317,10 @@ class TrainingEngine:
             raise EngineInputError("path", "no checkpoint folder: pass path or set checkpoint_dir")
         return Path(self.config.checkpoint_dir) / self.config.job_name
 
+    @functools.cached_property
     def _tokenizer(self):
-        """The model's tokenizer, saved beside checkpoints; None for a model without one."""
+        """The model's tokenizer, saved beside checkpoints (loaded at the first save, once);
+        None for a model without one."""
         try:
             return load_tokenizer(self.config.model)
         except (OSError, ValueError):

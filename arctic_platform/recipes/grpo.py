@@ -246,13 +246,12 @@ def run_recipe(
         with Progress(total, enabled=show_progress) as progress:
             for step in range(start, total):
                 in_sft = step < config.sft.steps
-                if step == config.sft.steps and step > 0:
-                    client.sync_weights()  # the sampler starts GRPO from the SFT weights
                 record = {"step": step}
                 record.update(recipe.sft_step(step) if in_sft else recipe.grpo_step(step))
-                if _is_eval_step(config, step):
-                    if in_sft:
-                        client.sync_weights()
+                evaluate = _is_eval_step(config, step)
+                if in_sft and (evaluate or step == config.sft.steps - 1):
+                    client.sync_weights()  # the sampler evaluates, and GRPO starts from, these
+                if evaluate:
                     started = time.perf_counter()
                     last_eval = record["eval_reward"] = recipe.evaluate()
                     record["time_eval_s"] = time.perf_counter() - started

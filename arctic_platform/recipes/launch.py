@@ -10,6 +10,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from arctic_platform.recipes.grpo import STATE_FILE
+
 BACKENDS = ("inprocess", "http", "cortex", "ray")
 RUNS_DIR = Path("runs")
 CORTEX_DATABASE, CORTEX_SCHEMA = "ARCTIC", "RL"
@@ -22,8 +24,8 @@ def resolve_run_dir(output_dir: Path | None, *, resume: bool) -> Path:
         return output_dir
     if resume:
         candidates = sorted(
-            (p for p in RUNS_DIR.glob("*") if (p / "state.json").exists()),
-            key=lambda p: (p / "state.json").stat().st_mtime,
+            (p for p in RUNS_DIR.glob("*") if (p / STATE_FILE).exists()),
+            key=lambda p: (p / STATE_FILE).stat().st_mtime,
         )
         if not candidates:
             raise ValueError("--resume: no run with a checkpoint under runs/; pass --output-dir")

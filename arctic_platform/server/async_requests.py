@@ -50,6 +50,11 @@ class AsyncRequest:
     stream_cursor: int = 0
     future: Future | None = field(default=None, repr=False)
 
+    @property
+    def streaming(self) -> bool:
+        """Streaming generation: its outputs are events, drained by a server-side cursor."""
+        return self.op == "generate-stream"
+
 
 class RequestStore:
     """Requests by id; bounded by ``capacity`` (oldest finished ones are forgotten first)."""
@@ -67,7 +72,6 @@ class RequestStore:
         sub_job_id: str,
         op: str,
         binary_result: bool,
-        streaming: bool = False,
     ) -> AsyncRequest:
         """Register ``future`` and return its request; its outcome is recorded when it resolves."""
         request = AsyncRequest(
@@ -81,7 +85,7 @@ class RequestStore:
         with self._lock:
             self._requests[request.request_id] = request
             self._evict()
-        future.add_done_callback(lambda f: self._finish(request, f, streaming))
+        future.add_done_callback(lambda f: self._finish(request, f))
         return request
 
     def get(self, job_id: str, request_id: str) -> AsyncRequest:
@@ -105,7 +109,7 @@ class RequestStore:
         if not 1 <= limit <= MAX_EVENTS:
             raise BadRequest(f"max_events must be in 1..{MAX_EVENTS}, got {limit}")
         with self._lock:
-            streaming = request.op == "generate-stream"
+            streaming = request.streaming
             # Streaming events are drained destructively by the server-side cursor; result
             # chunks by the client's cursor, so a lost poll response can be re-read.
             start = request.stream_cursor if streaming else _cursor(cursor, len(request.events))
@@ -130,7 +134,7 @@ class RequestStore:
             }
         return body
 
-    def _finish(self, request: AsyncRequest, future: Future, streaming: bool) -> None:
+    def _finish(self, request: AsyncRequest, future: Future) -> None:
         with self._lock:
             request.updated_at = time.time()
             if future.cancelled():
@@ -142,7 +146,7 @@ class RequestStore:
                 request.error = f"{type(error).__name__}: {error}"
                 return
             value = future.result()
-            if streaming:
+            if request.streaming:
                 request.events = [
                     {"type": "result", "index": i, "output": o} for i, o in enumerate(value)
                 ]

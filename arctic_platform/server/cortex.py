@@ -171,14 +171,17 @@ async def _chunked_octet_op(request: Request, job_id: str, op: str) -> dict:
 
 def _submit(service, job_id: str, op: str, body: Any, owner: str | None) -> str:
     sub, op, body = service.dispatch(job_id, op, body, owner=owner)
-    future = service.submit(sub, op, body)
+    return _queue(service, job_id, sub, op, body)
+
+
+def _queue(service, job_id: str, sub, op: str, body: Any) -> str:
+    """Queue ``op`` on ``sub`` as an async request the client polls; its ``request_id``."""
     record = service.requests.track(
-        future,
+        service.submit(sub, op, body),
         job_id=job_id,
         sub_job_id=sub.sub_job_id,
         op=op,
         binary_result=op in BINARY_RESULTS,
-        streaming=op == "generate-stream",
     )
     return record.request_id
 
@@ -254,11 +257,7 @@ async def operation(job_id: str, request: Request) -> Any:
     if op in LIFECYCLE_OPERATIONS:
         # Quick operations answer inline, as the Cortex API does for these types.
         return await run_in_threadpool(service.call, sub, op, payload)
-    future = service.submit(sub, op, payload)
-    record = service.requests.track(
-        future, job_id=job_id, sub_job_id=sub.sub_job_id, op=op, binary_result=False
-    )
-    return {"request_id": record.request_id, "job_id": job_id}
+    return {"request_id": _queue(service, job_id, sub, op, payload), "job_id": job_id}
 
 
 @router.get("/{job_id}/requests/{request_id}")

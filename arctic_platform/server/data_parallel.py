@@ -35,7 +35,6 @@ from __future__ import annotations
 import contextlib
 import datetime
 import inspect
-import math
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Literal
@@ -46,9 +45,9 @@ import torch.distributed as dist
 from arctic_platform.engine import checkpoint as ckpt
 from arctic_platform.engine.config import TrainingEngineConfig
 from arctic_platform.engine.errors import EngineInputError
-from arctic_platform.engine.forward import Request, default_loss_for, forward_no_grad
+from arctic_platform.engine.forward import Request, forward_no_grad
 from arctic_platform.engine.forward import scored_microbatches as _scored
-from arctic_platform.engine.meta import to_float, to_int
+from arctic_platform.engine.meta import to_int
 from arctic_platform.engine.metrics import MetricSums
 from arctic_platform.engine.models import load_causal_lm
 from arctic_platform.engine.schedule import build_scheduler
@@ -134,17 +133,7 @@ class DataParallelEngine(TrainingEngine):
         """
         if self.world_size == 1:
             return super().forward_backward(batch, meta, processing)
-        request, problem = None, None
-        if batch is not None:
-            try:
-                request = self._prepare(
-                    batch, meta, processing, default_loss=default_loss_for(batch)
-                )
-                if request.loss is None:
-                    raise EngineInputError("processing.loss_fn", "forward_backward needs a loss")
-            except EngineInputError as exc:
-                request, problem = None, exc
-        calls = self._agree(problem, len(request.plan) if request else 0)
+        request, calls = self._prepare_shard(batch, meta, processing, backward=True)
         self._wake_if_offloaded()
         self.model.train()
         sums = MetricSums()
@@ -156,12 +145,8 @@ class DataParallelEngine(TrainingEngine):
                     self._dummy_call(backward=True)
                     continue
                 _, outputs, rows = item
-                result = request.loss(outputs, rows)
-                result.loss.backward()
-                sums.add(result.metrics)
-        metrics = sums.finalize()
-        loss = metrics.get("loss", 0.0)
-        return {"avg_loss": loss, "loss": loss, "metrics": metrics, "metric_sums": sums.raw()}
+                self._backward(request, outputs, rows, sums)
+        return self._backward_answer(sums)
 
     def forward(
         self, batch: Mapping | None, meta: Mapping | None = None, processing: Mapping | None = None
@@ -169,53 +154,15 @@ class DataParallelEngine(TrainingEngine):
         """Log-probs of this rank's rows (None for a rank without rows), no gradient."""
         if self.world_size == 1:
             return super().forward(batch, meta, processing)
-        request, problem = None, None
-        if batch is not None:
-            try:
-                request = self._prepare(batch, meta, processing, default_loss=None)
-            except EngineInputError as exc:
-                problem = exc
-        calls = self._agree(problem, len(request.plan) if request else 0)
+        request, calls = self._prepare_shard(batch, meta, processing, backward=False)
         self._wake_if_offloaded()
         out = forward_no_grad(self.model, request, self.device) if request else None
-        if self.strategy == "fsdp":
+        if self._sharded:
             # Sharded parameters are gathered on every forward: match the busiest rank's count.
             with torch.no_grad():
                 for _ in range(calls - (len(request.plan) if request else 0)):
                     self._dummy_call(backward=False)
         return out
-
-    def step(self, learning_rate: float | None = None) -> dict:
-        """One optimizer update; the gradient norm is over the whole model on every rank."""
-        if self.strategy != "fsdp" or self.world_size == 1:
-            return super().step(learning_rate)
-        if learning_rate is not None:
-            learning_rate = to_float("learning_rate", learning_rate)
-            if learning_rate <= 0:
-                raise EngineInputError("learning_rate", f"must be > 0, got {learning_rate}")
-        self._wake_if_offloaded()
-        if learning_rate is not None:
-            self._set_peak_lr(learning_rate)
-        lr = float(self.optimizer.param_groups[0]["lr"])
-        grads = [p.grad.to_local() for p in self._trainable if p.grad is not None]
-        squares = torch.zeros((), dtype=torch.float32, device=self.device)
-        for grad in grads:
-            squares += grad.float().pow(2).sum()
-        dist.all_reduce(squares)
-        grad_norm = float(squares.sqrt())
-        if not math.isfinite(grad_norm):
-            self.optimizer.zero_grad(set_to_none=True)
-            return self._step_result(grad_norm, lr, skipped=True)
-        clip = self.config.optimizer.grad_clip
-        if clip > 0 and grads:
-            coef = min(clip / (grad_norm + 1e-6), 1.0)
-            for grad in grads:
-                grad.mul_(coef)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.scheduler.step()
-        self.global_steps += 1
-        return self._step_result(grad_norm, lr, skipped=False)
 
     # -- checkpoints and weights ----------------------------------------------------------
 
@@ -231,30 +178,22 @@ class DataParallelEngine(TrainingEngine):
 
         With DDP only rank 0 needs to be called; with FSDP every rank must call (they gather).
         """
-        if self.strategy != "fsdp" or self.world_size == 1:
+        if not self._sharded:
             if self.rank != 0:
                 return None
             return super().save_checkpoint(
                 path, step=step, export_hf=export_hf, save_total_limit=save_total_limit
             )
-        step = self.global_steps if step is None else to_int("step", step, minimum=0)
-        if save_total_limit is not None:
-            save_total_limit = to_int("save_total_limit", save_total_limit, minimum=0)
-        else:
-            save_total_limit = self.config.save_total_limit
-        job_dir = self._job_dir(path)
+        job_dir, step, save_total_limit = self._save_target(path, step, save_total_limit)
         mirror = self._gather_into_mirror()
         optimizer = _FullOptimizerState(self.optimizer, self._gather_optimizer_state())
         if self.rank != 0:
             return None
-        return ckpt.save_checkpoint(
+        return self._write_checkpoint(
             job_dir,
             step,
-            model=mirror,
-            optimizer=optimizer,
-            scheduler=self.scheduler,
-            trainer_state={"global_steps": self.global_steps, "lr_override": self._lr_override},
-            tokenizer=self._tokenizer(),
+            mirror,
+            optimizer,
             export_hf=export_hf,
             save_total_limit=save_total_limit,
         )
@@ -281,19 +220,43 @@ class DataParallelEngine(TrainingEngine):
 
         With DDP only rank 0 needs to be called; with FSDP every rank must call (they gather).
         """
-        if self.strategy != "fsdp" or self.world_size == 1:
-            return stream_weights(self.model, chunk_bytes) if self.rank == 0 else None
-        mirror = self._gather_into_mirror()
-        return stream_weights(mirror, chunk_bytes) if self.rank == 0 else None
+        model = self._gather_into_mirror() if self._sharded else self.model
+        return stream_weights(model, chunk_bytes) if self.rank == 0 else None
 
     def sleep(self, mode: str = "all") -> dict:
-        if self.strategy == "fsdp" and self.world_size > 1 and self.device.type != "cpu":
+        if self._sharded and self.device.type != "cpu":
             raise EngineInputError(
                 "mode", "sleep-training is not supported with data_parallel fsdp; use ddp"
             )
         return super().sleep(mode)
 
     # -- internals ------------------------------------------------------------------------
+
+    @property
+    def _sharded(self) -> bool:
+        """FSDP over several ranks: each rank holds only a shard of every parameter."""
+        return self.strategy == "fsdp" and self.world_size > 1
+
+    def _grad_norm(self) -> torch.Tensor:
+        """The whole model's gradient norm, the same on every rank (see module doc)."""
+        if not self._sharded:
+            return super()._grad_norm()
+        squares = torch.zeros((), dtype=torch.float32, device=self.device)
+        for grad in self._local_grads():
+            squares += grad.float().pow(2).sum()
+        dist.all_reduce(squares)
+        return squares.sqrt()
+
+    def _clip_grads(self, max_norm: float, norm: torch.Tensor) -> None:
+        if not self._sharded:
+            return super()._clip_grads(max_norm, norm)
+        coef = min(max_norm / (float(norm) + 1e-6), 1.0)
+        for grad in self._local_grads():
+            grad.mul_(coef)
+
+    def _local_grads(self) -> list[torch.Tensor]:
+        """This rank's shards of the accumulated gradients (views: scaling them scales those)."""
+        return [p.grad.to_local() for p in self._trainable if p.grad is not None]
 
     def _shard(self) -> None:
         """FSDP2: shard each transformer block, then the root; rebuild the optimizer on shards."""
@@ -315,6 +278,19 @@ class DataParallelEngine(TrainingEngine):
             self._trainable, lr=opt.lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay
         )
         self.scheduler = build_scheduler(self.optimizer, self.config.scheduler)
+
+    def _prepare_shard(
+        self, batch: Mapping | None, meta, processing, *, backward: bool
+    ) -> tuple[Request | None, int]:
+        """All ranks: validate this rank's shard (None: no rows) and agree with the others;
+        ``(request, model calls every rank makes)`` (see :meth:`_agree`)."""
+        request, problem = None, None
+        if batch is not None:
+            try:
+                request = self._prepare(batch, meta, processing, backward=backward)
+            except EngineInputError as exc:
+                problem = exc
+        return request, self._agree(problem, len(request.plan) if request else 0)
 
     def _agree(self, problem: Exception | None, microbatches: int) -> int:
         """All ranks: reject together if any shard is bad; else the largest microbatch count."""
@@ -452,13 +428,10 @@ class DataParallelEngine(TrainingEngine):
                     restored[key] = value
             optimizer_state["state"][index] = restored
         self.optimizer.load_state_dict(optimizer_state)
-        self.optimizer.zero_grad(set_to_none=True)
         if self.rank != 0:
             self.scheduler.load_state_dict(scheduler_state)
             ckpt.restore_rng(rng)
-        self.global_steps = int(trainer_state["global_steps"])
-        self._lr_override = trainer_state.get("lr_override")
-        return {"path": where, "global_step": self.global_steps, "checkpoint_id": Path(where).name}
+        return self._loaded(Path(where), trainer_state)
 
 
 class _FullOptimizerState:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from arctic_platform.engine.config import SamplingEngineConfig, TrainingEngineConfig
 from arctic_platform.server.errors import BadRequest
 from arctic_platform.server.job_config import sampling_engine_config, training_engine_config
 
@@ -21,32 +22,14 @@ def build_engine(service, sub, source: dict | None) -> Any:
         from arctic_platform.server.ray_engines import build_ray_engine
 
         return build_ray_engine(service, sub, source)
-    spec = sub.spec
     if sub.kind == "training":
         from arctic_platform.engine.trainer import TrainingEngine
 
-        if source is not None and not spec.training_config.load_optimizer_states:
-            raise BadRequest(
-                "training_config.load_optimizer_states: starting from a checkpoint restores its "
-                "optimizer state; false is not supported"
-            )
-        config = training_engine_config(
-            spec,
-            device=settings.device,
-            checkpoint_dir=str(service.checkpoint_root),
-            job_name=sub.sub_job_id.replace(":", "-"),
-            default_seed=settings.default_seed,
-        )
-        engine = TrainingEngine(config)
+        engine = TrainingEngine(training_config_for(service, sub, source, device=settings.device))
         if source is not None:
             engine.load_checkpoint(source["path"])
         return engine
-    config = sampling_engine_config(
-        spec,
-        device=settings.device,
-        default_seed=settings.default_seed,
-        model_name=_weights_dir(source) if source is not None else None,
-    )
+    config = inference_config_for(service, sub, source, device=settings.device)
     if sub.kind == "sampling":
         from arctic_platform.engine.sampler import SamplingEngine
 
@@ -54,6 +37,33 @@ def build_engine(service, sub, source: dict | None) -> Any:
     from arctic_platform.engine.logprob_engine import LogProbEngine
 
     return LogProbEngine(config)
+
+
+def training_config_for(service, sub, source: dict | None, *, device: str) -> TrainingEngineConfig:
+    """The engine config of training sub-job ``sub`` on ``device`` (local or Ray alike)."""
+    if source is not None and not sub.spec.training_config.load_optimizer_states:
+        raise BadRequest(
+            "training_config.load_optimizer_states: starting from a checkpoint restores its "
+            "optimizer state; false is not supported"
+        )
+    return training_engine_config(
+        sub.spec,
+        device=device,
+        checkpoint_dir=str(service.checkpoint_root),
+        job_name=sub.sub_job_id.replace(":", "-"),
+        default_seed=service.settings.default_seed,
+    )
+
+
+def inference_config_for(service, sub, source: dict | None, *, device: str) -> SamplingEngineConfig:
+    """The engine config of sampling or log-prob sub-job ``sub`` on ``device``; with ``source``,
+    the model is loaded from that checkpoint."""
+    return sampling_engine_config(
+        sub.spec,
+        device=device,
+        default_seed=service.settings.default_seed,
+        model_name=_weights_dir(source) if source is not None else None,
+    )
 
 
 def _weights_dir(source: dict) -> str:

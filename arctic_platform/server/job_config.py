@@ -63,7 +63,11 @@ CORTEX_TRAINING_PASSTHROUGH = frozenset(
         "multiplex_job_id",
     }
 )
-CORTEX_INFERENCE_PASSTHROUGH = frozenset({"gpu_memory_utilization", "multiplex_job_id"})
+# An inference sub-job's peft_config is passthrough too: samplers hold merged weights, and a LoRA
+# trainer's adapters reach them merged through weight sync.
+CORTEX_INFERENCE_PASSTHROUGH = frozenset(
+    {"gpu_memory_utilization", "multiplex_job_id", "peft_config"}
+)
 # vLLM engine arguments that mean something on our sampler; the rest are recorded as ignored.
 VLLM_KEYS_USED = frozenset({"max_num_seqs", "max_model_len"})
 
@@ -148,7 +152,6 @@ class InferenceSettings(_WithPassthrough):
     max_batch_size: PositiveInt = 256
     max_tokens_per_microbatch: PositiveInt = 16384
     vllm_config: dict[str, Any] = Field(default_factory=dict)
-    peft_config: PeftSpec | None = None
 
 
 class SourceCheckpoint(_Spec):
@@ -220,14 +223,13 @@ def model_config_of(
     spec: SubJobConfig, *, model_name: str | None = None, device: str
 ) -> ModelConfig:
     """The engine's model settings for a sub-job (``model_name`` overrides, e.g. a checkpoint)."""
-    settings = spec.training_config or spec.inference_config
-    peft = settings.peft_config if spec.kind == "training" else None
-    attn = spec.training_config.attn_implementation if spec.training_config else None
+    training = spec.training_config  # None for inference sub-jobs: they hold plain weights
+    peft = training.peft_config if training is not None else None
     return ModelConfig(
         name=model_name or spec.model_name,
         dtype=spec.dtype,
         device=device,
-        attn_implementation=attn,
+        attn_implementation=training.attn_implementation if training is not None else None,
         lora=peft.to_lora() if peft is not None else None,
     )
 
@@ -239,14 +241,13 @@ def training_engine_config(
     checkpoint_dir: str,
     job_name: str,
     default_seed: int = 42,
-    model_name: str | None = None,
 ) -> TrainingEngineConfig:
     """Map a training sub-job onto :class:`TrainingEngineConfig`."""
     settings = spec.training_config
     assert settings is not None
     optimizer = settings.optimizer
     return TrainingEngineConfig(
-        model=model_config_of(spec, model_name=model_name, device=device),
+        model=model_config_of(spec, device=device),
         optimizer=OptimizerConfig(
             lr=optimizer.lr,
             betas=optimizer.betas,

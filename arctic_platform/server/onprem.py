@@ -23,27 +23,13 @@ from arctic_platform.server.http_common import (
     read_body,
     read_op_body,
 )
-from arctic_platform.server.ops import BINARY_RESULTS
+from arctic_platform.server.ops import BINARY_RESULTS, OPS_BY_KIND
 
 router = APIRouter()
 
-ONPREM_OPS = {
-    "forward-backward",
-    "forward",
-    "step",
-    "save",
-    "load-checkpoint",
-    "generate",
-    "log-probs",
-    "operation",
-    "weight-sync",
-    "reset-prefix-cache",
-    "sleep-inference",
-    "wake-inference",
-    "sleep-training",
-    "wake-training",
-    "empty-training-cache",
-}
+# A route for every op a sub-job runs (streaming generation is the Cortex API's alone), and the
+# ``operation`` envelope.
+ONPREM_OPS = frozenset({"operation", *set().union(*OPS_BY_KIND.values())} - {"generate-stream"})
 # Fields of the reference server's JobConfig that have no meaning here; accepted and ignored.
 REFERENCE_INIT_FIELDS = {
     "num_devices",

@@ -43,13 +43,7 @@ def op_kind(op: str, body: Any = None) -> str:
     """The sub-job type an op runs on when the caller names only the parent job."""
     if op == "forward":
         return "log_prob" if isinstance(body, dict) and body.get("reference_model") else "training"
-    if op in (
-        "generate",
-        "generate-stream",
-        "sleep-inference",
-        "wake-inference",
-        "reset-prefix-cache",
-    ):
+    if op in SAMPLING_OPS:
         return "sampling"
     if op == "log-probs":
         return "log_prob"

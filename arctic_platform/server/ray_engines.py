@@ -7,8 +7,8 @@ Service, its queues, its failure handling and both HTTP APIs work unchanged over
 Training over N worker actors (a :class:`~arctic_platform.server.data_parallel.DataParallelEngine`
 each):
 
-* The proxy validates the whole request first (the same ``prepare_request`` the engine runs), so
-  bad input fails before any worker is asked and names the field as on one engine.
+* The proxy validates the whole request first (the same ``prepare_training_request`` the engine
+  runs), so bad input fails before any worker is asked and names the field as on one engine.
 * Rows are split across workers by token count (:mod:`arctic_platform.server.dp_split`). With
   N > 1 the workers get ``meta.dp_size`` multiplied by N and the global ``batch_num_tokens`` and
   ``global_batch_size`` of the whole request (the client's, or the counts one engine would use
@@ -154,22 +154,10 @@ class RayTrainingEngine:
     def forward_backward(
         self, batch: Mapping, meta: Mapping | None = None, processing: Mapping | None = None
     ) -> dict:
-        from arctic_platform.engine.errors import EngineInputError
-        from arctic_platform.engine.forward import default_loss_for
         from arctic_platform.engine.metrics import reduce_metrics
 
-        request = self._validate(batch, meta, processing, default_loss_for(batch))
-        if request.loss is None:
-            raise EngineInputError("processing.loss_fn", "forward_backward needs a loss")
-        _, shards = self._split(batch, request)
-        meta_out = self._worker_meta(request, meta)
-        replies = self.actors.gather(
-            {
-                r: h.forward_backward.remote(shards[r], meta_out, processing)
-                for r, h in enumerate(self.actors.handles)
-            },
-            "forward-backward",
-        )
+        request = self._validate(batch, meta, processing, backward=True)
+        _, replies = self._on_shards("forward_backward", request, batch, meta, processing)
         metrics = reduce_metrics(replies[r]["metric_sums"] for r in range(self.workers))
         loss = metrics.get("loss", 0.0)
         return {"avg_loss": loss, "loss": loss, "metrics": metrics}
@@ -179,16 +167,8 @@ class RayTrainingEngine:
     ) -> dict:
         from arctic_platform.engine.metrics import reduce_metrics
 
-        request = self._validate(batch, meta, processing, None)
-        parts, shards = self._split(batch, request)
-        meta_out = self._worker_meta(request, meta)
-        replies = self.actors.gather(
-            {
-                r: h.forward.remote(shards[r], meta_out, processing)
-                for r, h in enumerate(self.actors.handles)
-            },
-            "forward",
-        )
+        request = self._validate(batch, meta, processing, backward=False)
+        parts, replies = self._on_shards("forward", request, batch, meta, processing)
         active = [r for r in range(self.workers) if len(parts[r])]
         out: dict[str, Any] = {}
         for name in ("logprobs", "entropy"):
@@ -264,26 +244,35 @@ class RayTrainingEngine:
             method.replace("_", "-"),
         )
 
+    def _on_shards(
+        self, method: str, request, batch: Mapping, meta: Mapping | None, processing
+    ) -> tuple[list[np.ndarray], dict]:
+        """Each worker runs ``method`` on its shard of ``batch``: ``(rows per worker, replies)``."""
+        parts, shards = self._split(batch, request)
+        meta_out = self._worker_meta(request, meta)
+        replies = self.actors.gather(
+            {
+                r: getattr(h, method).remote(shards[r], meta_out, processing)
+                for r, h in enumerate(self.actors.handles)
+            },
+            method.replace("_", "-"),
+        )
+        return parts, replies
+
     def _gathering_ranks(self) -> list[int]:
         """Ranks a save or export needs: rank 0 holds everything, unless FSDP shards it."""
         if self.strategy == "fsdp" and self.workers > 1:
             return list(range(self.workers))
         return [0]
 
-    def _validate(self, batch, meta, processing, default_loss):
-        from arctic_platform.engine.forward import prepare_request
+    def _validate(self, batch, meta, processing, *, backward: bool):
+        from arctic_platform.engine.forward import prepare_training_request
 
         with warnings.catch_warnings():
             # Object-store arrays are read-only; validation only reads them.
             warnings.filterwarnings("ignore", message=".*not writable.*")
-            return prepare_request(
-                batch,
-                meta,
-                processing,
-                vocab_size=self.vocab_size,
-                max_tokens=self.config.max_tokens_per_microbatch,
-                packing=self.config.packing,
-                default_loss=default_loss,
+            return prepare_training_request(
+                batch, meta, processing, self.config, vocab_size=self.vocab_size, backward=backward
             )
 
     def _split(self, batch: Mapping, request) -> tuple[list[np.ndarray], list[dict | None]]:
@@ -378,31 +367,14 @@ class RayEngines:
         self._placements: dict[str, tuple[Placement, int]] = {}
 
     def build(self, sub, source: dict | None):
-        from arctic_platform.server.engines import _weights_dir
-        from arctic_platform.server.errors import BadRequest
-        from arctic_platform.server.job_config import (
-            sampling_engine_config,
-            training_engine_config,
-        )
+        from arctic_platform.server.engines import inference_config_for, training_config_for
 
-        settings = self.service.settings
         spec = sub.spec
         placement = self._acquire(sub.job_id)
         release = _once(lambda: self._release(sub.job_id))
         try:
             if sub.kind == "training":
-                if source is not None and not spec.training_config.load_optimizer_states:
-                    raise BadRequest(
-                        "training_config.load_optimizer_states: starting from a checkpoint "
-                        "restores its optimizer state; false is not supported"
-                    )
-                config = training_engine_config(
-                    spec,
-                    device=placement.device,
-                    checkpoint_dir=str(self.service.checkpoint_root),
-                    job_name=sub.sub_job_id.replace(":", "-"),
-                    default_seed=settings.default_seed,
-                )
+                config = training_config_for(self.service, sub, source, device=placement.device)
                 engine = RayTrainingEngine(
                     sub_job_id=sub.sub_job_id,
                     config=config,
@@ -418,16 +390,10 @@ class RayEngines:
                         engine.close()
                         raise
                 return engine
-            config = sampling_engine_config(
-                spec,
-                device=placement.device,
-                default_seed=settings.default_seed,
-                model_name=_weights_dir(source) if source is not None else None,
-            )
             return RayInferenceEngine(
                 sub_job_id=sub.sub_job_id,
                 kind=sub.kind,
-                config=config,
+                config=inference_config_for(self.service, sub, source, device=placement.device),
                 placement=placement,
                 index=int(sub.sub_job_id.rsplit(":", 1)[1]),
                 on_close=release,

@@ -22,8 +22,9 @@ from arctic_platform.client import (
     make_transport,
 )
 from arctic_platform.client.config import load_config
-from tests.client.conftest import TINY, backend_config, make_app, serve_app
+from tests.client.conftest import TINY, backend_config, make_app
 from tests.client.grpo import PROMPTS, SAMPLING, build_batch
+from tests.live_server import serve_app
 
 
 class Recording(Transport):
@@ -334,3 +335,17 @@ def test_launch_local_server_starts_and_stops_arctic_platform_serve(tmp_path):
     assert process.poll() is None  # only the client that launched the server stops it
     client.shutdown()
     assert process.poll() is not None
+
+
+def test_numpy_results_keep_bf16_tensors_as_ml_dtypes_arrays():
+    import ml_dtypes
+    import torch
+
+    from arctic_platform.client.tensors import to_python, torch_to_numpy
+
+    tensor = torch.tensor([[1.5, -2.25]], dtype=torch.bfloat16)
+    converted = torch_to_numpy({"logprobs": tensor, "steps": (torch.tensor(3),)})
+    assert converted["logprobs"].dtype == ml_dtypes.bfloat16
+    assert converted["logprobs"].astype("float32").tolist() == [[1.5, -2.25]]
+    assert converted["steps"][0].tolist() == 3
+    assert to_python({"x": tensor}) == {"x": [[1.5, -2.25]]}

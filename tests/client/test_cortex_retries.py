@@ -21,7 +21,8 @@ from arctic_platform.client import (
     create_arctic_rl_client,
 )
 from arctic_platform.layout import training_batch
-from tests.client.conftest import TINY, backend_config, make_app, serve_app
+from tests.client.conftest import TINY, backend_config, make_app
+from tests.live_server import serve_app
 
 CHUNK_BYTES = 64 * 1024
 

@@ -144,22 +144,12 @@ def test_two_workers_train_like_one_engine(runs, reference, kind):
         assert run[call]["global_steps"] == reference[call]["global_steps"]
         assert run[call]["grad_norm"] == pytest.approx(reference[call]["grad_norm"], rel=REL)
     assert set(run["weights"]) == set(reference["weights"])
-    worst = max(
-        np.abs(run["weights"][name] - reference["weights"][name]).max()
-        for name in reference["weights"]
-    )
     diffs = np.concatenate(
         [np.abs(run["weights"][n] - reference["weights"][n]).ravel() for n in reference["weights"]]
     )
-    print(
-        "DBG",
-        kind,
-        worst,
-        np.percentile(diffs, [50, 99, 99.9, 99.99]),
-        (diffs > 1e-6).sum(),
-        diffs.size,
-    )
+    worst = diffs.max()
     assert worst <= WEIGHT_ATOL, (kind, worst)
+    assert np.percentile(diffs, 99.9) <= WEIGHT_P999, (kind, np.percentile(diffs, 99.9))
 
 
 def test_the_comparison_is_not_vacuous(reference, tmp_path_factory):

@@ -34,7 +34,7 @@ def config(data_dir, **backend) -> dict:
 def job_body(workers: int) -> dict:
     """A create-job body for a training job with ``workers`` workers, as the client sends it."""
     body = ArcticRLClientConfig.model_validate({"model": TINY, "seed": 1})
-    spec = body.to_create_job_request().model_dump(mode="json", by_alias=True, exclude_none=True)
+    spec = body.create_job_body()
     spec["sub_job_configs"][0]["training_config"]["n_gpus"] = workers
     return spec
 

@@ -17,7 +17,8 @@ import pytest
 
 from arctic_platform.client import create_arctic_rl_client
 from arctic_platform.layout import training_batch
-from tests.client.conftest import backend_config, serve_app
+from tests.client.conftest import backend_config
+from tests.live_server import serve_app
 
 pytest.importorskip("ray")
 pytestmark = pytest.mark.slow

@@ -2,18 +2,13 @@
 
 from __future__ import annotations
 
-import socket
-import threading
-import time
-from contextlib import contextmanager
-
 import httpx
 import pytest
-import uvicorn
 
 from arctic_platform.server.app import create_app
 from arctic_platform.server.auth import TokenAuth
 from arctic_platform.server.service import Service, ServiceSettings
+from tests.live_server import serve_app
 
 TINY = "builtin:tiny"
 OCTET = {"content-type": "application/octet-stream"}
@@ -57,35 +52,8 @@ def make_app(service, tokens=(), max_body_bytes=256 * 1024 * 1024):
     )
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-@contextmanager
-def live_server(app):
-    """Serve ``app`` with uvicorn on a free loopback port in a thread; yield its base URL."""
-    port = free_port()
-    server = uvicorn.Server(
-        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", http="httptools")
-    )
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        if time.monotonic() > deadline or not thread.is_alive():
-            raise RuntimeError("test server did not start")
-        time.sleep(0.01)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=30)
-
-
 @pytest.fixture
 def http(service):
     """An httpx client talking to the real app over 127.0.0.1."""
-    with live_server(make_app(service)) as url, httpx.Client(base_url=url, timeout=120) as client:
+    with serve_app(make_app(service)) as url, httpx.Client(base_url=url, timeout=120) as client:
         yield client

@@ -9,7 +9,8 @@ import pytest
 from arctic_platform import wire
 from arctic_platform.server.auth import TokenAuth
 from arctic_platform.server.errors import Unauthorized
-from tests.server.conftest import CORTEX, OCTET, job_request, live_server, make_app
+from tests.live_server import serve_app
+from tests.server.conftest import CORTEX, OCTET, job_request, make_app
 
 ALICE, BOB = "alice-token", "bob-token"
 
@@ -21,7 +22,7 @@ def bearer(token: str) -> dict:
 @pytest.fixture
 def secured(service):
     with (
-        live_server(make_app(service, tokens=[ALICE, BOB])) as url,
+        serve_app(make_app(service, tokens=[ALICE, BOB])) as url,
         httpx.Client(base_url=url, timeout=60) as client,
     ):
         yield client
@@ -85,7 +86,7 @@ def test_token_env_must_be_set(monkeypatch):
 
 def test_bodies_above_the_limit_are_refused_with_413(service):
     with (
-        live_server(make_app(service, max_body_bytes=4096)) as url,
+        serve_app(make_app(service, max_body_bytes=4096)) as url,
         httpx.Client(base_url=url) as http,
     ):
         job_id = service.create_job(job_request("training"))["job_id"]

@@ -14,7 +14,8 @@ import httpx
 import pytest
 
 from arctic_platform import wire
-from tests.server.conftest import CORTEX, OCTET, TINY, free_port, job_request
+from arctic_platform.client.local_server import free_port
+from tests.server.conftest import CORTEX, OCTET, TINY, job_request
 
 pytestmark = pytest.mark.slow
 

@@ -209,11 +209,13 @@ def test_cortex_passthrough_keys_are_accepted_and_reported(service):
         inference_config={
             "gpu_memory_utilization": 0.3,
             "vllm_config": {"enforce_eager": True, "max_num_seqs": 8},
+            "peft_config": {"peft_type": "Lora", "r": 8},
         },
     )
     info = service.create_job({"sub_job_configs": [spec]})
     assert info["sub_jobs"][0]["ignored_settings"] == {
         "gpu_memory_utilization": 0.3,
+        "peft_config": {"peft_type": "Lora", "r": 8},
         "vllm_config.enforce_eager": True,
     }
 

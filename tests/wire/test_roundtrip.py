@@ -258,3 +258,19 @@ def test_large_frame_round_trips():
     big = np.random.default_rng(0).standard_normal(3_000_000).astype(np.float32)
     decoded = wire.loads(wire.dumps({"w": big}))
     assert np.array_equal(decoded["w"], big)
+
+
+@pytest.mark.parametrize("dtype", TORCH_DTYPES, ids=str)
+def test_to_numpy_keeps_dtype_shape_and_bits_and_shares_cpu_memory(dtype):
+    raw = torch.randint(0, 256, (2 * 3 * torch.empty(0, dtype=dtype).element_size(),))
+    tensor = raw.to(torch.uint8).view(dtype).reshape(2, 3)
+    if dtype == torch.bool:  # only 0 and 1 are valid booleans
+        tensor = tensor.view(torch.uint8) % 2 == 1
+    array = wire.to_numpy(tensor)
+    assert array.shape == (2, 3)
+    assert wire.loads(wire.dumps(tensor)).dtype == array.dtype
+    assert array.tobytes() == bytes(tensor.reshape(-1).view(torch.uint8).numpy())
+    assert array.ctypes.data == tensor.data_ptr()
+    transposed = wire.to_numpy(tensor.t())  # non-contiguous: copied, same values
+    assert transposed.shape == (3, 2)
+    assert transposed.tobytes() == np.ascontiguousarray(array.T).tobytes()

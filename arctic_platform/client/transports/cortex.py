@@ -59,7 +59,7 @@ from arctic_platform.client.errors import (
     server_error,
 )
 from arctic_platform.client.tensors import resolve_tensor_type
-from arctic_platform.client.transport import ROLES, JobHandles, Request, Transport
+from arctic_platform.client.transport import LIFECYCLE_OPS, JobHandles, Request, Transport
 from arctic_platform.client.transports.http_common import (
     connection_error,
     decode_body,
@@ -102,13 +102,6 @@ FAILED_KINDS = {
     "NotFound": (404, "not_found"),
     "Conflict": (409, "conflict"),
     "EngineFailure": (500, "engine_failure"),
-}
-LIFECYCLE_OPS = {
-    "sleep-inference",
-    "wake-inference",
-    "sleep-training",
-    "wake-training",
-    "empty-training-cache",
 }
 
 
@@ -155,9 +148,7 @@ class CortexTransport(Transport):
     def initialize(self) -> JobHandles:
         if self.config.reconnecting:
             return self._attach()
-        body = self.config.to_create_job_request().model_dump(
-            mode="json", by_alias=True, exclude_none=True
-        )
+        body = self.config.create_job_body()
         answer = self._request(
             "POST", self.backend.prefix, op="create job", policy=NOT_REPEATABLE, json=body
         )
@@ -174,8 +165,8 @@ class CortexTransport(Transport):
         return self.jobs
 
     def _attach(self) -> JobHandles:
-        ids = {r: getattr(self.config, f"{r}_job_id") for r in ROLES}
-        parents = {i.split(":", 1)[0] for i in ids.values() if i is not None}
+        ids = self.config.attach_ids()
+        parents = {i.split(":", 1)[0] for i in ids.values()}
         if len(parents) != 1:
             raise ValueError(
                 f"training_job_id/sampling_job_id/log_prob_job_id: on cortex they must be "
@@ -184,8 +175,6 @@ class CortexTransport(Transport):
         self.job_id = parents.pop()
         known = set(_sub_jobs(self._wait_running()).values())
         for role, job_id in ids.items():
-            if job_id is None:
-                continue
             if ":" not in job_id or job_id not in known:
                 raise NotFoundError(
                     f"sub-job {job_id!r} is not in job {self.job_id}",

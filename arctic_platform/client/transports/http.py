@@ -28,7 +28,7 @@ from arctic_platform.client.config import ArcticRLClientConfig, HttpBackend
 from arctic_platform.client.errors import ArcticRLError, server_error
 from arctic_platform.client.local_server import LocalServer
 from arctic_platform.client.tensors import resolve_tensor_type
-from arctic_platform.client.transport import ROLES, JobHandles, Request, Transport
+from arctic_platform.client.transport import JobHandles, Request, Transport
 from arctic_platform.client.transports.http_common import (
     connection_error,
     decode_body,
@@ -100,10 +100,7 @@ class HttpTransport(Transport):
         return self.jobs
 
     def _attach(self) -> JobHandles:
-        for role in ROLES:
-            job_id = getattr(self.config, f"{role}_job_id")
-            if job_id is None:
-                continue
+        for role, job_id in self.config.attach_ids().items():
             info = self._get(f"/job/{job_id}", op="attach")
             status = str(info.get("status", "")).lower()
             if status != "running":

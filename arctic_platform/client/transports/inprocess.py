@@ -19,7 +19,7 @@ from arctic_platform._extras import require
 from arctic_platform.client.config import ArcticRLClientConfig, InProcessBackend
 from arctic_platform.client.errors import RequestTimeoutError, server_error
 from arctic_platform.client.tensors import resolve_tensor_type, torch_to_numpy
-from arctic_platform.client.transport import ROLES, JobHandles, Request, Transport
+from arctic_platform.client.transport import JobHandles, Request, Transport
 
 
 class InProcessTransport(Transport):
@@ -59,24 +59,16 @@ class InProcessTransport(Transport):
     def initialize(self) -> JobHandles:
         if self.config.reconnecting:
             return self._attach()
-        body = self.config.to_create_job_request().model_dump(
-            mode="json", by_alias=True, exclude_none=True
-        )
+        body = self.config.create_job_body()
         info = self._guard(lambda: self.service.create_job(body), "create job")
         job_id = info["job_id"]
         self._created.append(job_id)
         self._wait_running(job_id)
-        for sub in info["sub_jobs"]:
-            role = sub["sub_job_id"].split(":")[1]
-            if getattr(self.jobs, role) is None:
-                setattr(self.jobs, role, sub["sub_job_id"])
+        self.jobs = JobHandles.from_sub_job_ids(sub["sub_job_id"] for sub in info["sub_jobs"])
         return self.jobs
 
     def _attach(self) -> JobHandles:
-        for role in ROLES:
-            job_id = getattr(self.config, f"{role}_job_id")
-            if job_id is None:
-                continue
+        for role, job_id in self.config.attach_ids().items():
             self._guard(lambda job_id=job_id: self.service.resolve(job_id, owner=None), "attach")
             self._wait_running(job_id)
             setattr(self.jobs, role, job_id)

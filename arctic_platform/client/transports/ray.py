@@ -30,7 +30,7 @@ from arctic_platform._extras import require
 from arctic_platform.client.config import ArcticRLClientConfig, RayBackend
 from arctic_platform.client.errors import RequestTimeoutError, TransportError, server_error
 from arctic_platform.client.tensors import is_torch_tensor, resolve_tensor_type
-from arctic_platform.client.transport import ROLES, JobHandles, Request, Transport
+from arctic_platform.client.transport import JobHandles, Request, Transport
 
 SHUTDOWN_TIMEOUT_S = 120.0
 
@@ -92,9 +92,7 @@ class RayTransport(Transport):
     def initialize(self) -> JobHandles:
         if self.config.reconnecting:
             return self._attach()
-        body = self.config.to_create_job_request().model_dump(
-            mode="json", by_alias=True, exclude_none=True
-        )
+        body = self.config.create_job_body()
         for spec in body["sub_job_configs"]:
             if spec["job_type"] == "training":
                 spec["training_config"]["n_gpus"] = self._workers
@@ -103,17 +101,11 @@ class RayTransport(Transport):
         job_id = info["job_id"]
         self._created.append(job_id)
         self._wait_running(job_id)
-        for sub in info["sub_jobs"]:
-            role = sub["sub_job_id"].split(":")[1]
-            if getattr(self.jobs, role) is None:
-                setattr(self.jobs, role, sub["sub_job_id"])
+        self.jobs = JobHandles.from_sub_job_ids(sub["sub_job_id"] for sub in info["sub_jobs"])
         return self.jobs
 
     def _attach(self) -> JobHandles:
-        for role in ROLES:
-            job_id = getattr(self.config, f"{role}_job_id")
-            if job_id is None:
-                continue
+        for role, job_id in self.config.attach_ids().items():
             info = self._ask("attach", "get_job", job_id)
             known = {sub["sub_job_id"] for sub in info["sub_jobs"]}
             if ":" in job_id and job_id not in known:

@@ -18,13 +18,15 @@ workers, so the gradient every worker ends with is that of the objective over th
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from arctic_platform.engine.batching import Batch
 from arctic_platform.engine.errors import EngineInputError
-from arctic_platform.engine.meta import Meta
+from arctic_platform.engine.meta import Meta, to_str
 
 AGG_MODES = (
     "token-mean",
@@ -104,6 +106,16 @@ def make_aggregation(
     elif not scale_factor > 0:
         raise EngineInputError(f"{field}.loss_scale_factor", f"must be > 0, got {scale_factor}")
     return Aggregation(mode, meta.dp_size, float(num_tokens), int(num_seqs), float(scale_factor))
+
+
+def config_aggregation(
+    config: Mapping[str, Any], default: str, *, meta: Meta, batch: Batch, mask: torch.Tensor
+) -> Aggregation:
+    """The aggregation ``processing.config`` names in ``loss_agg_mode`` (``default`` if unset)."""
+    field = "processing.config.loss_agg_mode"
+    mode = config.get("loss_agg_mode")
+    mode = default if mode is None else to_str(field, mode)
+    return make_aggregation(mode, field=field, meta=meta, batch=batch, mask=mask)
 
 
 def _horizon(batch: Batch, meta: Meta) -> int:

@@ -84,6 +84,32 @@ def token_mask(batch: Batch, loss: str) -> tuple[str, torch.Tensor]:
     return name, mask
 
 
+def masked(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``values`` where ``mask`` is set, 0 elsewhere: positions outside the mask may hold anything
+    (NaN included), and none of it may reach autograd."""
+    return torch.where(mask, values, torch.zeros((), device=values.device))
+
+
 def masked_sum(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """``sum(values)`` over ``mask``, detached, for metric ``.sum`` entries."""
-    return torch.where(mask, values.detach(), torch.zeros((), device=values.device)).sum()
+    return masked(values.detach(), mask).sum()
+
+
+def policy_ratio(
+    logp: torch.Tensor, rows: Mapping[str, torch.Tensor], mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(advantages, log_ratio, ratio)`` of a policy loss's microbatch, over ``mask``.
+
+    ``log_ratio = clamp(logp - old_log_probs, -20, 20)`` (the clamp only guards ``exp`` against
+    overflow) and ``ratio = exp(log_ratio)``.
+    """
+    advantages = masked(rows["advantages"], mask)
+    log_ratio = torch.clamp(logp - masked(rows["old_log_probs"], mask), min=-20.0, max=20.0)
+    return advantages, log_ratio, torch.exp(log_ratio)
+
+
+def add_token_counts(metrics: Metrics, tokens: torch.Tensor) -> Metrics:
+    """Give every ``name.sum`` metric its ``name.tokens`` pair: the token count it averages over."""
+    for name in [k for k in metrics if k.endswith(".sum")]:
+        metrics[name[: -len(".sum")] + ".tokens"] = tokens
+    return metrics

@@ -19,9 +19,9 @@ import torch
 
 from arctic_platform.engine.batching import IGNORE_INDEX, Batch
 from arctic_platform.engine.errors import EngineInputError
-from arctic_platform.engine.losses.aggregation import make_aggregation
+from arctic_platform.engine.losses.aggregation import config_aggregation
 from arctic_platform.engine.losses.base import LossOutput, masked_sum, register_loss
-from arctic_platform.engine.meta import Meta, to_str
+from arctic_platform.engine.meta import Meta
 
 
 @register_loss("cross_entropy")
@@ -47,11 +47,7 @@ class CrossEntropyLoss:
             batch.check_loss_mask(name, mask)
             self.targets = None
         self.tensors = {"mask": mask}
-        mode = config.get("loss_agg_mode")
-        mode = "token-mean" if mode is None else to_str("processing.config.loss_agg_mode", mode)
-        self.agg = make_aggregation(
-            mode, field="processing.config.loss_agg_mode", meta=meta, batch=batch, mask=mask
-        )
+        self.agg = config_aggregation(config, "token-mean", meta=meta, batch=batch, mask=mask)
 
     def __call__(
         self, outputs: Mapping[str, torch.Tensor], rows: Mapping[str, torch.Tensor]

@@ -23,9 +23,16 @@ import torch
 
 from arctic_platform.engine.batching import Batch
 from arctic_platform.engine.errors import EngineInputError
-from arctic_platform.engine.losses.aggregation import make_aggregation
-from arctic_platform.engine.losses.base import LossOutput, masked_sum, register_loss, token_mask
-from arctic_platform.engine.meta import Meta, to_float, to_str
+from arctic_platform.engine.losses.aggregation import config_aggregation
+from arctic_platform.engine.losses.base import (
+    LossOutput,
+    add_token_counts,
+    masked_sum,
+    policy_ratio,
+    register_loss,
+    token_mask,
+)
+from arctic_platform.engine.meta import Meta, to_float
 
 _THRESHOLDS = {"ppo": (0.8, 1.2), "cispo": (0.0, 4.0)}
 
@@ -48,22 +55,14 @@ class RatioLoss:
             "old_log_probs": batch.get("old_log_probs"),
         }
         self.low, self.high = _thresholds(kind, config)
-        mode = config.get("loss_agg_mode")
-        mode = "token-sum" if mode is None else to_str("processing.config.loss_agg_mode", mode)
-        self.agg = make_aggregation(
-            mode, field="processing.config.loss_agg_mode", meta=meta, batch=batch, mask=mask
-        )
+        self.agg = config_aggregation(config, "token-sum", meta=meta, batch=batch, mask=mask)
 
     def __call__(
         self, outputs: Mapping[str, torch.Tensor], rows: Mapping[str, torch.Tensor]
     ) -> LossOutput:
         mask = rows["mask"]
         logp = outputs["logprobs"]
-        zero = torch.zeros((), device=logp.device)
-        old = torch.where(mask, rows["old_log_probs"], zero)
-        adv = torch.where(mask, rows["advantages"], zero)
-        log_ratio = torch.clamp(logp - old, min=-20.0, max=20.0)
-        ratio = torch.exp(log_ratio)
+        adv, log_ratio, ratio = policy_ratio(logp, rows, mask)
         metrics = {}
         if self.kind == "importance_sampling":
             per_token = -ratio * adv
@@ -77,9 +76,7 @@ class RatioLoss:
         metrics["loss.sum"] = masked_sum(per_token, mask)
         metrics["actor/pg_loss.sum"] = metrics["loss.sum"]
         metrics["actor/ppo_kl.sum"] = masked_sum(-log_ratio, mask)
-        tokens = mask.sum().float()
-        for name in [k for k in metrics if k.endswith(".sum")]:
-            metrics[name[: -len(".sum")] + ".tokens"] = tokens
+        add_token_counts(metrics, mask.sum().float())
         return LossOutput(loss=self.agg(per_token, mask), metrics=metrics)
 
 

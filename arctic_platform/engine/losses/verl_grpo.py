@@ -30,7 +30,15 @@ import torch
 from arctic_platform.engine.batching import Batch
 from arctic_platform.engine.errors import EngineInputError
 from arctic_platform.engine.losses.aggregation import check_agg_mode, make_aggregation
-from arctic_platform.engine.losses.base import LossOutput, masked_sum, register_loss, token_mask
+from arctic_platform.engine.losses.base import (
+    LossOutput,
+    add_token_counts,
+    masked,
+    masked_sum,
+    policy_ratio,
+    register_loss,
+    token_mask,
+)
 from arctic_platform.engine.losses.kl import check_kl_type, kl_penalty
 from arctic_platform.engine.meta import Meta, to_bool, to_float, to_str
 
@@ -142,13 +150,7 @@ class VerlGrpoLoss:
         cfg = self.cfg
         mask = rows["mask"]
         logp = outputs["logprobs"]
-        zero = torch.zeros((), device=logp.device)
-        # Unused positions may hold anything (NaN included); zero them so no NaN reaches autograd.
-        old = torch.where(mask, rows["old_log_probs"], zero)
-        adv = torch.where(mask, rows["advantages"], zero)
-
-        log_ratio = torch.clamp(logp - old, min=-20.0, max=20.0)
-        ratio = torch.exp(log_ratio)
+        adv, log_ratio, ratio = policy_ratio(logp, rows, mask)
         loss1 = -adv * ratio
         loss2 = -adv * torch.clamp(ratio, 1.0 - cfg.clip_ratio_low, 1.0 + cfg.clip_ratio_high)
         clipped = torch.maximum(loss1, loss2)
@@ -156,9 +158,8 @@ class VerlGrpoLoss:
         negative = adv < 0
         pg = torch.where(negative, torch.minimum(loss3, clipped), clipped)
         if "rollout_is_weights" in rows:
-            pg = pg * torch.where(mask, rows["rollout_is_weights"], zero)
+            pg = pg * masked(rows["rollout_is_weights"], mask)
 
-        tokens = mask.sum().float()
         metrics = {
             "actor/pg_loss.sum": masked_sum(pg, mask),
             "actor/pg_clipfrac.sum": masked_sum((loss2 > loss1).float(), mask),
@@ -173,15 +174,13 @@ class VerlGrpoLoss:
             per_token = per_token - cfg.entropy_coeff * entropy
             metrics["actor/entropy_loss.sum"] = masked_sum(entropy, mask)
         if cfg.use_kl_loss:
-            ref = torch.where(mask, rows["ref_log_prob"], zero)
-            kld = kl_penalty(logp, ref, cfg.kl_loss_type)
+            kld = kl_penalty(logp, masked(rows["ref_log_prob"], mask), cfg.kl_loss_type)
             loss = loss + cfg.kl_loss_coef * self.agg(kld, mask)
             per_token = per_token + cfg.kl_loss_coef * kld
             metrics["kl_loss.sum"] = masked_sum(kld, mask)
             metrics["kl_coef"] = cfg.kl_loss_coef
         metrics["loss.sum"] = masked_sum(per_token, mask)
-        for name in [k for k in metrics if k.endswith(".sum")]:
-            metrics[name[: -len(".sum")] + ".tokens"] = tokens
+        add_token_counts(metrics, mask.sum().float())
         return LossOutput(loss=loss, metrics=metrics)
 
 
