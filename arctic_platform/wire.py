@@ -232,6 +232,16 @@ def _torch_tensor(tensor, path: str) -> _Tensor:
     return _Tensor(code, list(tensor.shape), raw)
 
 
+def to_numpy(tensor) -> np.ndarray:
+    """A torch tensor as a numpy array of the same dtype (ml_dtypes for bf16 and float8).
+
+    ``tensor.numpy()`` refuses the dtypes numpy lacks; this views their bytes instead. CPU
+    tensors are shared, not copied (a non-contiguous or GPU tensor is copied once).
+    """
+    packed = _torch_tensor(tensor, "tensor")
+    return packed.raw.view(_NUMPY_DTYPES[packed.code]).reshape(packed.shape)
+
+
 class _Encoder:
     """Walks an object into a structure tree and the flat list of tensors it references."""
 

@@ -13,6 +13,8 @@ from typing import Any, Literal
 
 import numpy as np
 
+from arctic_platform import wire
+
 TensorType = Literal["numpy", "torch"]
 
 
@@ -38,9 +40,10 @@ def is_tensor(value: Any) -> bool:
 
 
 def torch_to_numpy(value: Any) -> Any:
-    """``value`` with every torch tensor as a numpy array (in-process results, numpy callers)."""
+    """``value`` with every torch tensor as a numpy array (in-process results, numpy callers);
+    bf16 and float8 tensors become ``ml_dtypes`` arrays, as the wire decodes them."""
     if is_torch_tensor(value):
-        return value.detach().cpu().numpy()
+        return wire.to_numpy(value)
     if isinstance(value, Mapping):
         return {k: torch_to_numpy(v) for k, v in value.items()}
     if isinstance(value, list):
@@ -53,7 +56,7 @@ def torch_to_numpy(value: Any) -> Any:
 def to_python(value: Any) -> Any:
     """Tensors as (nested) Python lists or scalars, tuples as lists: JSON-like values."""
     if is_torch_tensor(value):
-        value = value.detach().cpu().numpy()
+        value = wire.to_numpy(value)
     if isinstance(value, (np.ndarray, np.generic)):
         return value.tolist()
     if isinstance(value, Mapping):

@@ -80,6 +80,11 @@ class ArcticTokenServer:
         max_model_len: int | None,
         free_cache_engine: bool,
     ) -> None:
+        # This runs in a Ray worker, which only has the plugin registered when
+        # VERL_USE_EXTERNAL_MODULES reached it; importing the entry point makes sure (a module
+        # registers once, so this is a no-op where verl already imported it).
+        import arctic_platform.integrations.verl.register  # noqa: F401
+
         backend = backend_for(main_config, handle=backend_handle)
         if not isinstance(backend, ArcticRLClientWrapper):
             raise ValueError(
