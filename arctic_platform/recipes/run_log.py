@@ -92,22 +92,20 @@ class Progress:
             BarColumn,
             MofNCompleteColumn,
             TextColumn,
-            TimeElapsedColumn,
             TimeRemainingColumn,
         )
         from rich.progress import Progress as RichProgress
 
         self._bar = RichProgress(
             TextColumn("[bold]{task.fields[phase]:>4}"),
-            BarColumn(),
+            BarColumn(bar_width=16),
             MofNCompleteColumn(),
             TextColumn(
-                "reward {task.fields[reward]}  eval {task.fields[eval]}  loss {task.fields[loss]}"
-                "  kl {task.fields[kl]}  {task.fields[tps]} tok/s"
+                "reward {task.fields[reward]} eval {task.fields[eval]} loss {task.fields[loss]}"
+                " kl {task.fields[kl]} {task.fields[tps]} tok/s"
             ),
-            TimeElapsedColumn(),
             TextColumn("ETA"),
-            TimeRemainingColumn(),
+            TimeRemainingColumn(compact=True),
         )
         self._task = self._bar.add_task(
             "train", total=total, phase="", reward="-", eval="-", loss="-", kl="-", tps="-"
@@ -127,7 +125,7 @@ class Progress:
             return
 
         def fmt(value: Any) -> str:
-            return "-" if value is None else f"{value:.3f}"
+            return "-" if value is None else f"{value:.2f}"
 
         self._bar.update(
             self._task,
