@@ -47,6 +47,7 @@ from pydantic import (
     model_validator,
 )
 
+from arctic_platform.engine.config import PromptSharing
 from arctic_platform.server.job_config import CreateJobRequest
 
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
@@ -334,6 +335,7 @@ class TrainingJob(_Job):
     schedule: ScheduleSettings = ScheduleSettings()
     max_tokens_per_microbatch: PositiveInt = 16384
     packing: bool = True
+    prompt_sharing: PromptSharing = "auto"
     gradient_checkpointing: bool = False
     attn_implementation: str | None = None
     lora: LoraSettings | None = None
@@ -354,6 +356,7 @@ class InferenceJob(_Job):
     max_seq_len: PositiveInt | None = None
     max_batch_size: PositiveInt = 256
     max_tokens_per_microbatch: PositiveInt = 16384
+    prompt_sharing: PromptSharing = "auto"
     vllm_config: dict[str, Any] = Field(default_factory=dict)
 
 
@@ -486,6 +489,7 @@ class ArcticRLClientConfig(_Section):
                 "lr_scheduler": job.schedule.model_dump(exclude_none=True),
                 "max_tokens_per_microbatch": job.max_tokens_per_microbatch,
                 "packing": job.packing,
+                "prompt_sharing": job.prompt_sharing,
                 "activation_checkpointing": job.gradient_checkpointing,
             }
             optional = {
@@ -503,6 +507,7 @@ class ArcticRLClientConfig(_Section):
                 "n_gpus": job.n_gpus,
                 "max_batch_size": job.max_batch_size,
                 "max_tokens_per_microbatch": job.max_tokens_per_microbatch,
+                "prompt_sharing": job.prompt_sharing,
                 "vllm_config": dict(job.vllm_config),
             }
             if job.max_seq_len is not None:

@@ -244,6 +244,15 @@ class MicroBatch:
         """Tokens the model processes (padding included)."""
         return int(self.input_ids.numel())
 
+    def logits(self, model: torch.nn.Module) -> torch.Tensor:
+        """One model call; ``[r, T, V]`` logits."""
+        return model(
+            input_ids=self.input_ids,
+            attention_mask=self.attention_mask,
+            position_ids=self.position_ids,
+            use_cache=False,
+        ).logits
+
     def to(self, device: torch.device) -> MicroBatch:
         mask = None if self.attention_mask is None else self.attention_mask.to(device)
         return replace(
@@ -259,21 +268,31 @@ class MicroBatch:
 
 
 def plan_microbatches(
-    batch: Batch, targets: torch.Tensor, *, max_tokens: int, packing: bool
+    batch: Batch,
+    targets: torch.Tensor,
+    *,
+    max_tokens: int,
+    packing: bool,
+    rows: list[int] | None = None,
 ) -> list[MicroBatch]:
     """Cut ``batch`` into microbatches of at most ``max_tokens`` model tokens (see module doc).
 
     ``targets`` ``[B, S]`` is the token to score at each position (``input_ids`` for RL; the labels
-    for SFT).
+    for SFT). ``rows`` (ascending) restricts the plan to those rows; by default all.
     """
-    lengths = batch.lengths.tolist()
+    rows = list(range(batch.size)) if rows is None else rows
+    if not rows:
+        return []
+    all_lengths = batch.lengths.tolist()
+    lengths = [all_lengths[i] for i in rows]
     if packing and batch.standard_positions and len(set(lengths)) > 1:
         packed_rows = _first_fit_decreasing(lengths, min(max_tokens, max(lengths)))
+        packed_rows = [[rows[j] for j in row] for row in packed_rows]
         return [
-            _packed(batch, targets, group, lengths)
-            for group in _stack_rows(packed_rows, lengths, max_tokens)
+            _packed(batch, targets, group, all_lengths)
+            for group in _stack_rows(packed_rows, all_lengths, max_tokens)
         ]
-    groups = _consecutive_groups(batch, max_tokens)
+    groups = _consecutive_groups(batch, rows, max_tokens)
     return [_padded(batch, targets, torch.tensor(g)) for g in groups]
 
 
@@ -320,8 +339,8 @@ def _stack_rows(
     return groups
 
 
-def _consecutive_groups(batch: Batch, budget: int) -> list[list[int]]:
-    """Consecutive rows while ``rows x trimmed span`` fits the budget (at least one row each)."""
+def _consecutive_groups(batch: Batch, rows: list[int], budget: int) -> list[list[int]]:
+    """Consecutive ``rows`` while ``rows x trimmed span`` fits the budget (at least one each)."""
     mask = batch.attention_mask
     cols = torch.arange(batch.seq_len)
     starts = torch.where(mask, cols, batch.seq_len).min(1).values.tolist()
@@ -329,7 +348,7 @@ def _consecutive_groups(batch: Batch, budget: int) -> list[list[int]]:
     groups: list[list[int]] = []
     current: list[int] = []
     lo, hi = batch.seq_len, 0
-    for i in range(batch.size):
+    for i in rows:
         new_lo, new_hi = min(lo, starts[i]), max(hi, ends[i])
         if current and (len(current) + 1) * (new_hi - new_lo) > budget:
             groups.append(current)

@@ -11,6 +11,9 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt
 
+# Whether rows that share a prompt compute it once (arctic_platform.engine.prompt_sharing).
+PromptSharing = Literal["auto", "off"]
+
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_default=True)
@@ -70,6 +73,8 @@ class TrainingEngineConfig(_Strict):
     ``max_tokens_per_microbatch`` bounds the tokens one model call sees; with ``packing`` (the
     default) sequences of varying length are packed, padding-free, into rows no longer than the
     longest sequence, and rows are stacked into microbatches within that budget.
+    ``prompt_sharing`` (``auto``: when it saves work) runs a prompt shared by several rows once
+    (:mod:`arctic_platform.engine.prompt_sharing`); ``off`` scores every row whole.
     Checkpoints go to ``<checkpoint_dir>/<job_name>/checkpoint-<step>/``.
     """
 
@@ -78,6 +83,7 @@ class TrainingEngineConfig(_Strict):
     scheduler: SchedulerConfig = SchedulerConfig()
     max_tokens_per_microbatch: PositiveInt = 16384
     packing: bool = True
+    prompt_sharing: PromptSharing = "auto"
     gradient_checkpointing: bool = False
     seed: int = 42
     checkpoint_dir: str | None = None
@@ -94,7 +100,8 @@ class SamplingEngineConfig(_Strict):
     ``max_kv_cache_bytes`` bounds the key/value cache of one decoding wave (rows x (prompt +
     completion) x bytes per token), so a batch of long sequences decodes in several waves rather
     than exhausting memory. ``max_logprobs`` caps the ``logprobs`` a request may ask for, and
-    ``seed`` seeds the draws of requests that do not bring their own.
+    ``seed`` seeds the draws of requests that do not bring their own. ``prompt_sharing`` is
+    the training engine's knob, for a log-prob (reference) job's scoring.
     """
 
     model: ModelConfig
@@ -103,4 +110,5 @@ class SamplingEngineConfig(_Strict):
     max_tokens_per_microbatch: PositiveInt = 16384
     max_kv_cache_bytes: PositiveInt = 4 * 1024**3
     max_logprobs: PositiveInt = 20
+    prompt_sharing: PromptSharing = "auto"
     seed: int = 42

@@ -15,26 +15,48 @@ from dataclasses import dataclass
 
 import torch
 
-from arctic_platform.engine.batching import Batch, MicroBatch, plan_microbatches, validate_batch
-from arctic_platform.engine.config import TrainingEngineConfig
+from arctic_platform.engine.batching import Batch, MicroBatch, validate_batch
+from arctic_platform.engine.config import PromptSharing, TrainingEngineConfig
 from arctic_platform.engine.errors import EngineInputError
 from arctic_platform.engine.logprobs import top_logprobs
 from arctic_platform.engine.losses import PreparedLoss, get_loss
 from arctic_platform.engine.meta import Meta, Processing, parse_meta, parse_processing
 from arctic_platform.engine.metrics import MetricSums
 from arctic_platform.engine.postprocess import ScoringState, run_post_processors
+from arctic_platform.engine.prompt_sharing import (
+    SAVED_METRIC,
+    PromptGroups,
+    SharedMicroBatch,
+    plan_request,
+)
 
 
 @dataclass(frozen=True)
 class Request:
-    """A validated request: the batch, its side information, the bound loss and the plan."""
+    """A validated request: the batch, its side information, the bound loss and the plan.
+
+    ``prompt_groups`` are the rows whose prompt the plan computes once (None: no sharing; see
+    :mod:`arctic_platform.engine.prompt_sharing`).
+    """
 
     batch: Batch
     meta: Meta
     processing: Processing
     loss: PreparedLoss | None
-    plan: list[MicroBatch]
+    plan: list[MicroBatch | SharedMicroBatch]
     want_entropy: bool
+    prompt_groups: PromptGroups | None = None
+
+    @property
+    def prompt_tokens_saved(self) -> int:
+        return 0 if self.prompt_groups is None else self.prompt_groups.saved_tokens
+
+    def sharing_metrics(self) -> dict[str, float]:
+        """The prompt-sharing metric pair: tokens not recomputed over the batch's real tokens."""
+        return {
+            f"{SAVED_METRIC}.sum": float(self.prompt_tokens_saved),
+            f"{SAVED_METRIC}.tokens": float(self.batch.attention_mask.sum()),
+        }
 
 
 def prepare_request(
@@ -46,6 +68,7 @@ def prepare_request(
     max_tokens: int,
     packing: bool,
     default_loss: str | None,
+    prompt_sharing: PromptSharing = "off",
 ) -> Request:
     """Validate everything about a request and plan its microbatches; no side effects."""
     parsed_batch = validate_batch(batch, vocab_size=vocab_size)
@@ -63,11 +86,12 @@ def prepare_request(
             "compute_entropy_and_logprobs" in parsed_processing.post
         )
     targets = loss.targets if loss is not None else None
-    plan = plan_microbatches(
+    plan, groups = plan_request(
         parsed_batch,
         parsed_batch.input_ids if targets is None else targets,
         max_tokens=max_tokens,
         packing=packing,
+        prompt_sharing=prompt_sharing,
     )
     return Request(
         batch=parsed_batch,
@@ -76,6 +100,7 @@ def prepare_request(
         loss=loss,
         plan=plan,
         want_entropy=bool(asked) or (loss is not None and loss.needs_entropy),
+        prompt_groups=groups,
     )
 
 
@@ -88,7 +113,8 @@ def prepare_training_request(
     vocab_size: int,
     backward: bool,
 ) -> Request:
-    """:func:`prepare_request` under a training engine's microbatch budget and packing.
+    """:func:`prepare_request` under a training engine's microbatch budget, packing and prompt
+    sharing (off under gradient checkpointing, which turns the key/value cache off).
 
     For a backward pass (``forward_backward``) the loss defaults by the batch's kind
     (:func:`default_loss_for`) and is required; a forward pass computes a loss only when one is
@@ -103,6 +129,7 @@ def prepare_training_request(
         max_tokens=config.max_tokens_per_microbatch,
         packing=config.packing,
         default_loss=default_loss_for(batch) if backward else None,
+        prompt_sharing="off" if config.gradient_checkpointing else config.prompt_sharing,
     )
     if backward and request.loss is None:
         raise EngineInputError("processing.loss_fn", "forward_backward needs a loss")
@@ -118,7 +145,7 @@ def default_loss_for(batch: Mapping) -> str:
 
 def score(
     model: torch.nn.Module,
-    mb: MicroBatch,
+    mb: MicroBatch | SharedMicroBatch,
     *,
     seq_len: int,
     post: tuple[str, ...],
@@ -130,12 +157,7 @@ def score(
 
     ``mb`` must already be on the model's device.
     """
-    logits = model(
-        input_ids=mb.input_ids,
-        attention_mask=mb.attention_mask,
-        position_ids=mb.position_ids,
-        use_cache=False,
-    ).logits
+    logits = mb.logits(model)
     state = ScoringState(
         logits=logits, targets=mb.targets, temperature=temperature, want_entropy=want_entropy
     )
@@ -153,7 +175,9 @@ def score(
 
 def scored_microbatches(
     model: torch.nn.Module, request: Request, device: torch.device, *, top_k: int = 0
-) -> Iterator[tuple[MicroBatch, dict[str, torch.Tensor], dict[str, torch.Tensor]]]:
+) -> Iterator[
+    tuple[MicroBatch | SharedMicroBatch, dict[str, torch.Tensor], dict[str, torch.Tensor]]
+]:
     """Yield ``(microbatch, outputs, loss rows)`` for each microbatch of ``request``, in order.
 
     ``loss rows`` are the microbatch's rows of the prepared loss's tensors, on ``device`` (empty
@@ -193,6 +217,7 @@ def forward_no_grad(
         size, seq_len = request.batch.size, request.batch.seq_len
         result: dict[str, torch.Tensor] = {}
         sums = MetricSums()
+        sums.add(request.sharing_metrics())
         for mb, outputs, rows in scored_microbatches(model, request, device, top_k=top_k):
             for name, value in outputs.items():
                 if name not in result:
@@ -209,7 +234,9 @@ def forward_no_grad(
     return response
 
 
-def _to_rows(values: torch.Tensor, mb: MicroBatch, rows: int, seq_len: int) -> torch.Tensor:
+def _to_rows(
+    values: torch.Tensor, mb: MicroBatch | SharedMicroBatch, rows: int, seq_len: int
+) -> torch.Tensor:
     """Model-layout ``[r, T, ...]`` values at predicting positions -> ``[rows, S, ...]``."""
     flat = values.reshape(-1, *values.shape[2:])[mb.pred_index]
     out = torch.zeros((rows, seq_len, *values.shape[2:]), dtype=values.dtype, device=values.device)

@@ -26,17 +26,19 @@ class LogProbEngine:
     """A frozen causal LM that scores tokens (see module doc).
 
     Built from a :class:`SamplingEngineConfig` (its ``max_tokens_per_microbatch``,
-    ``max_model_len`` and ``seed`` apply) or a bare :class:`ModelConfig`.
+    ``max_model_len``, ``prompt_sharing`` and ``seed`` apply) or a bare :class:`ModelConfig`.
     """
 
     def __init__(self, config: SamplingEngineConfig | ModelConfig) -> None:
         if isinstance(config, SamplingEngineConfig):
             model_config, seed = config.model, config.seed
             self.max_tokens = config.max_tokens_per_microbatch
+            self.prompt_sharing = config.prompt_sharing
             max_model_len = config.max_model_len
         else:
             model_config, seed = config, 0
             self.max_tokens = _DEFAULT_MAX_TOKENS
+            self.prompt_sharing = "auto"
             max_model_len = None
         self.model_config = model_config
         self.device = resolve_device(model_config.device)
@@ -116,6 +118,7 @@ class LogProbEngine:
             max_tokens=self.max_tokens,
             packing=True,
             default_loss=None,
+            prompt_sharing=self.prompt_sharing,
         )
 
     def _tokenize(self, prompts, completions) -> tuple[list[list[int]], list[list[int]]]:

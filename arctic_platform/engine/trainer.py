@@ -94,6 +94,7 @@ class TrainingEngine:
         self._wake_if_offloaded()
         self.model.train()
         sums = MetricSums()
+        sums.add(request.sharing_metrics())
         for _, outputs, rows in scored_microbatches(self.model, request, self.device):
             self._backward(request, outputs, rows, sums)
         return self._backward_answer(sums)

@@ -98,6 +98,10 @@ class DataParallelEngine(TrainingEngine):
             raise EngineInputError(
                 "training_config.data_parallel", f"unknown strategy {strategy!r}; one of ddp, fsdp"
             )
+        if strategy == "fsdp" and world_size > 1:
+            # FSDP gathers parameters on every forward; the ranks' model calls must match one
+            # for one, and a shared-prompt microbatch makes two where a dummy call makes one.
+            config = config.model_copy(update={"prompt_sharing": "off"})
         super().__init__(config)
         self.strategy = strategy
         self.rank = rank
@@ -137,6 +141,8 @@ class DataParallelEngine(TrainingEngine):
         self._wake_if_offloaded()
         self.model.train()
         sums = MetricSums()
+        if request is not None:
+            sums.add(request.sharing_metrics())
         batches = self._microbatches(request)
         for i in range(calls):
             with self._gradient_sync(i == calls - 1):

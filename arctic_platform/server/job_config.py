@@ -28,6 +28,7 @@ from arctic_platform.engine.config import (
     LoraConfig,
     ModelConfig,
     OptimizerConfig,
+    PromptSharing,
     SamplingEngineConfig,
     SchedulerConfig,
     TrainingEngineConfig,
@@ -134,6 +135,7 @@ class TrainingSettings(_WithPassthrough):
     lr_scheduler: SchedulerConfig = SchedulerConfig()
     max_tokens_per_microbatch: PositiveInt = 16384
     packing: bool = True
+    prompt_sharing: PromptSharing = "auto"
     activation_checkpointing: bool = False
     attn_implementation: str | None = None
     peft_config: PeftSpec | None = None
@@ -151,6 +153,7 @@ class InferenceSettings(_WithPassthrough):
     max_seq_len: PositiveInt | None = None  # None: the model's context length
     max_batch_size: PositiveInt = 256
     max_tokens_per_microbatch: PositiveInt = 16384
+    prompt_sharing: PromptSharing = "auto"
     vllm_config: dict[str, Any] = Field(default_factory=dict)
 
 
@@ -258,6 +261,7 @@ def training_engine_config(
         scheduler=settings.lr_scheduler,
         max_tokens_per_microbatch=settings.max_tokens_per_microbatch,
         packing=settings.packing,
+        prompt_sharing=settings.prompt_sharing,
         gradient_checkpointing=settings.activation_checkpointing,
         seed=default_seed if spec.seed is None else spec.seed,
         checkpoint_dir=checkpoint_dir,
@@ -278,5 +282,6 @@ def sampling_engine_config(
         max_batch_size=vllm.get("max_num_seqs", settings.max_batch_size),
         max_model_len=vllm.get("max_model_len", settings.max_seq_len),
         max_tokens_per_microbatch=settings.max_tokens_per_microbatch,
+        prompt_sharing=settings.prompt_sharing,
         seed=default_seed if spec.seed is None else spec.seed,
     )

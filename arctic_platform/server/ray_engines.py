@@ -278,7 +278,14 @@ class RayTrainingEngine:
     def _split(self, batch: Mapping, request) -> tuple[list[np.ndarray], list[dict | None]]:
         size = request.batch.size
         tokens = request.batch.attention_mask.sum(1).numpy()
-        parts = split_by_tokens(tokens, self.workers)
+        groups = request.prompt_groups
+        shared = [] if groups is None else groups.shared
+        parts = split_by_tokens(
+            tokens,
+            self.workers,
+            groups=[groups.groups[k] for k in shared],
+            saved=[groups.saved(k) for k in shared],
+        )
         arrays = {name: _numpy(value) for name, value in batch.items()}
         shards = [take_rows(arrays, rows, size) if len(rows) else None for rows in parts]
         return parts, shards

@@ -40,6 +40,7 @@ from arctic_platform.client.config import (
     InProcessBackend,
     RayBackend,
 )
+from arctic_platform.engine.config import PromptSharing
 
 SECTION = "remote_backend.arctic"
 ROLLOUT_NAME = "arctic"
@@ -60,6 +61,7 @@ class TrainingSection(_Strict):
     n_gpus: PositiveInt = 1
     max_tokens_per_microbatch: PositiveInt | None = None
     packing: bool = True
+    prompt_sharing: PromptSharing = "auto"
     attn_implementation: str | None = None
 
 
@@ -73,6 +75,7 @@ class LogProbSection(_Strict):
     enable: Literal["auto"] | bool = "auto"
     n_gpus: PositiveInt = 1
     max_tokens_per_microbatch: PositiveInt | None = None
+    prompt_sharing: PromptSharing = "auto"
 
 
 class ArcticSettings(_Strict):
@@ -188,6 +191,7 @@ def client_config(main_config: DictConfig, settings: ArcticSettings) -> ArcticRL
             "max_tokens_per_microbatch": settings.log_prob.max_tokens_per_microbatch
             or OmegaConf.select(ref, "ref.log_prob_max_token_len_per_gpu")
             or int(actor.ppo_max_token_len_per_gpu),
+            "prompt_sharing": settings.log_prob.prompt_sharing,
         }
     if settings.backend is not None:
         data["backend"] = _backend(settings)
@@ -271,6 +275,7 @@ def _training_job(main_config: DictConfig, settings: ArcticSettings, max_seq_len
         "max_tokens_per_microbatch": settings.training.max_tokens_per_microbatch
         or int(actor.ppo_max_token_len_per_gpu),
         "packing": settings.training.packing,
+        "prompt_sharing": settings.training.prompt_sharing,
         "gradient_checkpointing": bool(model.get("enable_gradient_checkpointing", False)),
         "attn_implementation": settings.training.attn_implementation,
     }
