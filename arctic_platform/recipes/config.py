@@ -50,6 +50,8 @@ class GrpoPhase(_Section):
     The loss is ``verl_grpo`` with these knobs in ``meta.actor_config``; advantages are
     group-normalised rewards. With ``lr_schedule: cosine`` the learning rate decays from
     ``learning_rate`` to ``min_lr_ratio`` of it over the phase (passed to each ``step``).
+    ``updates_per_batch`` optimizer steps are taken on each batch (PPO epochs); with one, the
+    loss's ratio is taken against the current policy and no separate log-prob pass runs.
     """
 
     def learning_rate_at(self, step_in_phase: int) -> float:
@@ -80,6 +82,7 @@ class GrpoPhase(_Section):
     kl_loss_type: str = "low_var_kl"
     entropy_coeff: float = 0.0
     norm_adv_by_std: bool = True
+    updates_per_batch: PositiveInt = 1
 
 
 class EvalSettings(_Section):

@@ -6,11 +6,16 @@ One step of GRPO, as any framework would write it against the client::
     rewards   = task.reward(sample, example)                # programmatic, client side
     advantage = grpo_advantages(rewards, group_size=n)      # group-normalised
     batch     = training_batch(prompts, samples, advantages)   # verl layout, DESIGN.md §3
-    old       = client.fwd_no_grad({"batch": batch})        # log-probs before the update
-    client.fwd_bwd({"batch": batch | {"old_log_probs": old}, "meta": actor_config,
-                    "processing": {"loss_fn": "verl_grpo"}})
+    client.fwd_bwd({"batch": batch, "meta": actor_config,
+                    "processing": {"loss_fn": "verl_grpo",
+                                   "config": {"old_log_probs": "current"}}})
     client.step(learning_rate)
     client.sync_weights()                                   # the sampler follows the trainer
+
+Each batch gets one update, so the PPO ratio's old log-probs are the current policy's: the loss
+takes them from its own forward, detached (the on-policy form), and no separate ``fwd_no_grad``
+pass recomputes them. With ``grpo.updates_per_batch > 1`` the old log-probs must predate the first
+update: a ``fwd_no_grad`` scores them, and each update sends them as ``old_log_probs``.
 
 Everything that makes a run reproducible lives in the inputs: task batches and sampling seeds are
 functions of the step, so a run resumed from a checkpoint continues with the same numbers.
@@ -150,8 +155,6 @@ class _Recipe:
             pad_token_id=self.pad_id,
             advantages=advantages,
         )
-        old = self.client.fwd_no_grad({"batch": batch})["batch"]["logprobs"]
-        scored = time.perf_counter()
         meta = {
             "pad_token_id": self.pad_id,
             "temperature": grpo.temperature,
@@ -164,16 +167,20 @@ class _Recipe:
                 "entropy_coeff": grpo.entropy_coeff,
             },
         }
-        out = self.client.fwd_bwd(
-            {
-                "batch": {**batch, "old_log_probs": np.asarray(old)},
-                "meta": meta,
-                "processing": {"loss_fn": "verl_grpo"},
-            }
-        )
-        stepped = self.client.step(
-            learning_rate=grpo.learning_rate_at(step - self.config.sft.steps)
-        )
+        processing: dict[str, Any] = {"loss_fn": "verl_grpo"}
+        if grpo.updates_per_batch == 1:
+            processing["config"] = {"old_log_probs": "current"}
+        else:
+            old = self.client.fwd_no_grad(
+                {"batch": batch, "meta": {"temperature": meta["temperature"]}}
+            )
+            batch = {**batch, "old_log_probs": np.asarray(old["batch"]["logprobs"])}
+        scored = time.perf_counter()
+        for _ in range(grpo.updates_per_batch):
+            out = self.client.fwd_bwd({"batch": batch, "meta": meta, "processing": processing})
+            stepped = self.client.step(
+                learning_rate=grpo.learning_rate_at(step - self.config.sft.steps)
+            )
         trained = time.perf_counter()
         self.client.sync_weights()
         synced = time.perf_counter()

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from arctic_platform.engine.config import ModelConfig, TrainingEngineConfig
+from arctic_platform.layout import training_batch
 
 TINY = ModelConfig(name="builtin:tiny")
 
@@ -51,6 +53,34 @@ def rl_batch(
         "advantages": advantages,
         "old_log_probs": old,
     }
+
+
+# (times sampled, prompt length) per prompt; responses are 1..6 tokens.
+GROUPS = [(4, 23), (1, 9), (3, 17), (2, 30), (1, 2), (5, 12)]
+
+
+def shared_prompt_batch(seed: int = 0, groups=GROUPS) -> dict[str, np.ndarray]:
+    """Prompts sampled ``n`` times each (rows of a prompt not adjacent), verl layout, with
+    ``advantages``, ``old_log_probs`` and ``ref_log_prob``."""
+    rng = np.random.default_rng(seed)
+    samples = []
+    for n, length in groups:
+        prompt = rng.integers(5, 100, length).tolist()
+        samples += [(prompt, rng.integers(5, 100, rng.integers(1, 7)).tolist()) for _ in range(n)]
+    order = rng.permutation(len(samples))
+    prompts = [samples[i][0] for i in order]
+    responses = [samples[i][1] for i in order]
+    advantages = rng.normal(size=len(prompts)).astype(np.float32)
+    batch = training_batch(prompts, responses, pad_token_id=0, advantages=advantages)
+    noise = rng.normal(-2.0, 0.3, batch["input_ids"].shape).astype(np.float32)
+    batch["old_log_probs"] = noise * batch["response_mask"]
+    batch["ref_log_prob"] = (noise + 0.1) * batch["response_mask"]
+    return batch
+
+
+def saved_prompt_tokens(groups) -> int:
+    """Prompt tokens a shared pass does not recompute: ``(n - 1) * (p - 1)`` per prompt."""
+    return sum((n - 1) * (p - 1) for n, p in groups)
 
 
 def rows_of(batch: dict, index) -> dict:

@@ -27,6 +27,16 @@ def test_fewer_rows_than_workers_leaves_the_last_workers_idle():
     assert [p.tolist() for p in split_by_tokens([4, 6], 4)] == [[1], [0], [], []]
 
 
+def test_rows_sharing_a_prompt_stay_together_and_count_the_prompt_once():
+    # Rows 0, 2, 4 share a prompt: 42 tokens as rows, 22 once the prompt counts once (saved 20).
+    tokens = [14, 16, 14, 17, 14, 5]
+    parts = split_by_tokens(tokens, 2, groups=[[0, 2, 4]], saved=[20])
+    assert [p.tolist() for p in parts] == [[0, 2, 4, 5], [1, 3]]  # loads 27 and 33
+    # Counted row by row, the group would look heavier than both single rows together.
+    parts = split_by_tokens(tokens, 2, groups=[[0, 2, 4]])
+    assert [p.tolist() for p in parts] == [[0, 2, 4], [1, 3, 5]]
+
+
 def test_one_worker_keeps_the_batch_as_sent():
     assert split_by_tokens([3, 9, 1], 1)[0].tolist() == [0, 1, 2]
 

@@ -95,6 +95,19 @@ def test_resume_after_a_crash_continues_with_identical_metrics(tmp_path, monkeyp
     assert comparable(resumed.records) == comparable(uninterrupted.records)
 
 
+def test_one_update_is_on_policy_and_several_use_old_logprobs(tmp_path):
+    """One update per batch: the ratio is taken against the current policy (KL exactly 0, no
+    log-prob pass). Two: the second update's ratio is against the log-probs from before the
+    first, so its KL is not 0."""
+    short = [s for s in SHORT if not s.startswith(("eval", "checkpoint"))] + ["sft.steps=2"]
+    one = run_recipe(load_recipe(None, short), tmp_path / "one", show_progress=False)
+    grpo_records = [r for r in one.records if r["phase"] == "grpo"]
+    assert all(r["kl"] == 0.0 for r in grpo_records)
+    two = load_recipe(None, [*short, "grpo.updates_per_batch=2"])
+    records = run_recipe(two, tmp_path / "two", show_progress=False).records
+    assert all(r["kl"] != 0.0 for r in records if r["phase"] == "grpo")
+
+
 def run_cli(*args: str, cwd) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "arctic_platform.cli", "train", "--no-progress", *args],

@@ -95,16 +95,46 @@ def masked_sum(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return masked(values.detach(), mask).sum()
 
 
+# processing.config.old_log_probs value that asks for the on-policy form of a policy loss.
+CURRENT_POLICY = "current"
+
+
+def policy_tensors(batch: Batch, config: Mapping[str, Any], loss: str) -> list[str]:
+    """The batch fields a policy-ratio loss reads: ``advantages``, and ``old_log_probs`` unless
+    the ratio is taken against the current policy.
+
+    The **on-policy form**: with ``processing.config.old_log_probs: "current"``, or when the batch
+    carries no ``old_log_probs``, the ratio's old log-probs are the current log-probs, detached.
+    That is exactly what a separate ``fwd_no_grad`` just before the update would return, so a
+    batch that gets one update needs no such pass (TRL's GRPOTrainer does the same). With several
+    updates per batch the old log-probs must come from before the first one: send them.
+    """
+    batch.require("advantages", f"the {loss} loss needs it")
+    mode = config.get("old_log_probs")
+    if mode is not None and mode != CURRENT_POLICY:
+        raise EngineInputError(
+            "processing.config.old_log_probs",
+            f"expected {CURRENT_POLICY!r} (ratio against the detached current log-probs) or "
+            f"absent (use batch.old_log_probs), got {mode!r}",
+        )
+    if mode == CURRENT_POLICY or not batch.has("old_log_probs"):
+        return ["advantages"]
+    return ["advantages", "old_log_probs"]
+
+
 def policy_ratio(
     logp: torch.Tensor, rows: Mapping[str, torch.Tensor], mask: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(advantages, log_ratio, ratio)`` of a policy loss's microbatch, over ``mask``.
 
-    ``log_ratio = clamp(logp - old_log_probs, -20, 20)`` (the clamp only guards ``exp`` against
-    overflow) and ``ratio = exp(log_ratio)``.
+    ``log_ratio = clamp(logp - old, -20, 20)`` (the clamp only guards ``exp`` against overflow)
+    and ``ratio = exp(log_ratio)``; ``old`` is ``rows["old_log_probs"]``, or ``logp`` detached in
+    the on-policy form (:func:`policy_tensors`), where the ratio is 1 and its gradient that of
+    ``logp``.
     """
     advantages = masked(rows["advantages"], mask)
-    log_ratio = torch.clamp(logp - masked(rows["old_log_probs"], mask), min=-20.0, max=20.0)
+    old = rows["old_log_probs"] if "old_log_probs" in rows else logp.detach()
+    log_ratio = torch.clamp(logp - masked(old, mask), min=-20.0, max=20.0)
     return advantages, log_ratio, torch.exp(log_ratio)
 
 

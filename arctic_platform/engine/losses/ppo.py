@@ -1,7 +1,8 @@
 """Tinker's policy losses: ``importance_sampling``, ``ppo`` and ``cispo``.
 
-With ``r = exp(clamp(logp - old, -20, 20))`` (``old`` is the sampler's ``old_log_probs``) and
-``A`` the advantages, per token:
+With ``r = exp(clamp(logp - old, -20, 20))`` (``old`` is the batch's ``old_log_probs``, or the
+current log-probs detached in the on-policy form, see
+:func:`~arctic_platform.engine.losses.base.policy_tensors`) and ``A`` the advantages, per token:
 
 * ``importance_sampling``: ``-r A``
 * ``ppo``: ``-min(r A, clamp(r, lo, hi) A)``; ``lo``/``hi`` are ``processing.config``
@@ -29,6 +30,7 @@ from arctic_platform.engine.losses.base import (
     add_token_counts,
     masked_sum,
     policy_ratio,
+    policy_tensors,
     register_loss,
     token_mask,
 )
@@ -46,14 +48,10 @@ class RatioLoss:
     def __init__(self, kind: str, batch: Batch, meta: Meta, config: Mapping[str, Any]) -> None:
         self.kind = kind
         _, mask = token_mask(batch, kind)
-        for name in ("advantages", "old_log_probs"):
-            batch.require(name, f"the {kind} loss needs it")
+        needed = policy_tensors(batch, config, kind)
+        for name in needed:
             batch.check_finite(name, mask)
-        self.tensors = {
-            "mask": mask,
-            "advantages": batch.get("advantages"),
-            "old_log_probs": batch.get("old_log_probs"),
-        }
+        self.tensors = {"mask": mask, **{name: batch.get(name) for name in needed}}
         self.low, self.high = _thresholds(kind, config)
         self.agg = config_aggregation(config, "token-sum", meta=meta, batch=batch, mask=mask)
 

@@ -1,6 +1,8 @@
 """``verl_grpo``: verl's PPO-clip actor loss, with every knob read from ``meta.actor_config``.
 
-Per token, with ``d = clamp(logp - old, -20, 20)`` and ``r = exp(d)``::
+Per token, with ``d = clamp(logp - old, -20, 20)`` and ``r = exp(d)`` (``old``: the batch's
+``old_log_probs``, or the current log-probs detached in the on-policy form, see
+:func:`~arctic_platform.engine.losses.base.policy_tensors`)::
 
     L1 = -A r;  L2 = -A clamp(r, 1 - eps_low, 1 + eps_high);  Lc = max(L1, L2)
     L3 = -A c;  pg = where(A < 0, min(L3, Lc), Lc)       # dual clip for negative advantages
@@ -36,6 +38,7 @@ from arctic_platform.engine.losses.base import (
     masked,
     masked_sum,
     policy_ratio,
+    policy_tensors,
     register_loss,
     token_mask,
 )
@@ -123,9 +126,7 @@ class VerlGrpoLoss:
     def __init__(self, batch: Batch, meta: Meta, config: Mapping[str, Any]) -> None:
         self.cfg = parse_actor_config(meta.actor_config, meta.policy_loss_config)
         _, mask = token_mask(batch, "verl_grpo")
-        needed = ["advantages", "old_log_probs"]
-        for name in needed:
-            batch.require(name, "the verl_grpo loss needs it")
+        needed = policy_tensors(batch, config, "verl_grpo")
         if self.cfg.use_kl_loss:
             batch.require("ref_log_prob", "meta.actor_config.use_kl_loss is true")
             needed.append("ref_log_prob")
