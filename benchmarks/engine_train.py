@@ -7,6 +7,15 @@
 (b) **packing**: a length-skewed batch (lengths uniform in 16..1024) through the engine with its
     default packing vs the same hand loop on the padded batch. Target: >= 1.5x.
 
+``--suite prompt_sharing`` instead measures prompt sharing (GRPO batches: each prompt sampled
+``n = 8`` times), the engine with ``prompt_sharing: auto`` vs ``off`` (today's path), for
+``fwd_bwd`` and ``fwd_no_grad``, with tokens/s counting every row's tokens as the unshared pass
+does:
+
+(c) **long prompts**: prompt 512 / response 64. Target: fwd_bwd >= 2.5x.
+(d) **short prompts**: prompt 64 / response 192, little to share. Target: >= 0.95x (auto must
+    never make it slower).
+
 Throughput is real (non-padding) tokens per second. For each comparison one process loads both
 sides and alternates them iteration by iteration (``--warmup`` discarded, then ``--a-repeat`` /
 ``--b-repeat`` timed pairs; medians), so a machine whose load drifts slows both sides alike.
@@ -15,15 +24,17 @@ iteration.
 Gradients accumulate across iterations on both sides (no optimizer step), so both do the same
 work every iteration.
 
-Run: ``python -m benchmarks.engine_train`` (``--help`` for sizes; ``--threads 1`` on a machine
-shared with other jobs, where idle-waiting OpenMP threads distort timings). Writes
-``benchmarks/results/engine_train.json`` and prints it.
+Run: ``python -m benchmarks.engine_train [--suite prompt_sharing]`` (``--help`` for sizes;
+``--threads 1`` on a machine shared with other jobs, where idle-waiting OpenMP threads distort
+timings). Writes ``benchmarks/results/engine_train.json`` (or ``engine_train_prompt_sharing.json``)
+and prints it.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import resource
 import statistics
@@ -32,7 +43,14 @@ import sys
 import time
 
 MODEL = "builtin:small"
-COMPARISONS = {"a": ("engine", "loop"), "b": ("engine_packed", "loop_padded")}
+COMPARISONS = {
+    "a": ("engine", "loop"),
+    "b": ("engine_packed", "loop_padded"),
+    "c": ("shared", "unshared"),
+    "d": ("shared", "unshared"),
+}
+SUITES = {"default": ("a", "b"), "prompt_sharing": ("c", "d")}
+SAMPLES_PER_PROMPT = 8
 
 
 def fixed_batch(rows: int, prompt: int, response: int, seed: int) -> dict:
@@ -69,6 +87,31 @@ def skewed_batch(rows: int, low: int, high: int, seed: int, prompt: int = 8) -> 
     return _rl_fields(input_ids, attention_mask, response_mask, g)
 
 
+def grpo_batch(prompts: int, prompt: int, response: int, seed: int) -> dict:
+    """``prompts`` distinct prompts, each sampled :data:`SAMPLES_PER_PROMPT` times (verl layout)."""
+    import numpy as np
+
+    from arctic_platform.layout import training_batch
+
+    rng = np.random.default_rng(seed)
+    prompt_ids, response_ids = [], []
+    for _ in range(prompts):
+        ids = rng.integers(5, 100, prompt).tolist()
+        for _ in range(SAMPLES_PER_PROMPT):
+            prompt_ids.append(ids)
+            response_ids.append(rng.integers(5, 100, response).tolist())
+    rows = len(prompt_ids)
+    batch = training_batch(
+        prompt_ids,
+        response_ids,
+        pad_token_id=0,
+        advantages=rng.normal(size=rows).astype(np.float32),
+    )
+    batch["old_log_probs"] = np.full(batch["input_ids"].shape, -4.6, np.float32)
+    batch["old_log_probs"] *= batch["response_mask"]
+    return batch
+
+
 def _rl_fields(input_ids, attention_mask, response_mask, g) -> dict:
     import torch
 
@@ -103,11 +146,15 @@ def _setup(comparison: str, args):
     torch.manual_seed(0)
     if comparison == "a":
         return fixed_batch(args.a_rows, args.a_prompt, args.a_response, seed=1)
-    return skewed_batch(args.b_rows, 16, 1024, seed=2)
+    if comparison == "b":
+        return skewed_batch(args.b_rows, 16, 1024, seed=2)
+    if comparison == "c":
+        return grpo_batch(args.share_prompts, args.c_prompt, args.c_response, seed=3)
+    return grpo_batch(args.share_prompts, args.d_prompt, args.d_response, seed=4)
 
 
-def _runner(side: str, batch: dict):
-    """A zero-argument callable doing one fwd_bwd of ``batch`` on ``side``."""
+def _runners(side: str, batch: dict) -> dict:
+    """Zero-argument callables doing one op on ``batch`` on ``side``, by op name."""
     from arctic_platform.engine.config import ModelConfig, TrainingEngineConfig
     from arctic_platform.engine.models import load_causal_lm
     from arctic_platform.engine.trainer import TrainingEngine
@@ -115,38 +162,45 @@ def _runner(side: str, batch: dict):
     model_config = ModelConfig(name=MODEL)
     if side.startswith("loop"):
         model = load_causal_lm(model_config).train()
-        return lambda: hand_loop_step(model, batch)
-    engine = TrainingEngine(TrainingEngineConfig(model=model_config, seed=0))
-    return lambda: engine.forward_backward(batch)
+        return {"fwd_bwd": lambda: hand_loop_step(model, batch)}
+    sharing = "off" if side == "unshared" else "auto"
+    engine = TrainingEngine(
+        TrainingEngineConfig(model=model_config, seed=0, prompt_sharing=sharing)
+    )
+    ops = {"fwd_bwd": lambda: engine.forward_backward(batch)}
+    if side in ("shared", "unshared"):
+        ops["fwd_no_grad"] = lambda: engine.forward(batch)
+    return ops
 
 
 def time_worker(comparison: str, args) -> dict:
-    """Both sides of a comparison in this process, alternating; median seconds per side."""
+    """Both sides of a comparison in this process, alternating; median seconds per side and op."""
     import torch
 
     batch = _setup(comparison, args)
     sides = COMPARISONS[comparison]
-    runners = {side: _runner(side, batch) for side in sides}
-    times: dict[str, list[float]] = {side: [] for side in sides}
+    runners = {side: _runners(side, batch) for side in sides}
+    times = {(side, op): [] for side in sides for op in runners[side]}
     repeat = args.a_repeat if comparison == "a" else args.b_repeat
     for i in range(args.warmup + repeat):
-        for side in sides:
+        for side, op in times:
             start = time.perf_counter()
-            runners[side]()
+            runners[side][op]()
             if i >= args.warmup:
-                times[side].append(time.perf_counter() - start)
+                times[side, op].append(time.perf_counter() - start)
     real = int(batch["attention_mask"].sum())
     out = {
         "rows": int(batch["input_ids"].shape[0]),
         "real_tokens": real,
-        "padded_tokens": int(batch["input_ids"].numel()),
+        "padded_tokens": math.prod(batch["input_ids"].shape),
         "torch_threads": torch.get_num_threads(),
     }
-    for side in sides:
-        median = statistics.median(times[side])
-        out[side] = {
+    for (side, op), seconds in times.items():
+        median = statistics.median(seconds)
+        key = side if op == "fwd_bwd" else f"{side}_{op}"
+        out[key] = {
             "median_seconds": median,
-            "all_seconds": times[side],
+            "all_seconds": seconds,
             "tokens_per_second": real / median,
         }
     return out
@@ -155,7 +209,7 @@ def time_worker(comparison: str, args) -> dict:
 def rss_worker(comparison: str, side: str, args) -> dict:
     """Peak RSS of one configuration alone: load it, run one fwd_bwd."""
     batch = _setup(comparison, args)
-    _runner(side, batch)()
+    _runners(side, batch)["fwd_bwd"]()
     return {"peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 
 
@@ -178,6 +232,14 @@ def main() -> None:
     parser.add_argument("--a-prompt", type=int, default=64)
     parser.add_argument("--a-response", type=int, default=192)
     parser.add_argument("--b-rows", type=int, default=4)
+    parser.add_argument("--suite", choices=sorted(SUITES), default="default")
+    parser.add_argument(
+        "--share-prompts", type=int, default=1, help=f"prompts x {SAMPLES_PER_PROMPT} rows, (c)/(d)"
+    )
+    parser.add_argument("--c-prompt", type=int, default=512)
+    parser.add_argument("--c-response", type=int, default=64)
+    parser.add_argument("--d-prompt", type=int, default=64)
+    parser.add_argument("--d-response", type=int, default=192)
     parser.add_argument(
         "--threads", type=int, default=0, help="torch threads per process (0: torch's default)"
     )
@@ -195,15 +257,49 @@ def main() -> None:
     settings = {k: v for k, v in vars(args).items() if k != "worker"}
     argv = [f"--{k.replace('_', '-')}={v}" for k, v in settings.items()]
     report = {}
-    for comparison, (fast, base) in COMPARISONS.items():
+    for comparison in SUITES[args.suite]:
+        fast, base = COMPARISONS[comparison]
         timing = run_in_subprocess(f"time:{comparison}", argv)
         for side in (fast, base):
             timing[side] |= run_in_subprocess(f"rss:{comparison}:{side}", argv)
         timing["ratio"] = timing[fast]["tokens_per_second"] / timing[base]["tokens_per_second"]
+        if f"{fast}_fwd_no_grad" in timing:
+            timing["ratio_fwd_no_grad"] = (
+                timing[f"{fast}_fwd_no_grad"]["tokens_per_second"]
+                / timing[f"{base}_fwd_no_grad"]["tokens_per_second"]
+            )
         timing["padding_fraction"] = 1 - timing["real_tokens"] / timing["padded_tokens"]
         report[comparison] = timing
 
     from benchmarks._common import write_result
+
+    if args.suite == "prompt_sharing":
+        write_result(
+            "engine_train_prompt_sharing",
+            {
+                "model": MODEL,
+                "note": (
+                    f"{args.share_prompts} prompt(s) x {SAMPLES_PER_PROMPT} samples; tokens/s "
+                    "counts every row's real tokens (the shared prompt once per row, as the "
+                    "unshared pass processes it); prompt_sharing auto vs off (today's path) "
+                    "alternate in one process; peak RSS of one fwd_bwd per side in its own process"
+                ),
+                "settings": settings,
+                "c_long_prompts": {
+                    "ratio_fwd_bwd_shared_vs_unshared": report["c"].pop("ratio"),
+                    "ratio_fwd_no_grad_shared_vs_unshared": report["c"].pop("ratio_fwd_no_grad"),
+                    "target_fwd_bwd": 2.5,
+                    **report["c"],
+                },
+                "d_short_prompts": {
+                    "ratio_fwd_bwd_shared_vs_unshared": report["d"].pop("ratio"),
+                    "ratio_fwd_no_grad_shared_vs_unshared": report["d"].pop("ratio_fwd_no_grad"),
+                    "target_fwd_bwd": 0.95,
+                    **report["d"],
+                },
+            },
+        )
+        return
 
     write_result(
         "engine_train",
