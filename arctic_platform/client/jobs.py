@@ -63,7 +63,7 @@ def _backend_of(path: str | os.PathLike):
         data = data["client"]  # a recipe: its client section
     if not isinstance(data, dict):
         raise ValueError(f"{source}: expected a mapping at the top level")
-    backend = ArcticRLClientConfig.model_validate({"backend": data.get("backend")}).backend
+    backend = ArcticRLClientConfig.model_validate(data).backend
     if not isinstance(backend, HttpBackend):
         raise ValueError(
             f"{source}: backend.type is {backend.type!r}; arctic-platform jobs talks to an "
