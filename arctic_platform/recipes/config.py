@@ -123,7 +123,7 @@ class LoggingSettings(_Section):
     backends: list[TrackerName] = ["jsonl"]
     project: str | None = Field(None, min_length=1)
     run_name: str | None = Field(None, min_length=1)
-    plot_every: NonNegativeInt = 25
+    plot_every: NonNegativeInt = 50
 
     @field_validator("backends")
     @classmethod
