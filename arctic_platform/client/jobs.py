@@ -234,7 +234,7 @@ class CortexJobsClient(JobsClient):
         self._exports: dict[tuple[str, str], dict[str, str]] = {}
 
     def _auth_headers(self, address: ServerAddress) -> dict[str, str]:
-        from arctic_platform.server.auth import PAT_TYPE, PAT_TYPE_HEADER
+        from arctic_platform.client.transports.cortex import PAT_TYPE, PAT_TYPE_HEADER
 
         token = address.cortex.resolve_pat()
         return (

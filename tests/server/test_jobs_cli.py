@@ -265,3 +265,20 @@ def test_a_cortex_backend_yaml_manages_jobs_through_the_cortex_api(
     assert result.exit_code == 2 and "not with a cortex backend" in result.stderr
     assert cortex_jobs("cancel", job_id).stdout.strip() == f"{job_id}: cancelled"
     assert service.get_job(job_id, owner=ALICE_OWNER)["status"] == "cancelled"
+
+
+def test_the_jobs_cli_needs_only_the_client_extra(server, alice_job):
+    """torch, FastAPI, uvicorn and Ray unimportable: `jobs list` still works."""
+    from tests.client.test_client_only_install import BLOCK_HEAVY
+
+    job_id, _ = alice_job
+    script = BLOCK_HEAVY + "\nfrom arctic_platform.cli import main\nmain()\n"
+    command = ["jobs", "list", "--url", server, "--token-env", "ALICE_TOKEN", "--json"]
+    listed = subprocess.run(
+        [sys.executable, "-c", script, *command],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert listed.returncode == 0, listed.stderr
+    assert [j["job_id"] for j in json.loads(listed.stdout)["jobs"]] == [job_id]
