@@ -268,13 +268,28 @@ class TrainingEngine:
     def _save_target(
         self, path, step: int | None, save_total_limit: int | None
     ) -> tuple[Path, int, int | None]:
-        """Validate a save's arguments: ``(job folder, step, retention)`` with the defaults."""
+        """Validate a save's arguments: ``(job folder, step, retention)`` with the defaults.
+
+        Retention deletes older ``checkpoint-<step>`` folders, so it applies only to the job's own
+        checkpoint folder: a save elsewhere keeps every folder it finds there.
+        """
         step = self.global_steps if step is None else to_int("step", step, minimum=0)
+        job_dir = self._job_dir(path)
+        own = path is None or (
+            self.config.checkpoint_dir is not None
+            and self._job_dir(None).resolve() == job_dir.resolve()
+        )
         if save_total_limit is not None:
             save_total_limit = to_int("save_total_limit", save_total_limit, minimum=0)
+            if save_total_limit and not own:
+                raise EngineInputError(
+                    "save_total_limit",
+                    "retention applies only to the job's own checkpoint folder; "
+                    "omit path or save_total_limit",
+                )
         else:
-            save_total_limit = self.config.save_total_limit
-        return self._job_dir(path), step, save_total_limit
+            save_total_limit = self.config.save_total_limit if own else None
+        return job_dir, step, save_total_limit
 
     def _write_checkpoint(
         self,

@@ -114,10 +114,13 @@ def _step(service, sub, engine, job_id, body):
 
 def _save(service, sub, engine, job_id, body):
     parsed = bodies.parse(bodies.SaveBody, body, what="save")
+    path = None
+    if parsed.path is not None:
+        path = service.paths.writable(service.owner_of(sub.job_id), parsed.path, field="save.path")
 
     def run():
         saved = engine.save_checkpoint(
-            parsed.path,
+            path,
             step=parsed.step,
             export_hf=parsed.export_hf or parsed.checkpoint_type == "weights-only",
             save_total_limit=parsed.save_total_limit,
@@ -138,13 +141,16 @@ def _save(service, sub, engine, job_id, body):
 
 def _load(service, sub, engine, job_id, body):
     parsed = bodies.parse(bodies.LoadBody, body, what="load")
-    path = parsed.path
+    owner = service.owner_of(sub.job_id)
+    path = None
+    if parsed.path is not None:
+        path = service.paths.readable(owner, parsed.path, field="load.path")
     if parsed.checkpoint_id is not None:
         if parsed.path is not None:
             raise BadRequest("load: give either path or checkpoint_id, not both")
         source_job = parsed.source_job_id or sub.job_id
-        owner = service.owner_of(sub.job_id)
-        path = service.checkpoint(source_job, parsed.checkpoint_id, owner=owner)["path"]
+        record = service.checkpoint(source_job, parsed.checkpoint_id, owner=owner)
+        path = service.paths.readable(owner, record["path"], field="load.checkpoint_id")
     if parsed.target_sub_job_id not in (None, job_id):
         raise BadRequest(f"load: target_sub_job_id {parsed.target_sub_job_id} is not {job_id}")
 

@@ -43,6 +43,7 @@ from arctic_platform.server.job_config import (
     SubJobConfig,
 )
 from arctic_platform.server.op_bodies import describe
+from arctic_platform.server.paths import PathPolicy
 from arctic_platform.server.store import MetadataStore
 
 TERMINAL = ("failed", "cancelled", "terminated")
@@ -72,6 +73,10 @@ class ServiceSettings:
     # data-parallel over n_gpus workers), placed on shared devices when ``colocate`` is set.
     engine_backend: Literal["local", "ray"] = "local"
     colocate: bool = False
+    # Client paths stay inside each tenant's folder, or (read-only) under these prefixes; an
+    # in-process Service, owned by the one user of its process, does not confine them.
+    allowed_paths: tuple[Path, ...] = ()
+    confine_paths: bool = True
 
 
 @dataclass
@@ -85,6 +90,8 @@ class SubJob:
     status: str = "pending"
     engine: Any = None
     queue: ThreadPoolExecutor | None = None
+    # What the engine loads: ``spec.model_name`` checked against the owner's space (see paths.py).
+    model_path: str | None = None
 
     def info(self) -> dict:
         settings = self.spec.training_config or self.spec.inference_config
@@ -137,7 +144,9 @@ class Service:
     def __init__(self, settings: ServiceSettings) -> None:
         self.settings = settings
         settings.data_dir.mkdir(parents=True, exist_ok=True)
-        self.checkpoint_root = settings.data_dir / "checkpoints"
+        self.paths = PathPolicy(
+            settings.data_dir, settings.allowed_paths, confine=settings.confine_paths
+        )
         self.store = MetadataStore(settings.data_dir / "metadata.sqlite3")
         self.requests = RequestStore()
         self.chunk_groups = ChunkGroups()
@@ -156,16 +165,30 @@ class Service:
             parsed = CreateJobRequest.model_validate(request)
         except ValidationError as exc:
             raise BadRequest(f"create job: {describe(exc)}") from None
+        model_paths = []
         for i, spec in enumerate(parsed.sub_job_configs):
             if spec.source_checkpoint_info is not None:
                 self._source_checkpoint(spec, owner, field=f"sub_job_configs.{i}")
+            model_paths.append(
+                self.paths.model_name(
+                    owner, spec.model_name, field=f"sub_job_configs.{i}.model_name"
+                )
+            )
         job_id = uuid.uuid4().hex[:12]
         counts: collections.Counter = collections.Counter()
         sub_jobs = []
-        for spec in parsed.sub_job_configs:
+        for spec, model_path in zip(parsed.sub_job_configs, model_paths, strict=True):
             sub_id = f"{job_id}:{spec.kind}:{counts[spec.kind]}"
             counts[spec.kind] += 1
-            sub_jobs.append(SubJob(sub_job_id=sub_id, job_id=job_id, kind=spec.kind, spec=spec))
+            sub_jobs.append(
+                SubJob(
+                    sub_job_id=sub_id,
+                    job_id=job_id,
+                    kind=spec.kind,
+                    spec=spec,
+                    model_path=model_path,
+                )
+            )
         job = Job(
             job_id=job_id,
             owner=owner,
@@ -418,9 +441,10 @@ class Service:
     def checkpoint_files(self, job_id: str, checkpoint_id: str, *, owner: str | None) -> list[dict]:
         """Files of a checkpoint: ``filename`` (relative), absolute ``path``, ``size_bytes``."""
         root = Path(self.checkpoint(job_id, checkpoint_id, owner=owner)["path"])
+        self.paths.readable(self.owner_of(job_id), str(root), field="checkpoint")
         return [
             {"filename": str(p.relative_to(root)), "path": str(p), "size_bytes": p.stat().st_size}
-            for p in sorted(root.rglob("*"))
+            for p in self.paths.within(root, sorted(root.rglob("*")))
             if p.is_file()
         ]
 
@@ -428,7 +452,8 @@ class Service:
         import shutil
 
         record = self.checkpoint(job_id, checkpoint_id, owner=owner)
-        shutil.rmtree(record["path"], ignore_errors=True)
+        path = self.paths.writable(owner, record["path"], field="checkpoint")
+        shutil.rmtree(path, ignore_errors=True)
         self.store.delete_checkpoint(job_id, checkpoint_id)
 
     def _source_checkpoint(self, spec: SubJobConfig, owner: str | None, *, field: str) -> dict:
@@ -453,6 +478,7 @@ class Service:
                 f"{field}.source_checkpoint_info: checkpoint {info.checkpoint_id!r} in {where} "
                 f"is {problem}"
             )
+        self.paths.readable(owner, found[0]["path"], field=f"{field}.source_checkpoint_info")
         return found[0]
 
     # -- lifecycle --------------------------------------------------------------------------

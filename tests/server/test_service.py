@@ -152,9 +152,9 @@ def test_wrong_job_type_and_unknown_ids(service, running_job):
 
 
 def test_initialization_failure_keeps_the_reason_and_the_server_alive(service):
-    info = service.create_job(
-        {"sub_job_configs": [sub_job("training", model_name="/no/such/model")]}
-    )
+    empty = service.paths.tenant_root(None) / "not-a-model"
+    empty.mkdir()
+    info = service.create_job({"sub_job_configs": [sub_job("training", model_name=str(empty))]})
     with pytest.raises(Conflict, match="initialization failed"):
         service.wait_until_running(info["job_id"], timeout=120)
     failed = service.get_job(info["job_id"])
