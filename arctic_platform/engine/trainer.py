@@ -40,7 +40,13 @@ from arctic_platform.engine.forward import (
 )
 from arctic_platform.engine.meta import to_float, to_int
 from arctic_platform.engine.metrics import MetricSums
-from arctic_platform.engine.models import load_causal_lm, load_tokenizer, resolve_device
+from arctic_platform.engine.models import (
+    MODEL_INIT_LOCK,
+    apply_lora,
+    load_causal_lm,
+    load_tokenizer,
+    resolve_device,
+)
 from arctic_platform.engine.schedule import build_scheduler, lr_factor
 
 SLEEP_MODES = ("all",)
@@ -59,8 +65,13 @@ class TrainingEngine:
     def __init__(self, config: TrainingEngineConfig) -> None:
         self.config = config
         self.device = resolve_device(config.model.device)
-        seed_everything(config.seed)
-        model = load_causal_lm(config.model, self.device)
+        # Loading the weights draws no random numbers; seeding and the adapters' random
+        # initialisation use process-global generators, so concurrent builds take turns there.
+        model = load_causal_lm(config.model.model_copy(update={"lora": None}), self.device)
+        with MODEL_INIT_LOCK:
+            seed_everything(config.seed)
+            if config.model.lora is not None:
+                model = apply_lora(model, config.model.lora)
         if config.gradient_checkpointing:
             model.gradient_checkpointing_enable(
                 gradient_checkpointing_kwargs={"use_reentrant": False}

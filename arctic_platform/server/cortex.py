@@ -21,7 +21,7 @@ from fastapi import APIRouter, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import FileResponse, Response
 
-from arctic_platform.server.errors import BadRequest, NotFound, ServiceError
+from arctic_platform.server.errors import BadRequest, NotFound
 from arctic_platform.server.http_common import (
     decode_frame,
     decode_json,
@@ -160,7 +160,9 @@ async def _chunked_octet_op(request: Request, job_id: str, op: str) -> dict:
         if op == "forward" and isinstance(payload, dict):
             payload.setdefault("reference_model", False)
         request_id = _submit(service, job_id, op, payload, owner)
-    except ServiceError:
+    except BaseException:
+        # Whatever went wrong, a retry of this group must get a definite answer, not wait on a
+        # group that stays scheduled without a request.
         if outcome.group_id is not None:
             service.chunk_groups.forget(job_id, outcome.group_id)
         raise

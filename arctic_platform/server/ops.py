@@ -67,6 +67,7 @@ def prepare_op(service, sub, op: str, body: Any) -> Callable[[], Any]:
 
 def _forward_backward(service, sub, engine, job_id, body):
     batch, meta, processing, _ = bodies.train_envelope(body, op="forward-backward")
+    service.limits.check_batch("forward-backward", batch)
 
     def run():
         out = engine.forward_backward(batch, meta, processing)
@@ -82,6 +83,7 @@ def _forward_backward(service, sub, engine, job_id, body):
 
 def _forward(service, sub, engine, job_id, body):
     batch, meta, processing, _ = bodies.train_envelope(body, op="forward")
+    service.limits.check_batch("forward", batch)
 
     def run():
         out = engine.forward(batch, meta, processing)
@@ -213,6 +215,7 @@ def _weight_sync(service, sub, engine, job_id, body):
 
 def _generate(service, sub, engine, job_id, body):
     parsed = bodies.parse(bodies.GenerateBody, body, what="generate")
+    _check_generate(service, engine, "generate", parsed)
 
     def run():
         results = engine.generate(parsed.prompts, parsed.sampling_params)
@@ -223,11 +226,19 @@ def _generate(service, sub, engine, job_id, body):
 
 def _generate_stream(service, sub, engine, job_id, body):
     parsed = bodies.parse(bodies.GenerateBody, body, what="generate-stream")
+    _check_generate(service, engine, "generate-stream", parsed)
     return lambda: engine.generate(parsed.prompts, parsed.sampling_params)
+
+
+def _check_generate(service, engine, op: str, parsed) -> None:
+    # Without max_tokens a sample may run to the end of the engine's context.
+    context = getattr(engine, "max_model_len", 1)
+    service.limits.check_generate(op, parsed.prompts, parsed.sampling_params, context)
 
 
 def _log_probs(service, sub, engine, job_id, body):
     parsed = bodies.parse(bodies.LogProbsBody, body, what="log-probs")
+    service.limits.check_rows("log-probs", len(parsed.prompts))
 
     def run():
         results = engine.log_probs(parsed.prompts, parsed.completions, parsed.top_k)

@@ -17,6 +17,7 @@ and can start a new job from a checkpoint.
 from __future__ import annotations
 
 import collections
+import logging
 import threading
 import time
 import traceback
@@ -28,6 +29,9 @@ from typing import Any, Literal
 
 from pydantic import ValidationError
 
+from arctic_platform.engine import cancellation
+from arctic_platform.engine.cancellation import CancelToken
+from arctic_platform.engine.checkpoint_staging import remove_stale
 from arctic_platform.server.async_requests import ChunkGroups, RequestStore
 from arctic_platform.server.errors import (
     BadRequest,
@@ -42,8 +46,9 @@ from arctic_platform.server.job_config import (
     CreateJobRequest,
     SubJobConfig,
 )
+from arctic_platform.server.limits import ServerLimits
 from arctic_platform.server.op_bodies import describe
-from arctic_platform.server.paths import PathPolicy
+from arctic_platform.server.paths import CHECKPOINTS_DIR, PathPolicy
 from arctic_platform.server.store import MetadataStore
 
 TERMINAL = ("failed", "cancelled", "terminated")
@@ -59,6 +64,7 @@ LIFECYCLE_OPERATIONS = {
 }
 OPERATION_TYPES = {"weight-sync", *LIFECYCLE_OPERATIONS, *INLINE_OPERATIONS}
 LOG_LINES_PER_JOB = 2000
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -77,6 +83,7 @@ class ServiceSettings:
     # in-process Service, owned by the one user of its process, does not confine them.
     allowed_paths: tuple[Path, ...] = ()
     confine_paths: bool = True
+    limits: ServerLimits = field(default_factory=ServerLimits)
 
 
 @dataclass
@@ -124,6 +131,8 @@ class Job:
     )
     log_offset: int = 0
     cancelled: threading.Event = field(default_factory=threading.Event)
+    # Stops the job's ops in flight (job cancelled, server draining); see engine/cancellation.py.
+    stop: CancelToken = field(default_factory=CancelToken)
 
     def info(self) -> dict:
         return {
@@ -144,6 +153,7 @@ class Service:
     def __init__(self, settings: ServiceSettings) -> None:
         self.settings = settings
         settings.data_dir.mkdir(parents=True, exist_ok=True)
+        self.limits = settings.limits
         self.paths = PathPolicy(
             settings.data_dir, settings.allowed_paths, confine=settings.confine_paths
         )
@@ -153,9 +163,11 @@ class Service:
         self._lock = threading.RLock()
         self._jobs: dict[str, Job] = {}
         self._slots = threading.BoundedSemaphore(settings.max_concurrent_ops)
-        self._builders = ThreadPoolExecutor(max_workers=1, thread_name_prefix="job-init")
+        # One build thread per job: a model load that hangs delays only its own job.
+        self._builders: set[threading.Thread] = set()
         self._closed = False
         self._restore()
+        self._remove_stale_staging()
 
     # -- jobs -------------------------------------------------------------------------------
 
@@ -202,7 +214,12 @@ class Service:
             self._jobs[job_id] = job
         self._log(job, f"created with {len(sub_jobs)} sub-job(s)")
         self._persist(job)
-        self._builders.submit(self._build, job)
+        builder = threading.Thread(
+            target=self._build, args=(job,), name=f"job-init-{job_id}", daemon=True
+        )
+        with self._lock:
+            self._builders.add(builder)
+        builder.start()
         return job.info()
 
     def get_job(self, job_id: str, *, owner: str | None = None) -> dict:
@@ -237,6 +254,7 @@ class Service:
                     code="failed_precondition",
                 )
             job.cancelled.set()
+            job.stop.cancel(f"job {job_id} was cancelled")
             self._set_status(job, "cancelled", "cancelled by the client")
         self._release(job)
         return job.info()
@@ -392,9 +410,12 @@ class Service:
         with self._slots:
             self._require_running(job)
             try:
-                return runner()
+                with cancellation.scope(job.stop):
+                    return runner()
             except ServiceError:
                 raise
+            except cancellation.OpCancelled as exc:
+                raise Conflict(f"{op} stopped: {exc.reason}", code="op_cancelled") from None
             except EngineInputError as exc:
                 raise BadRequest(f"{op}: {exc}", field=exc.field) from None
             except SamplerStateError as exc:
@@ -488,7 +509,13 @@ class Service:
         with self._lock:
             self._closed = True
             jobs = list(self._jobs.values())
-        self._builders.shutdown(wait=True, cancel_futures=True)
+        for job in jobs:
+            if job.status in ("pending", "initializing"):
+                job.cancelled.set()  # a build under way stops before its next engine
+        with self._lock:
+            builders = list(self._builders)
+        for builder in builders:
+            builder.join()
         for job in jobs:
             for sub in job.sub_jobs:
                 if sub.queue is not None:
@@ -499,6 +526,13 @@ class Service:
         self.store.close()
 
     def _build(self, job: Job) -> None:
+        try:
+            self._build_engines(job)
+        finally:
+            with self._lock:
+                self._builders.discard(threading.current_thread())
+
+    def _build_engines(self, job: Job) -> None:
         from arctic_platform.server.engines import build_engine
 
         if job.cancelled.is_set():
@@ -601,6 +635,15 @@ class Service:
                 self._set_status(job, "terminated", "server restarted")
                 for sub in subs:
                     sub.status = "terminated"
+
+    def _remove_stale_staging(self) -> None:
+        """Staging folders of saves killed with an earlier server process (they are otherwise
+        only removed by a later save into the same folder)."""
+        folders = set(self.paths.root.glob(f"*/{CHECKPOINTS_DIR}/*"))
+        for job_id in list(self._jobs):
+            folders.update(Path(c["path"]).parent for c in self.store.checkpoints(job_id))
+        for path in remove_stale(folders):
+            log.info("removed %s, left by a save that did not finish", path)
 
     def _job(self, job_id: str, owner: str | None, *, check_owner: bool = True) -> Job:
         with self._lock:
