@@ -133,6 +133,10 @@ class Job:
     cancelled: threading.Event = field(default_factory=threading.Event)
     # Stops the job's ops in flight (job cancelled, server draining); see engine/cancellation.py.
     stop: CancelToken = field(default_factory=CancelToken)
+    # The op that ran most recently on any sub-job, and when it started (what an operator asks
+    # first about a job that looks stuck).
+    last_op: str | None = None
+    last_op_at: float | None = None
 
     def info(self) -> dict:
         return {
@@ -143,6 +147,8 @@ class Job:
             "updated_at": self.updated_at,
             "experiment_name": self.experiment_name,
             "image_tag": "arctic-platform",
+            "last_op": self.last_op,
+            "last_op_at": self.last_op_at,
             "sub_jobs": [s.info() for s in self.sub_jobs],
         }
 
@@ -224,6 +230,10 @@ class Service:
 
     def get_job(self, job_id: str, *, owner: str | None = None) -> dict:
         return self._job(job_id, owner).info()
+
+    def job_request(self, job_id: str, *, owner: str | None = None) -> dict:
+        """The create-job request the job was made from (its configuration)."""
+        return self._job(job_id, owner).request
 
     def list_jobs(self, *, owner: str | None = None, status: str | None = None) -> list[dict]:
         with self._lock:
@@ -409,6 +419,7 @@ class Service:
             raise Conflict(f"job {job.job_id} was cancelled", code="job_cancelled")
         with self._slots:
             self._require_running(job)
+            job.last_op, job.last_op_at = op, time.time()
             try:
                 with cancellation.scope(job.stop):
                     return runner()

@@ -3,6 +3,7 @@ fairness in the op scheduler, and a bounded drain on shutdown."""
 
 from __future__ import annotations
 
+import threading
 import time
 from concurrent.futures import Future
 
@@ -11,6 +12,7 @@ import pytest
 
 from arctic_platform.server.errors import Conflict, PayloadTooLarge
 from arctic_platform.server.limits import ServerLimits
+from arctic_platform.server.scheduler import FairSlots
 from arctic_platform.server.service import Service, ServiceSettings
 from tests.live_server import serve_app
 from tests.server.conftest import CORTEX, job_request, make_app
@@ -102,3 +104,64 @@ def test_cancelling_a_job_stops_its_running_generate(service):
     service.cancel_job(job_id)
     assert "cancelled" in ended_by(future, "op_cancelled")
     assert service.get_job(job_id)["status"] == "cancelled"
+
+
+def test_the_slot_scheduler_serves_waiting_tenants_in_turn():
+    slots = FairSlots(total=1)
+    order: list[str] = []
+    release = threading.Event()
+    holding = []
+
+    def hold(tenant: str) -> None:
+        with slots.slot(tenant):
+            order.append(tenant)
+            release.wait()
+
+    def take(tenant: str) -> None:
+        with slots.slot(tenant):
+            order.append(tenant)
+
+    # Tenant a holds the slot; then a queues three more ops and b two.
+    holding.append(threading.Thread(target=hold, args=("a",)))
+    holding[-1].start()
+    wait_for(lambda: slots.running() == 1)
+    waiters = []
+    for count, tenant in enumerate(("a", "a", "a", "b", "b"), start=1):
+        waiters.append(threading.Thread(target=take, args=(tenant,)))
+        waiters[-1].start()
+        wait_for(lambda n=count: sum(slots.queued().values()) == n)
+    release.set()
+    for thread in holding + waiters:
+        thread.join(timeout=60)
+    # b's ops are not queued behind all of a's: the tenants alternate, b first (a just ran).
+    assert order == ["a", "b", "a", "b", "a", "a"]
+
+
+def test_one_tenant_never_holds_more_than_its_share_of_slots():
+    slots = FairSlots(total=3, per_tenant=2)
+    release = threading.Event()
+    peak = []
+
+    def hold(tenant: str) -> None:
+        with slots.slot(tenant):
+            peak.append(slots.running())
+            release.wait()
+
+    threads = [threading.Thread(target=hold, args=("a",)) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    wait_for(lambda: slots.running() == 2 and slots.queued() == {"a": 2})
+    other = threading.Thread(target=hold, args=("b",))
+    other.start()
+    wait_for(lambda: slots.running() == 3)  # b gets the slot a may not take
+    release.set()
+    for thread in [*threads, other]:
+        thread.join(timeout=60)
+    assert max(peak) <= 3
+
+
+def wait_for(condition) -> None:
+    deadline = time.monotonic() + 60
+    while not condition():
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
