@@ -2,8 +2,9 @@
 
 Every command takes the server as ``--url`` (with ``--token-env`` naming the variable that holds
 the bearer token) or as ``--config`` (a client config or recipe YAML whose ``backend`` is an
-``http`` server), and prints a rich table, or with ``--json`` the server's JSON answer. Exit
-status: 0 done, 1 the server refused (unknown job, bad token, ...), 2 bad options.
+``http`` server or a ``cortex`` API), and prints a rich table, or with ``--json`` the server's
+JSON answer. Exit status: 0 done, 1 the server refused (unknown job, bad token, ...), 2 bad
+options.
 """
 
 from __future__ import annotations
@@ -39,9 +40,9 @@ def _client(url: str | None, token_env: str | None, config: Path | None):
     from arctic_platform._extras import require
 
     require("httpx", "client", purpose="arctic-platform jobs")
-    from arctic_platform.client.jobs import JobsClient, server_from
+    from arctic_platform.client.jobs import jobs_client, server_from
 
-    return JobsClient(server_from(url, token_env, config))
+    return jobs_client(server_from(url, token_env, config))
 
 
 def _run(action, url: str | None, token_env: str | None, config: Path | None) -> Any:
@@ -55,10 +56,14 @@ def _run(action, url: str | None, token_env: str | None, config: Path | None) ->
         with _client(url, token_env, config) as client:
             return action(client)
     except ArcticRLError as exc:
-        Console(stderr=True).print(f"[red]error:[/] {escape(str(exc))}", highlight=False)
+        Console(stderr=True, soft_wrap=True).print(
+            f"[red]error:[/] {escape(str(exc))}", highlight=False
+        )
         raise typer.Exit(code=1) from None
     except (ValueError, ImportError) as exc:
-        Console(stderr=True).print(f"[red]error:[/] {escape(str(exc))}", highlight=False)
+        Console(stderr=True, soft_wrap=True).print(
+            f"[red]error:[/] {escape(str(exc))}", highlight=False
+        )
         raise typer.Exit(code=2) from None
 
 
@@ -151,8 +156,9 @@ def show(
         subs.add_row(sub["sub_job_id"], sub["job_type"], sub["status"], sub["model_name"])
     console.print(subs)
     console.print(_checkpoint_table(job["checkpoints"], now))
-    console.print("[bold]config")
-    console.print(JSON.from_data(job["config"]))
+    if job["config"] is not None:  # a Cortex-style API does not return it
+        console.print("[bold]config")
+        console.print(JSON.from_data(job["config"]))
 
 
 def _checkpoint_table(checkpoints: list[dict], now: float):

@@ -29,6 +29,7 @@ from typing import Any, Literal
 
 from pydantic import ValidationError
 
+from arctic_platform.contract.ops import INLINE_OPERATIONS, OPERATION, OPERATION_TYPES
 from arctic_platform.engine import cancellation
 from arctic_platform.engine.cancellation import CancelToken
 from arctic_platform.engine.checkpoint_staging import remove_stale
@@ -52,17 +53,6 @@ from arctic_platform.server.paths import CHECKPOINTS_DIR, PathPolicy
 from arctic_platform.server.store import MetadataStore
 
 TERMINAL = ("failed", "cancelled", "terminated")
-INLINE_OPERATIONS = {"cancel-request", "tail-logs"}
-# Colocation lifecycle ops travel as operations on the Cortex API, which has no route for them.
-LIFECYCLE_OPERATIONS = {
-    "reset-prefix-cache",
-    "sleep-inference",
-    "wake-inference",
-    "sleep-training",
-    "wake-training",
-    "empty-training-cache",
-}
-OPERATION_TYPES = {"weight-sync", *LIFECYCLE_OPERATIONS, *INLINE_OPERATIONS}
 LOG_LINES_PER_JOB = 2000
 log = logging.getLogger(__name__)
 
@@ -308,10 +298,11 @@ class Service:
         ``target`` is a sub-job id, or a job id (the op's natural sub-job type is then used).
         Inline operations (``cancel-request``, ``tail-logs``) come back with ``sub_job=None``.
         """
-        from arctic_platform.server.op_bodies import OperationBody, parse
+        from arctic_platform.contract.bodies import OperationBody
+        from arctic_platform.server.op_bodies import parse
         from arctic_platform.server.ops import op_kind
 
-        if op == "operation":
+        if op == OPERATION:
             envelope = parse(OperationBody, body, what="operation")
             op, body = envelope.operation_type, envelope.payload
             if op not in OPERATION_TYPES:
@@ -350,7 +341,8 @@ class Service:
 
     def inline_operation(self, target: str, op: str, body: Any, *, owner: str | None) -> dict:
         """Operations answered at once, without entering a queue."""
-        from arctic_platform.server.op_bodies import CancelRequestBody, TailLogsBody, parse
+        from arctic_platform.contract.bodies import CancelRequestBody, TailLogsBody
+        from arctic_platform.server.op_bodies import parse
 
         job_id = target.split(":", 1)[0]
         if op == "cancel-request":

@@ -277,3 +277,20 @@ def test_the_plot_is_redrawn_during_the_run(tmp_path, monkeypatch):
     recipe = load_recipe(None, [*TINY_RUN, "logging.plot_every=2"])
     run_recipe(recipe, tmp_path / "run", show_progress=False)
     assert drawn_with == [1, 3, 5, 7, 9, 9]  # every second step, then at the end
+
+
+def test_a_tracker_that_cannot_start_is_an_error_naming_it(tmp_path, monkeypatch):
+    """wandb online without an API key refuses to start: the run stops with wandb's reason."""
+    monkeypatch.delenv("WANDB_MODE")
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb-config"))  # no saved login
+    monkeypatch.setenv("NETRC", str(tmp_path / "no-netrc"))
+    result = CliRunner().invoke(
+        app,
+        ["train", "--no-progress", "--output-dir", str(tmp_path / "run"), "--logger", "wandb"]
+        + [f"--set={s}" for s in TINY_RUN],
+    )
+    assert result.exit_code == 2, result.output
+    assert "logging.backends: wandb could not open its run" in result.output
+    assert "API key" in result.output
+    assert not (tmp_path / "run" / "metrics.jsonl").read_text()  # no step ran

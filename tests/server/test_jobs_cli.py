@@ -203,12 +203,10 @@ def test_the_server_can_come_from_a_client_or_recipe_yaml(server, alice_job, tmp
     )
     assert [j["job_id"] for j in as_json(result)["jobs"]] == [job_id]
 
-    cortex = tmp_path / "cortex.yaml"
-    cortex.write_text(
-        f"model: {TINY}\nbackend: {{type: cortex, base_url: 'http://h', database: D, schema: S}}\n"
-    )
-    result = CliRunner().invoke(app, ["jobs", "list", "--config", str(cortex)])
-    assert result.exit_code == 2 and "backend type http" in result.stderr
+    local = tmp_path / "inprocess.yaml"
+    local.write_text(f"model: {TINY}\nbackend: {{type: inprocess}}\n")
+    result = CliRunner().invoke(app, ["jobs", "list", "--config", str(local)])
+    assert result.exit_code == 2 and "backend type http or cortex" in result.stderr
     typo = tmp_path / "typo.yaml"
     typo.write_text(f"model: {TINY}\nbackend: {{type: http, ulr: 'http://h'}}\n")
     result = CliRunner().invoke(app, ["jobs", "list", "--config", str(typo)])
@@ -234,3 +232,55 @@ def test_jobs_routes_reject_bad_input_without_touching_jobs(server, service, ali
         assert good.status_code == 200 and len(good.content) == files[0]["size_bytes"]
         assert http.post("/jobs/nope/cancel").status_code == 404
     assert service.get_job(job_id, owner=ALICE_OWNER)["status"] == "running"
+
+
+def test_a_cortex_backend_yaml_manages_jobs_through_the_cortex_api(
+    server, service, alice_job, tmp_path
+):
+    job_id, checkpoint_id = alice_job
+    config = tmp_path / "cortex.yaml"
+    config.write_text(
+        f"model: {TINY}\nbackend: {{type: cortex, base_url: '{server}', database: DB, "
+        "schema: RL, pat_env_var: ALICE_TOKEN}\n"
+    )
+
+    def cortex_jobs(*args: str):
+        return CliRunner().invoke(app, ["jobs", *args, "--config", str(config)])
+
+    (job,) = as_json(cortex_jobs("list", "--json"))["jobs"]
+    assert (job["job_id"], job["status"], job["last_op"]) == (job_id, "running", "save")
+    shown = as_json(cortex_jobs("show", job_id, "--json"))
+    assert shown["config"] is None  # the Cortex API does not return the create request
+    assert [c["checkpoint_id"] for c in shown["checkpoints"]] == [checkpoint_id]
+    assert checkpoint_id in cortex_jobs("show", job_id).stdout
+    assert "engine ready" in cortex_jobs("logs", job_id).stdout
+
+    out = tmp_path / "export"
+    exported = as_json(cortex_jobs("export", job_id, "--output", str(out), "--json"))["files"]
+    on_server = service.checkpoint_files(job_id, checkpoint_id, owner=ALICE_OWNER)
+    assert sorted(f["filename"] for f in exported) == [f["filename"] for f in on_server]
+    for entry in on_server:
+        assert (out / entry["filename"]).read_bytes() == Path(entry["path"]).read_bytes()
+
+    assert cortex_jobs("show", "nope").exit_code == 1
+    result = cortex_jobs("list", "--url", server)
+    assert result.exit_code == 2 and "not with a cortex backend" in result.stderr
+    assert cortex_jobs("cancel", job_id).stdout.strip() == f"{job_id}: cancelled"
+    assert service.get_job(job_id, owner=ALICE_OWNER)["status"] == "cancelled"
+
+
+def test_the_jobs_cli_needs_only_the_client_extra(server, alice_job):
+    """torch, FastAPI, uvicorn and Ray unimportable: `jobs list` still works."""
+    from tests.client.test_client_only_install import BLOCK_HEAVY
+
+    job_id, _ = alice_job
+    script = BLOCK_HEAVY + "\nfrom arctic_platform.cli import main\nmain()\n"
+    command = ["jobs", "list", "--url", server, "--token-env", "ALICE_TOKEN", "--json"]
+    listed = subprocess.run(
+        [sys.executable, "-c", script, *command],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert listed.returncode == 0, listed.stderr
+    assert [j["job_id"] for j in json.loads(listed.stdout)["jobs"]] == [job_id]

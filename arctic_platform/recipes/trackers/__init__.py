@@ -142,7 +142,13 @@ class RunTrackers:
                     start_step=start_step,
                     previous=previous,
                 )
-                tracker = _open(name, info)
+                try:
+                    tracker = _open(name, info)
+                except Exception as exc:  # e.g. wandb online without an API key
+                    raise ValueError(
+                        f"logging.backends: {name} could not open its run: "
+                        f"{type(exc).__name__}: {exc}"
+                    ) from exc
                 self._trackers[name] = tracker
                 seen = previous["last_step"] if previous else -1
                 if tracker.rewinds:
