@@ -294,3 +294,12 @@ def test_a_tracker_that_cannot_start_is_an_error_naming_it(tmp_path, monkeypatch
     assert "logging.backends: wandb could not open its run" in result.output
     assert "API key" in result.output
     assert not (tmp_path / "run" / "metrics.jsonl").read_text()  # no step ran
+
+
+def test_the_config_names_exactly_the_trackers_there_are():
+    from typing import get_args
+
+    from arctic_platform.recipes.config import TrackerName
+    from arctic_platform.recipes.trackers import TRACKERS
+
+    assert set(get_args(TrackerName)) == {"jsonl", *TRACKERS}
