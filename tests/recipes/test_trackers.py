@@ -285,11 +285,17 @@ def test_a_tracker_that_cannot_start_is_an_error_naming_it(tmp_path, monkeypatch
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb-config"))  # no saved login
     monkeypatch.setenv("NETRC", str(tmp_path / "no-netrc"))
-    result = CliRunner().invoke(
-        app,
-        ["train", "--no-progress", "--output-dir", str(tmp_path / "run"), "--logger", "wandb"]
-        + [f"--set={s}" for s in TINY_RUN],
-    )
+    import wandb
+
+    wandb.teardown()  # wandb reads its environment once per process; earlier tests ran offline
+    try:
+        result = CliRunner().invoke(
+            app,
+            ["train", "--no-progress", "--output-dir", str(tmp_path / "run"), "--logger", "wandb"]
+            + [f"--set={s}" for s in TINY_RUN],
+        )
+    finally:
+        wandb.teardown()
     assert result.exit_code == 2, result.output
     assert "logging.backends: wandb could not open its run" in result.output
     assert "API key" in result.output
