@@ -49,6 +49,7 @@ from arctic_platform.server.job_config import (
     SubJobConfig,
 )
 from arctic_platform.server.limits import ServerLimits
+from arctic_platform.server.metrics import ServiceMetrics
 from arctic_platform.server.op_bodies import describe
 from arctic_platform.server.paths import CHECKPOINTS_DIR, PathPolicy
 from arctic_platform.server.scheduler import FairSlots
@@ -158,6 +159,7 @@ class Service:
         self.settings = settings
         settings.data_dir.mkdir(parents=True, exist_ok=True)
         self.limits = settings.limits
+        self.metrics = ServiceMetrics(self._job_gauges)
         self.paths = PathPolicy(
             settings.data_dir, settings.allowed_paths, confine=settings.confine_paths
         )
@@ -426,7 +428,7 @@ class Service:
 
         if job.cancelled.is_set():
             raise Conflict(f"job {job.job_id} was cancelled", code="job_cancelled")
-        with self.slots.slot(job.owner):
+        with self.slots.slot(job.owner), self.metrics.op(op):
             self._require_running(job)
             job.last_op, job.last_op_at = op, time.time()
             try:
@@ -571,6 +573,10 @@ class Service:
                 self._set_status(job, "terminated", "server shut down")
             self._release(job)
         self.store.close()
+
+    def _job_gauges(self) -> list[tuple[str, str, int]]:
+        with self._lock:
+            return [(j.job_id, j.status, len(j.in_flight)) for j in self._jobs.values()]
 
     def busy(self) -> int:
         """Ops submitted and not yet finished, across jobs."""
