@@ -29,11 +29,15 @@ def serve(
     log_level: str = "info",
     ray_address: str | None = None,
     colocate: bool = False,
+    sampling_engine: str = "torch",
+    vllm_python: str | None = None,
 ) -> None:
     """Run the server until SIGINT/SIGTERM; in-flight ops finish before it exits.
 
     With ``ray_address`` (``auto``, ``local`` or a cluster address) the engines run as Ray
     actors on that cluster (``colocate``: trainer and samplers share devices).
+    ``sampling_engine`` is the engine of sampling jobs that choose none; ``vllm_python`` the
+    interpreter that runs vLLM for them.
     """
     import uvicorn
 
@@ -64,6 +68,8 @@ def serve(
             max_concurrent_ops=max_concurrent_ops,
             engine_backend="local" if ray_address is None else "ray",
             colocate=colocate,
+            sampling_engine=sampling_engine,
+            vllm_python=vllm_python,
         )
     )
     app = create_app(service, auth=auth, max_body_bytes=max_body_mb * 1024 * 1024)

@@ -72,6 +72,12 @@ class ServiceSettings:
     # data-parallel over n_gpus workers), placed on shared devices when ``colocate`` is set.
     engine_backend: Literal["local", "ray"] = "local"
     colocate: bool = False
+    # The engine of sampling sub-jobs that do not choose one, and the interpreter that runs vLLM
+    # (None: $ARCTIC_VLLM_PYTHON, else this one if it has vllm). Only a server whose jobs come
+    # from its own operator (the in-process backend) lets a job name another interpreter.
+    sampling_engine: Literal["torch", "vllm"] = "torch"
+    vllm_python: str | None = None
+    jobs_may_name_vllm_python: bool = False
 
 
 @dataclass
@@ -159,6 +165,7 @@ class Service:
         for i, spec in enumerate(parsed.sub_job_configs):
             if spec.source_checkpoint_info is not None:
                 self._source_checkpoint(spec, owner, field=f"sub_job_configs.{i}")
+            self._settle_sampling_engine(spec, field=f"sub_job_configs.{i}")
         job_id = uuid.uuid4().hex[:12]
         counts: collections.Counter = collections.Counter()
         sub_jobs = []
@@ -181,6 +188,20 @@ class Service:
         self._persist(job)
         self._builders.submit(self._build, job)
         return job.info()
+
+    def _settle_sampling_engine(self, spec: SubJobConfig, *, field: str) -> None:
+        """Record the server's default engine in a sampling sub-job that chose none, and refuse
+        a vLLM interpreter named by a job where only the operator may name one."""
+        settings = spec.inference_config
+        if settings is None:
+            return
+        if spec.kind == "sampling" and settings.engine is None:
+            settings.engine = self.settings.sampling_engine
+        if "python" in settings.vllm_config and not self.settings.jobs_may_name_vllm_python:
+            raise BadRequest(
+                f"{field}.inference_config.vllm_config.python: this server runs vLLM with the "
+                "interpreter its operator chose (serve --vllm-python); a job cannot name one"
+            )
 
     def get_job(self, job_id: str, *, owner: str | None = None) -> dict:
         return self._job(job_id, owner).info()
