@@ -154,6 +154,8 @@ class VllmSamplingEngine:
         )
         outputs = []
         for request, samples in zip(requests, results, strict=True):
+            if request.params.greedy and request.params.n > 1:  # vLLM decodes one, as we said
+                samples = [{**samples[0], "sample_index": i} for i in range(request.params.n)]
             for sample in samples:
                 output = {
                     "text": sample["text"],
@@ -235,4 +237,6 @@ def _vllm_params(request: SampleRequest) -> dict:
     params["stop_token_ids"] = list(params["stop_token_ids"])
     params["max_tokens"] = request.max_new
     params["seed"] = request.seed % _SEED_MODULUS
+    if request.params.greedy:
+        params["n"] = 1  # vLLM refuses n > 1 when greedy: every sample would be the same one
     return params
