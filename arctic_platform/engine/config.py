@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt
+from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, model_validator
 
 
 class _Strict(BaseModel):
@@ -107,6 +107,12 @@ class VllmSettings(BaseModel):
     weight_sync: Literal["auto", "reload", "restart"] = "auto"
     env: dict[str, str] = Field(default_factory=dict)
     startup_timeout_s: PositiveFloat = 600.0
+
+    @model_validator(mode="after")
+    def _model_is_the_jobs(self) -> VllmSettings:
+        if "model" in self.engine_args:
+            raise ValueError("model: the job's model is what vLLM loads; set it there")
+        return self
 
     @property
     def engine_args(self) -> dict[str, Any]:

@@ -96,11 +96,7 @@ class SamplingEngine:
         self.pad_token_id = self.tokenizer.pad_token_id or 0
         self._pool = KVBufferPool()
         self._shaper = RequestShaper(
-            self.tokenizer,
-            vocab_size=self.vocab_size,
-            max_model_len=self.max_model_len,
-            max_logprobs=config.max_logprobs,
-            seed=config.seed,
+            self.tokenizer, config, vocab_size=self.vocab_size, max_model_len=self.max_model_len
         )
         self._released: set[str] = set()
         self._weights_complete = True

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from arctic_platform.engine.config import SamplingEngineConfig
 from arctic_platform.engine.errors import EngineInputError
 from arctic_platform.engine.sampling_params import SamplingParams
 
@@ -39,13 +40,13 @@ class RequestShaper:
     """Validates ``generate`` calls against one model's tokenizer, vocabulary and context."""
 
     def __init__(
-        self, tokenizer, *, vocab_size: int, max_model_len: int, max_logprobs: int, seed: int
+        self, tokenizer, config: SamplingEngineConfig, *, vocab_size: int, max_model_len: int
     ) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
-        self.max_logprobs = max_logprobs
-        self._seed_rng = torch.Generator().manual_seed(seed)
+        self.max_logprobs = config.max_logprobs
+        self._seed_rng = torch.Generator().manual_seed(config.seed)
 
     def validate(
         self,

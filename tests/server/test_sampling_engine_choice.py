@@ -57,6 +57,7 @@ def test_legacy_vllm_config_folds_into_sampling_vllm():
         ({"engine": "sglang"}, "sampling.engine"),
         ({"engine": "vllm", "vllm": {"weight_sync": "sometimes"}}, "weight_sync"),
         ({"engine": "vllm", "vllm": {"env": ["A=1"]}}, "env"),
+        ({"engine": "vllm", "vllm": {"model": "other"}}, "model: the job's model is what vLLM"),
         ({"vllm_config": "fast"}, "vllm_config: expected a mapping"),
     ],
 )

@@ -76,11 +76,7 @@ class VllmSamplingEngine:
         self.vocab_size = hf_config.get_text_config().vocab_size
         self.max_model_len = checked_max_model_len(config.max_model_len, model_context(hf_config))
         self._shaper = RequestShaper(
-            self.tokenizer,
-            vocab_size=self.vocab_size,
-            max_model_len=self.max_model_len,
-            max_logprobs=config.max_logprobs,
-            seed=config.seed,
+            self.tokenizer, config, vocab_size=self.vocab_size, max_model_len=self.max_model_len
         )
         dtype = resolve_dtype(model.dtype, self.device)
         settings = config.vllm
@@ -117,7 +113,6 @@ class VllmSamplingEngine:
             "max_num_seqs": config.max_batch_size,
             "max_model_len": self.max_model_len,
             "max_logprobs": config.max_logprobs,
-            "skip_tokenizer_init": False,
             # Ours are the log-probs of the temperature-scaled distribution (sampling_ops).
             "logprobs_mode": "processed_logprobs",
         }

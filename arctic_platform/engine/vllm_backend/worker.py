@@ -22,9 +22,6 @@ import socket
 import sys
 import traceback
 
-# Settings of ours that must never be passed to vLLM as engine arguments.
-_OURS = ("model", "python", "weight_sync", "env", "startup_timeout_s")
-
 
 class Worker:
     """Holds the ``LLM`` and runs the job's ops on it."""
@@ -40,7 +37,7 @@ class Worker:
         from vllm.engine.arg_utils import EngineArgs
 
         known = {f.name for f in dataclasses.fields(EngineArgs)}
-        unknown = sorted(k for k in engine_args if k not in known or k in _OURS)
+        unknown = sorted(k for k in engine_args if k not in known)
         if unknown:
             raise ValueError(
                 f"vllm_config.{unknown[0]}: not an engine argument of this vLLM "
