@@ -19,6 +19,7 @@ from tests.vllm.conftest import VLLM_ENV, needs_vllm
 pytestmark = [needs_vllm, pytest.mark.slow]
 
 
+@pytest.mark.timeout(1800)  # the SFT warm-up alone is most of the default run's minutes
 def test_grpo_with_the_vllm_sampler_learns(tmp_path):
     overrides = [
         "grpo.steps=60",
