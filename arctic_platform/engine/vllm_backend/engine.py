@@ -52,7 +52,6 @@ from arctic_platform.engine.weights import Weights
 
 log = logging.getLogger(__name__)
 
-_DTYPE_NAMES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 _SEED_MODULUS = 1 << 63  # vLLM seeds a torch.Generator: a non-negative 63-bit seed
 
 
