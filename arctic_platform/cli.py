@@ -158,6 +158,13 @@ def serve(
             "this interpreter if it imports vllm)."
         ),
     ] = None,
+    allow_path: Annotated[
+        list[Path] | None,
+        typer.Option(
+            help="A folder clients may read models and checkpoints from (repeatable); otherwise "
+            "every client path stays in its tenant's folder under --data-dir.",
+        ),
+    ] = None,
 ) -> None:
     """Serve the on-prem and Cortex-compatible HTTP APIs over one set of engines."""
     from arctic_platform._extras import require
@@ -191,6 +198,7 @@ def serve(
         colocate=colocate,
         sampling_engine=sampling_engine,
         vllm_python=None if vllm_python is None else str(vllm_python),
+        allowed_paths=tuple(allow_path or ()),
     )
 
 

@@ -31,6 +31,7 @@ def serve(
     colocate: bool = False,
     sampling_engine: str = "torch",
     vllm_python: str | None = None,
+    allowed_paths: tuple[Path, ...] = (),
 ) -> None:
     """Run the server until SIGINT/SIGTERM; in-flight ops finish before it exits.
 
@@ -44,7 +45,10 @@ def serve(
     from arctic_platform.server.app import create_app
     from arctic_platform.server.service import Service, ServiceSettings
 
-    auth = TokenAuth.from_env(token_env)
+    try:
+        auth = TokenAuth.from_env(token_env)
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
     if not auth.enabled and host not in LOOPBACK:
         raise SystemExit(
             f"refusing to listen on {host} without authentication; "
@@ -70,6 +74,7 @@ def serve(
             colocate=colocate,
             sampling_engine=sampling_engine,
             vllm_python=vllm_python,
+            allowed_paths=allowed_paths,
         )
     )
     app = create_app(service, auth=auth, max_body_bytes=max_body_mb * 1024 * 1024)

@@ -44,7 +44,7 @@ class InProcessTransport(Transport):
                 data_dir=backend.data_dir,
                 device=backend.device,
                 max_concurrent_ops=backend.max_concurrent_ops,
-                jobs_may_name_vllm_python=True,  # the jobs come from this process's own user
+                confine_paths=False,  # the Service serves only this process's user
             )
             self.service = Service(settings)
             self._owns_service = True
