@@ -13,6 +13,7 @@ import contextlib
 import threading
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,7 @@ from arctic_platform.server.service import Service
 from arctic_platform.server.tinker import bodies, codec, losses
 from arctic_platform.server.tinker.checkpoints import CheckpointStore, TinkerPath, check_name
 from arctic_platform.server.tinker.futures import FutureStore, OpResult
+from arctic_platform.server.tinker.sample_batcher import SampleBatcher
 from arctic_platform.server.tinker.state import Sampler, TinkerState, TrainingRun
 
 # How long create_model (and sampling on a fresh sampler) waits for the engines to load.
@@ -43,6 +45,7 @@ class TinkerOps:
         # Waits that are not engine work (engines loading, chained ops) run here.
         self._waiters = ThreadPoolExecutor(max_workers=8, thread_name_prefix="tinker-wait")
         self._shared_lock = threading.Lock()
+        self._batcher = SampleBatcher()
 
     def close(self) -> None:
         self._waiters.shutdown(wait=False, cancel_futures=True)
@@ -336,27 +339,27 @@ class TinkerOps:
         if body.topk_prompt_logprobs or body.topk_sample_logprobs:
             raise BadRequest("topk_prompt_logprobs/topk_sample_logprobs: not supported here")
         job_id = sampler.sub_job_id.split(":", 1)[0]
+        outer: Future = Future()
 
-        def run() -> OpResult:
-            self.service.wait_until_running(job_id, owner=owner, timeout=STARTUP_TIMEOUT_S)
+        def attach() -> None:
             sub = self.service.resolve(sampler.sub_job_id, owner=owner)
+            submit = partial(self.service.submit_runner, sub, "generate")
+            done = self._batcher.add(sub, prompt, params, want_prompt_logprobs, submit)
+            done.add_done_callback(lambda f: _sample_result(f, outer))
 
-            def generate() -> OpResult:
-                outputs = sub.engine.generate([prompt], params)
-                sequences = [
-                    codec.SampledSequence(
-                        tokens=o["token_ids"],
-                        logprobs=[t["logprob"] for t in o["logprobs"]],
-                        stop_reason="stop" if o["finish_reason"] == "stop" else "length",
-                    )
-                    for o in outputs
-                ]
-                scored = sub.engine.prompt_logprobs(prompt) if want_prompt_logprobs else None
-                return OpResult(protobuf=codec.encode_sample_response(sequences, scored))
+        if self.service.get_job(job_id, owner=owner)["status"] == "running":
+            attach()  # a bad request is refused here, before it gets a request id
+        else:
 
-            return self.service.submit_runner(sub, "generate", generate).result()
+            def wait_then_attach() -> None:
+                try:
+                    self.service.wait_until_running(job_id, owner=owner, timeout=STARTUP_TIMEOUT_S)
+                    attach()
+                except Exception as exc:
+                    outer.set_exception(exc)
 
-        request_id = self.futures.add(owner, self._waiters.submit(run))
+            self._waiters.submit(wait_then_attach)
+        request_id = self.futures.add(owner, outer)
         return request_id, [f"{request_id}:{i}" for i in range(body.num_samples)]
 
     # -- ordering ---------------------------------------------------------------------------
@@ -396,6 +399,24 @@ class TinkerOps:
             except Conflict as exc:
                 outer.set_exception(exc)
         return request_id
+
+
+def _sample_result(done: Future, outer: Future) -> None:
+    """The ``SampleResponse`` of a finished batched request (or its error)."""
+    exc = done.exception()
+    if exc is not None:
+        outer.set_exception(exc)
+        return
+    outputs, scored = done.result()
+    sequences = [
+        codec.SampledSequence(
+            tokens=o["token_ids"],
+            logprobs=[t["logprob"] for t in o["logprobs"]],
+            stop_reason="stop" if o["finish_reason"] == "stop" else "length",
+        )
+        for o in outputs
+    ]
+    outer.set_result(OpResult(protobuf=codec.encode_sample_response(sequences, scored)))
 
 
 def _copy_outcome(source: Future, target: Future) -> None:
