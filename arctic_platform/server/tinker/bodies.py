@@ -65,6 +65,7 @@ class SaveWeightsBody(_Body):
     path: str | None = None
     seq_id: int | None = None
     overwrite: bool = False
+    ttl_seconds: int | None = None
 
 
 class SaveForSamplerBody(_Body):
@@ -72,6 +73,7 @@ class SaveForSamplerBody(_Body):
     path: str | None = None
     sampling_session_seq_id: int | None = None
     seq_id: int | None = None
+    ttl_seconds: int | None = None
 
 
 class LoadWeightsBody(_Body):
@@ -129,6 +131,10 @@ class RetrieveBody(_Body):
 class FinishBody(_Body):
     reason: dict[str, Any] | None = None
     detail: str | None = None
+
+
+class TtlBody(_Body):
+    ttl_seconds: int | None = None
 
 
 class WeightsInfoBody(_Body):

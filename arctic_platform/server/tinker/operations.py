@@ -21,7 +21,13 @@ from arctic_platform.engine.models import resolve_model_path
 from arctic_platform.server.errors import BadRequest, Conflict, ServiceError
 from arctic_platform.server.service import Service
 from arctic_platform.server.tinker import bodies, codec, losses
-from arctic_platform.server.tinker.checkpoints import CheckpointStore, TinkerPath, check_name
+from arctic_platform.server.tinker.checkpoints import (
+    CheckpointStore,
+    TinkerPath,
+    check_name,
+    check_ttl,
+)
+from arctic_platform.server.tinker.downloads import DownloadSigner
 from arctic_platform.server.tinker.futures import FutureStore, OpResult
 from arctic_platform.server.tinker.sample_batcher import SampleBatcher
 from arctic_platform.server.tinker.state import Sampler, TinkerState, TrainingRun
@@ -42,6 +48,7 @@ class TinkerOps:
         self.state = TinkerState()
         self.futures = FutureStore()
         self.checkpoints = CheckpointStore(service.settings.data_dir / "tinker")
+        self.downloads = DownloadSigner()
         # Waits that are not engine work (engines loading, chained ops) run here.
         self._waiters = ThreadPoolExecutor(max_workers=8, thread_name_prefix="tinker-wait")
         self._shared_lock = threading.Lock()
@@ -193,10 +200,12 @@ class TinkerOps:
         run = self.state.run(body.model_id, owner)
 
         def prepare():
+            check_ttl(body.ttl_seconds)
             path = TinkerPath(run.model_id, "weights", check_name(body.path or None))
 
             def runner(engine) -> OpResult:
                 engine.save_checkpoint(self.checkpoints.target(path, overwrite=body.overwrite))
+                self._expire(path, owner, body.ttl_seconds)
                 return OpResult(json={"path": str(path), "type": "save_weights"})
 
             return runner
@@ -211,16 +220,45 @@ class TinkerOps:
             )
 
         def prepare():
+            check_ttl(body.ttl_seconds)
             path = TinkerPath(run.model_id, "sampler_weights", check_name(body.path))
 
             def runner(engine) -> OpResult:
                 target = self.checkpoints.target(path, overwrite=True)
                 engine.save_checkpoint(target, export_hf=True)
+                self._expire(path, owner, body.ttl_seconds)
                 return OpResult(json={"path": str(path), "type": "save_weights_for_sampler"})
 
             return runner
 
         return self._sequenced(run, body.seq_id, owner, "save", prepare)
+
+    def save_external(self, body: bodies.SaveWeightsBody, owner: str | None) -> str:
+        """``save_weights_external``: merged HF weights under ``external_weights/<name>``."""
+        run = self.state.run(body.model_id, owner)
+
+        def prepare():
+            check_ttl(body.ttl_seconds)
+            path = TinkerPath(run.model_id, "external_weights", check_name(body.path))
+
+            def runner(engine) -> OpResult:
+                target = self.checkpoints.target(path, overwrite=True)
+                engine.save_checkpoint(target, export_hf=True)
+                self._expire(path, owner, body.ttl_seconds)
+                size = sum(
+                    p.stat().st_size for p in self.checkpoints.exported_files(path, owner).values()
+                )
+                return OpResult(
+                    json={"path": str(path), "size_bytes": size, "type": "save_weights_external"}
+                )
+
+            return runner
+
+        return self._sequenced(run, body.seq_id, owner, "save", prepare)
+
+    def _expire(self, path: TinkerPath, owner, ttl_seconds: int | None) -> None:
+        if ttl_seconds is not None:
+            self.checkpoints.set_ttl(path, owner, ttl_seconds)
 
     def _sync_to_sampler(self, run: TrainingRun, owner):
         """``save_weights_and_get_sampling_client``: the run's sampler gets the trainer's merged

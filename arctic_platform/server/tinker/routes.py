@@ -18,11 +18,11 @@ from typing import Any, TypeVar
 
 from fastapi import APIRouter, Request
 from fastapi.concurrency import run_in_threadpool
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import FileResponse, JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 
 from arctic_platform.engine.builtin import BUILTIN_MODELS, BUILTIN_PREFIX, BuiltinSpec
-from arctic_platform.server.errors import BadRequest, Unauthorized
+from arctic_platform.server.errors import BadRequest, NotFound, Unauthorized
 from arctic_platform.server.http_common import decode_json, read_body
 from arctic_platform.server.op_bodies import describe
 from arctic_platform.server.tinker import bodies, codec, proto
@@ -191,6 +191,13 @@ async def save_weights_for_sampler(request: Request) -> dict:
     return _future(_ops(request).save_for_sampler(body, owner), model_id=body.model_id)
 
 
+@router.post("/save_weights_external")
+async def save_weights_external(request: Request) -> dict:
+    owner = _owner(request)
+    body = await _parse(request, bodies.SaveWeightsBody, "save_weights_external")
+    return _future(_ops(request).save_external(body, owner), model_id=body.model_id)
+
+
 @router.post("/load_weights")
 async def load_weights(request: Request) -> dict:
     owner = _owner(request)
@@ -261,6 +268,39 @@ async def delete_checkpoint(model_id: str, kind: str, name: str, request: Reques
     path = TinkerPath.parse(f"tinker://{model_id}/{kind}/{name}", field="checkpoint")
     _ops(request).checkpoints.delete(path, _owner(request))
     return Response(status_code=204)
+
+
+@router.get("/training_runs/{model_id}/checkpoints/{kind}/{name}/external_weights_urls")
+async def external_weights_urls(model_id: str, kind: str, name: str, request: Request) -> dict:
+    ops, owner = _ops(request), _owner(request)
+    path = TinkerPath.parse(f"tinker://{model_id}/{kind}/{name}", field="checkpoint")
+    urls, expires = {}, 0.0
+    for relative in ops.checkpoints.exported_files(path, owner):
+        token, expires = ops.downloads.sign(f"{model_id}/{kind}/{name}/{relative}")
+        urls[relative] = str(request.url_for("download", token=token))
+    return {"urls": urls, "expires": datetime.fromtimestamp(expires, tz=timezone.utc).isoformat()}
+
+
+@router.put("/training_runs/{model_id}/checkpoints/{kind}/{name}/ttl")
+async def set_checkpoint_ttl(model_id: str, kind: str, name: str, request: Request) -> Response:
+    owner = _owner(request)
+    body = await _parse(request, bodies.TtlBody, "ttl")
+    path = TinkerPath.parse(f"tinker://{model_id}/{kind}/{name}", field="checkpoint")
+    _ops(request).checkpoints.set_ttl(path, owner, body.ttl_seconds)
+    return Response(status_code=204)
+
+
+@router.get("/downloads/{token}", name="download")
+async def download(token: str, request: Request) -> FileResponse:
+    """A checkpoint file behind a signed link (no credentials: the link is the capability)."""
+    ops = _ops(request)
+    model_id, kind, name, relative = ops.downloads.verify(token).split("/", 3)
+    path = TinkerPath(model_id, kind, name)
+    owner = ops.checkpoints.owner_of(model_id)
+    files = ops.checkpoints.exported_files(path, owner)
+    if relative not in files:
+        raise NotFound("download link not found")
+    return FileResponse(files[relative])
 
 
 @router.get("/training_runs/{model_id}")

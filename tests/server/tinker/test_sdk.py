@@ -6,6 +6,7 @@ import math
 
 import numpy as np
 import pytest
+import torch
 
 from tests.server.tinker.conftest import ALICE, BOB, TINY, encode, reference_logprobs, tinker
 
@@ -247,3 +248,41 @@ def test_wrong_api_key_is_refused(server_url):
         tinker.ServiceClient(base_url=server_url, api_key="tml-mallory").create_sampling_client(
             base_model=TINY
         ).result()
+
+
+def test_download_ttl_and_delete(service_client, server_url, tmp_path):
+    import urllib.request
+
+    from transformers import AutoModelForCausalLM
+
+    client = service_client.create_lora_training_client(base_model=TINY, rank=4, seed=4).result()
+    _, datum = sft_datum("1+1=2", 3)
+    client.forward_backward([datum], "cross_entropy")
+    client.optim_step(types.AdamParams(learning_rate=5e-2)).result()
+    path = client.save_weights_external("export").result().path
+    assert path == f"tinker://{client.model_id}/external_weights/export"
+    rest = tinker.RestClient(base_url=server_url, api_key=ALICE)
+    links = rest.get_external_weights_urls(path).result()
+    assert "config.json" in links.urls
+    for name, url in links.urls.items():  # plain GETs, no credentials, as the SDK's CLI does
+        target = tmp_path / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with urllib.request.urlopen(url) as response:
+            target.write_bytes(response.read())
+    model = AutoModelForCausalLM.from_pretrained(tmp_path)  # merged weights, plain HF
+    trained = client.forward([datum], "cross_entropy").result()
+    with torch.no_grad():
+        ids = datum.model_input.to_ints()
+        logits = model(input_ids=torch.tensor([ids])).logits[0].float()
+    targets = datum.loss_fn_inputs["target_tokens"].tolist()
+    want = logits.log_softmax(-1)[range(len(ids)), targets].tolist()
+    np.testing.assert_allclose(logprobs_of(trained, 0), want, rtol=1e-4, atol=1e-4)
+
+    rest.set_checkpoint_ttl_from_tinker_path(path, 7200).result()
+    listed = {c.tinker_path: c for c in rest.list_checkpoints(client.model_id).result().checkpoints}
+    assert listed[path].expires_at is not None
+    with pytest.raises(tinker.BadRequestError, match="ttl_seconds"):
+        rest.set_checkpoint_ttl_from_tinker_path(path, 5).result()
+    rest.delete_checkpoint_from_tinker_path(path).result()
+    remaining = rest.list_checkpoints(client.model_id).result().checkpoints
+    assert path not in {c.tinker_path for c in remaining}
