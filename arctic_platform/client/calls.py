@@ -23,9 +23,9 @@ from arctic_platform.client.config import ArcticRLClientConfig, did_you_mean
 from arctic_platform.client.errors import ArcticRLError
 from arctic_platform.client.tensors import is_tensor, to_python
 from arctic_platform.client.transport import JobHandles, Request
+from arctic_platform.contract.bodies import SNOWAPI_ENVELOPE_KEYS, TRAIN_ENVELOPE_KEYS
+from arctic_platform.contract.generate_columns import COLUMNS_KEY, request_columns, results_of
 
-TRAIN_ENVELOPE_KEYS = {"batch", "meta", "processing", "router_replay", "reference_model"}
-SNOWAPI_ENVELOPE_KEYS = {"args", "kwargs", "context", "meta", "processing", "reference_model"}
 SYNCHRONOUS_SAVES = {
     "pending_saves": 0,
     "finalized": 0,
@@ -184,7 +184,13 @@ class OpCalls:
         if not isinstance(strict, bool):
             raise TypeError(f"generate: strict must be True or False, got {strict!r}")
         body["strict"] = strict
-        request = Request("generate", self.jobs.require("sampling"), body, binary=True)
+        request = Request(
+            "generate",
+            self.jobs.require("sampling"),
+            body,
+            binary=True,
+            frame_metadata=request_columns(),
+        )
         return Call([request], _only(shape_generate_result))
 
     def log_probs(self, prompts: Sequence, completions: Sequence | None, top_k: int) -> Call:
@@ -419,8 +425,14 @@ def shape_step_result(result: Mapping) -> dict:
 
 
 def shape_generate_result(result: Any) -> list:
-    """``generate``: the list of results, tensors as Python lists."""
-    results = result.get("results") if isinstance(result, Mapping) else result
-    if not isinstance(results, list):
+    """``generate``: the list of results with Python lists, from either result form (the tensor
+    columns this client asks for, or the reference list an older server sends)."""
+    try:
+        results = results_of(result)
+    except ValueError as exc:
+        raise ArcticRLError(f"generate: malformed result columns: {exc}") from None
+    if results is None:
         raise ArcticRLError(f"generate: the answer has no results list: {str(result)[:200]}")
+    if isinstance(result, Mapping) and COLUMNS_KEY in result:
+        return results  # unpacked into plain Python values already
     return to_python(results)

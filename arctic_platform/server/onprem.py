@@ -15,6 +15,8 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.concurrency import run_in_threadpool
 
+from arctic_platform.contract.generate_columns import as_columns, wants_columns
+from arctic_platform.contract.ops import BINARY_RESULTS, ONPREM_OPS
 from arctic_platform.server.errors import BadRequest, NotFound
 from arctic_platform.server.http_common import (
     decode_json,
@@ -23,13 +25,8 @@ from arctic_platform.server.http_common import (
     read_body,
     read_op_body,
 )
-from arctic_platform.server.ops import BINARY_RESULTS, OPS_BY_KIND
 
 router = APIRouter()
-
-# A route for every op a sub-job runs (streaming generation is the Cortex API's alone), and the
-# ``operation`` envelope.
-ONPREM_OPS = frozenset({"operation", *set().union(*OPS_BY_KIND.values())} - {"generate-stream"})
 # Fields of the reference server's JobConfig that have no meaning here; accepted and ignored.
 REFERENCE_INIT_FIELDS = {
     "num_devices",
@@ -100,7 +97,7 @@ async def run_op(
     if op not in ONPREM_OPS:
         raise NotFound(f"unknown op {op!r}; known: {sorted(ONPREM_OPS)}")
     owner = owner_of(request)
-    body = await read_op_body(request, what=op)
+    body, frame_metadata = await read_op_body(request, what=op)
     if op == "sleep-inference" and level is not None and body is None:
         body = {"level": level}
     if op == "sleep-training" and mode is not None and body is None:
@@ -110,6 +107,8 @@ async def run_op(
     if sub is None:
         return service.inline_operation(job_id, op, body, owner=owner)
     result = await asyncio.wrap_future(service.submit(sub, op, body))
+    if op == "generate" and wants_columns(frame_metadata):
+        result = await run_in_threadpool(as_columns, result)
     return frame_response(result) if op in BINARY_RESULTS else result
 
 
