@@ -105,6 +105,7 @@ def client_steps(url: str, model: str, groups: int, samples: int, steps: int) ->
             "optimizer": {"lr": LEARNING_RATE},
             "lora": {"r": RANK, "alpha": float(RANK)},
         },
+        "sampling": {},
     }
     batch_prompts = prompts(groups)
     sampling = {"n": samples, "max_tokens": MAX_TOKENS, "temperature": 1.0, "logprobs": 0}
