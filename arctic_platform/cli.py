@@ -144,6 +144,13 @@ def serve(
     colocate: Annotated[
         bool, typer.Option(help="With --ray: put a job's trainer and samplers on shared devices.")
     ] = False,
+    allow_path: Annotated[
+        list[Path] | None,
+        typer.Option(
+            help="A folder clients may read models and checkpoints from (repeatable); otherwise "
+            "every client path stays in its tenant's folder under --data-dir.",
+        ),
+    ] = None,
 ) -> None:
     """Serve the on-prem and Cortex-compatible HTTP APIs over one set of engines."""
     from arctic_platform._extras import require
@@ -167,6 +174,7 @@ def serve(
         log_level=log_level,
         ray_address=(ray_address or "auto") if ray else None,
         colocate=colocate,
+        allowed_paths=tuple(allow_path or ()),
     )
 
 
