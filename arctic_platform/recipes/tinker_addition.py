@@ -11,7 +11,7 @@ groups of samples per question (GRPO-style centred advantages).
 
 Run it (needs the ``tinker`` extra and ``pip install --no-deps tinker-cookbook==0.6.1``)::
 
-    arctic-platform serve --port 7000 &
+    arctic-platform serve --port 7000 --allow-path ~/.cache/arctic-platform/models &
     python -m arctic_platform.recipes.tinker_addition --base-url http://127.0.0.1:7000
 """
 

@@ -15,6 +15,7 @@ import pytest
 pytest.importorskip("tinker", reason="the tinker SDK (Python >= 3.11) is not installed")
 pytest.importorskip("tinker_cookbook", reason="tinker-cookbook is not installed (see .ci/run)")
 
+from arctic_platform.engine.builtin import builtin_model_path
 from arctic_platform.recipes import tinker_addition
 from arctic_platform.server.app import create_app
 from arctic_platform.server.service import Service, ServiceSettings
@@ -26,7 +27,11 @@ pytestmark = pytest.mark.slow
 def test_cookbook_rl_loop_runs_on_our_server(tmp_path):
     import tinker
 
-    service = Service(ServiceSettings(data_dir=tmp_path / "data", device="cpu"))
+    # the cookbook names the model by its local folder, which the operator allows (--allow-path)
+    models = Path(builtin_model_path("builtin:tiny")).parent
+    service = Service(
+        ServiceSettings(data_dir=tmp_path / "data", device="cpu", allowed_paths=(models,))
+    )
     log_path = tmp_path / "log"
     with serve_app(create_app(service)) as url:
         rewards = tinker_addition.run(url, str(log_path), warmup_steps=2, rl_steps=3)

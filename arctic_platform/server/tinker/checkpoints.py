@@ -3,10 +3,11 @@
 ``tinker://<model_id>/weights/<name>`` is a training state (LoRA weights + AdamW state, written by
 ``save_state``), ``tinker://<model_id>/sampler_weights/<name>`` merged weights a sampler loads
 (``save_weights_for_sampler``, exported in HF format) and ``.../external_weights/<name>`` merged
-HF weights for download (``save_weights_external``). All live under
-``<data_dir>/tinker/runs/<model_id>/<kind>/<name>/`` with a ``run.json`` per run (its base model,
-LoRA rank and owner), so checkpoints, their listing and ``create_training_client_from_state``
-survive a server restart.
+HF weights for download (``save_weights_external``). All live in the owner's tenant folder
+(``<data_dir>/tenants/<owner>/tinker/runs/<model_id>/<kind>/<name>/``, so the Service's path
+policy lets that owner's samplers load them) with a ``run.json`` per run (its base model, LoRA
+rank and owner), so checkpoints, their listing and ``create_training_client_from_state`` survive
+a server restart.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import json
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -61,16 +63,16 @@ def check_ttl(ttl_seconds: int | None) -> None:
 
 
 class CheckpointStore:
-    """Run records and checkpoint folders under one root (see module doc)."""
+    """Run records and checkpoint folders, under each owner's root (see module doc)."""
 
-    def __init__(self, root: Path) -> None:
-        self.root = root
+    def __init__(self, root_of: Callable[[str | None], Path]) -> None:
+        self._root_of = root_of
 
-    def _run_dir(self, model_id: str) -> Path:
-        return self.root / "runs" / model_id.replace(":", "_")
+    def _run_dir(self, owner: str | None, model_id: str) -> Path:
+        return self._root_of(owner) / "runs" / model_id.replace(":", "_")
 
     def record_run(self, model_id: str, *, owner: str | None, base_model: str, rank: int) -> None:
-        directory = self._run_dir(model_id)
+        directory = self._run_dir(owner, model_id)
         directory.mkdir(parents=True, exist_ok=True)
         record = {
             "model_id": model_id,
@@ -83,26 +85,19 @@ class CheckpointStore:
 
     def run_record(self, model_id: str, owner: str | None) -> dict:
         """The run's record; 404 if unknown or another owner's."""
-        path = self._run_dir(model_id) / "run.json"
+        path = self._run_dir(owner, model_id) / "run.json"
         record = json.loads(path.read_text()) if path.is_file() else None
         if record is None or record["owner"] != owner:
             raise NotFound(f"training run {model_id!r} not found")
         return record
 
-    def owner_of(self, model_id: str) -> str | None:
-        """The owner recorded for a run (for links that carry no credentials)."""
-        path = self._run_dir(model_id) / "run.json"
-        if not path.is_file():
-            raise NotFound(f"training run {model_id!r} not found")
-        return json.loads(path.read_text())["owner"]
-
     def runs(self, owner: str | None) -> list[dict]:
-        records = [json.loads(p.read_text()) for p in self.root.glob("runs/*/run.json")]
+        records = [json.loads(p.read_text()) for p in self._root_of(owner).glob("runs/*/run.json")]
         return sorted((r for r in records if r["owner"] == owner), key=lambda r: r["created_at"])
 
-    def target(self, path: TinkerPath, *, overwrite: bool) -> Path:
+    def target(self, path: TinkerPath, owner: str | None, *, overwrite: bool) -> Path:
         """The folder a save of ``path`` writes (emptied first with ``overwrite``)."""
-        directory = self._run_dir(path.model_id) / path.kind / path.name
+        directory = self._run_dir(owner, path.model_id) / path.kind / path.name
         if directory.exists():
             if not overwrite:
                 raise Conflict(f"checkpoint {path} already exists; pass overwrite=True")
@@ -114,32 +109,32 @@ class CheckpointStore:
         deleted the next time its run's checkpoints are looked at."""
         check_ttl(ttl_seconds)
         self.resolve(path, owner)
-        expiry = self._expiry(path.model_id)
+        expiry = self._expiry(owner, path.model_id)
         key = f"{path.kind}/{path.name}"
         if ttl_seconds is None:
             expiry.pop(key, None)
         else:
             expiry[key] = time.time() + ttl_seconds
-        (self._run_dir(path.model_id) / "expiry.json").write_text(json.dumps(expiry))
+        (self._run_dir(owner, path.model_id) / "expiry.json").write_text(json.dumps(expiry))
 
-    def _expiry(self, model_id: str) -> dict[str, float]:
-        file = self._run_dir(model_id) / "expiry.json"
+    def _expiry(self, owner: str | None, model_id: str) -> dict[str, float]:
+        file = self._run_dir(owner, model_id) / "expiry.json"
         return json.loads(file.read_text()) if file.is_file() else {}
 
-    def _sweep(self, model_id: str) -> None:
-        expiry = self._expiry(model_id)
+    def _sweep(self, owner: str | None, model_id: str) -> None:
+        expiry = self._expiry(owner, model_id)
         expired = [key for key, at in expiry.items() if at <= time.time()]
         for key in expired:
-            shutil.rmtree(self._run_dir(model_id) / key, ignore_errors=True)
+            shutil.rmtree(self._run_dir(owner, model_id) / key, ignore_errors=True)
             del expiry[key]
         if expired:
-            (self._run_dir(model_id) / "expiry.json").write_text(json.dumps(expiry))
+            (self._run_dir(owner, model_id) / "expiry.json").write_text(json.dumps(expiry))
 
     def resolve(self, path: TinkerPath, owner: str | None) -> Path:
         """The saved checkpoint folder of ``path`` (``.../checkpoint-<step>``); 404 if absent."""
         self.run_record(path.model_id, owner)
-        self._sweep(path.model_id)
-        directory = self._run_dir(path.model_id) / path.kind / path.name
+        self._sweep(owner, path.model_id)
+        directory = self._run_dir(owner, path.model_id) / path.kind / path.name
         if not directory.is_dir():
             raise NotFound(f"checkpoint {path} not found")
         return ckpt.resolve_checkpoint(directory, None)
@@ -166,11 +161,11 @@ class CheckpointStore:
     def list(self, model_id: str, owner: str | None) -> list[dict]:
         """``Checkpoint`` objects of a run, oldest first."""
         self.run_record(model_id, owner)
-        self._sweep(model_id)
-        expiry = self._expiry(model_id)
+        self._sweep(owner, model_id)
+        expiry = self._expiry(owner, model_id)
         found = []
         for kind, ctype in KIND_TYPES.items():
-            for directory in (self._run_dir(model_id) / kind).glob("*"):
+            for directory in (self._run_dir(owner, model_id) / kind).glob("*"):
                 files = [p for p in directory.rglob("*") if p.is_file()]
                 found.append(
                     {
@@ -189,7 +184,7 @@ class CheckpointStore:
 
     def delete(self, path: TinkerPath, owner: str | None) -> None:
         self.resolve(path, owner)
-        shutil.rmtree(self._run_dir(path.model_id) / path.kind / path.name)
+        shutil.rmtree(self._run_dir(owner, path.model_id) / path.kind / path.name)
 
 
 def _iso(timestamp: float) -> str:

@@ -24,13 +24,13 @@ class DownloadSigner:
     def __init__(self) -> None:
         self._key = secrets.token_bytes(32)
 
-    def sign(self, file_id: str, *, now: float | None = None) -> tuple[str, float]:
-        """A token for ``file_id`` (``<model_id>/<kind>/<name>/<relative path>``) and its expiry."""
+    def sign(self, file_id: list, *, now: float | None = None) -> tuple[str, float]:
+        """A token for ``file_id`` (``[owner, tinker path, relative file path]``) and its expiry."""
         expires = (time.time() if now is None else now) + LINK_LIFETIME_S
         payload = base64.urlsafe_b64encode(json.dumps([file_id, expires]).encode()).decode()
         return f"{payload}.{self._mac(payload)}", expires
 
-    def verify(self, token: str) -> str:
+    def verify(self, token: str) -> list:
         """The ``file_id`` a valid, unexpired token names; 404 otherwise (no oracle for guesses)."""
         payload, _, mac = token.partition(".")
         if not hmac.compare_digest(mac, self._mac(payload)):

@@ -47,7 +47,9 @@ class TinkerOps:
         self.service = service
         self.state = TinkerState()
         self.futures = FutureStore()
-        self.checkpoints = CheckpointStore(service.settings.data_dir / "tinker")
+        self.checkpoints = CheckpointStore(
+            lambda owner: service.paths.tenant_root(owner) / "tinker"
+        )
         self.downloads = DownloadSigner()
         # Waits that are not engine work (engines loading, chained ops) run here.
         self._waiters = ThreadPoolExecutor(max_workers=8, thread_name_prefix="tinker-wait")
@@ -204,7 +206,9 @@ class TinkerOps:
             path = TinkerPath(run.model_id, "weights", check_name(body.path or None))
 
             def runner(engine) -> OpResult:
-                engine.save_checkpoint(self.checkpoints.target(path, overwrite=body.overwrite))
+                engine.save_checkpoint(
+                    self.checkpoints.target(path, owner, overwrite=body.overwrite)
+                )
                 self._expire(path, owner, body.ttl_seconds)
                 return OpResult(json={"path": str(path), "type": "save_weights"})
 
@@ -224,7 +228,7 @@ class TinkerOps:
             path = TinkerPath(run.model_id, "sampler_weights", check_name(body.path))
 
             def runner(engine) -> OpResult:
-                target = self.checkpoints.target(path, overwrite=True)
+                target = self.checkpoints.target(path, owner, overwrite=True)
                 engine.save_checkpoint(target, export_hf=True)
                 self._expire(path, owner, body.ttl_seconds)
                 return OpResult(json={"path": str(path), "type": "save_weights_for_sampler"})
@@ -242,7 +246,7 @@ class TinkerOps:
             path = TinkerPath(run.model_id, "external_weights", check_name(body.path))
 
             def runner(engine) -> OpResult:
-                target = self.checkpoints.target(path, overwrite=True)
+                target = self.checkpoints.target(path, owner, overwrite=True)
                 engine.save_checkpoint(target, export_hf=True)
                 self._expire(path, owner, body.ttl_seconds)
                 size = sum(

@@ -276,7 +276,7 @@ async def external_weights_urls(model_id: str, kind: str, name: str, request: Re
     path = TinkerPath.parse(f"tinker://{model_id}/{kind}/{name}", field="checkpoint")
     urls, expires = {}, 0.0
     for relative in ops.checkpoints.exported_files(path, owner):
-        token, expires = ops.downloads.sign(f"{model_id}/{kind}/{name}/{relative}")
+        token, expires = ops.downloads.sign([owner, str(path), relative])
         urls[relative] = str(request.url_for("download", token=token))
     return {"urls": urls, "expires": datetime.fromtimestamp(expires, tz=timezone.utc).isoformat()}
 
@@ -294,10 +294,8 @@ async def set_checkpoint_ttl(model_id: str, kind: str, name: str, request: Reque
 async def download(token: str, request: Request) -> FileResponse:
     """A checkpoint file behind a signed link (no credentials: the link is the capability)."""
     ops = _ops(request)
-    model_id, kind, name, relative = ops.downloads.verify(token).split("/", 3)
-    path = TinkerPath(model_id, kind, name)
-    owner = ops.checkpoints.owner_of(model_id)
-    files = ops.checkpoints.exported_files(path, owner)
+    owner, tinker_path, relative = ops.downloads.verify(token)
+    files = ops.checkpoints.exported_files(TinkerPath.parse(tinker_path), owner)
     if relative not in files:
         raise NotFound("download link not found")
     return FileResponse(files[relative])
