@@ -19,6 +19,8 @@ from arctic_platform.server.auth import TokenAuth
 from arctic_platform.server.errors import ServiceError
 from arctic_platform.server.http_common import owner_of, service_error_response
 from arctic_platform.server.service import Service
+from arctic_platform.server.tinker import routes as tinker_routes
+from arctic_platform.server.tinker.operations import TinkerOps
 
 DEFAULT_MAX_BODY_BYTES = 256 * 1024 * 1024
 
@@ -30,12 +32,14 @@ def create_app(
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     close_service_on_shutdown: bool = True,
 ) -> FastAPI:
-    """An app serving ``service`` with the on-prem (ops and ``/jobs``) and Cortex-compatible
-    routers."""
+    """An app serving ``service`` with the on-prem (ops and ``/jobs``), Cortex-compatible and
+    Tinker routers."""
+    tinker = TinkerOps(service)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         yield
+        tinker.close()
         if close_service_on_shutdown:
             service.close()
 
@@ -43,12 +47,14 @@ def create_app(
     app.state.service = service
     app.state.auth = auth or TokenAuth([])
     app.state.max_body_bytes = max_body_bytes
+    app.state.tinker = tinker
     app.add_exception_handler(ServiceError, service_error_response)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_api_route("/metrics", _metrics, methods=["GET"], include_in_schema=False)
     app.include_router(cortex.router)
     app.include_router(jobs_api.router)
     app.include_router(onprem.router)
+    app.include_router(tinker_routes.router)
     app.add_middleware(AccessLog)
     return app
 

@@ -22,6 +22,7 @@ import threading
 import time
 import traceback
 import uuid
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
@@ -418,9 +419,15 @@ class Service:
         """
         from arctic_platform.server.ops import prepare_op
 
+        self.require_running(sub)
+        return self.submit_runner(sub, op, prepare_op(self, sub, op, body))
+
+    def submit_runner(self, sub: SubJob, op: str, runner: Callable[[], Any]) -> Future:
+        """Queue ``runner`` (already validated) on ``sub`` under the name ``op``, with the same
+        guards as :meth:`submit`: queue order, the concurrency slots and failure handling. Other
+        APIs (Tinker) build their own runners over the engines this way."""
         job = self._job(sub.job_id, None, check_owner=False)
         self._require_running(job)
-        runner = prepare_op(self, sub, op, body)
         if sub.queue is None:
             raise Conflict(f"sub-job {sub.sub_job_id} has no engine", code="job_not_running")
         future = sub.queue.submit(self._guarded, job, sub, op, runner)
