@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from arctic_platform.engine import cancellation
 from arctic_platform.engine.batching import Batch, MicroBatch, validate_batch
 from arctic_platform.engine.config import PromptSharing, TrainingEngineConfig
 from arctic_platform.engine.errors import EngineInputError
@@ -184,6 +185,7 @@ def scored_microbatches(
     when the request has no loss). Gradients flow if the caller enables them.
     """
     for mb in request.plan:
+        cancellation.check()  # between microbatches: a cancelled op stops here
         outputs = score(
             model,
             mb.to(device),

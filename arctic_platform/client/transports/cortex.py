@@ -64,6 +64,7 @@ from arctic_platform.client.transports.http_common import (
     connection_error,
     decode_body,
     error_from_response,
+    log_failed,
     octet_request,
     retry_wait,
 )
@@ -117,6 +118,8 @@ class RetryPolicy:
 
 REPEATABLE = RetryPolicy(RETRY_STATUSES, after_send=True)
 NOT_REPEATABLE = RetryPolicy(frozenset({429}), after_send=False)
+# A poll's 404 is first checked against the job: a job that ended took its requests with it.
+POLL = RetryPolicy(RETRY_STATUSES - {404}, after_send=True)
 
 
 class CortexTransport(Transport):
@@ -368,7 +371,11 @@ class CortexTransport(Transport):
             params: dict[str, Any] = {"max_events": MAX_EVENTS}
             if cursor:
                 params["cursor"] = cursor
-            state = self._request("GET", url, op=op, policy=REPEATABLE, params=params)
+            try:
+                state = self._request("GET", url, op=op, policy=POLL, params=params)
+            except NotFoundError:
+                self._raise_if_job_ended(request_id, op)
+                state = self._request("GET", url, op=op, policy=REPEATABLE, params=params)
             for event in state.get("events") or []:
                 if isinstance(event, dict) and event.get("type") == "result_chunk":
                     chunks.append(_chunk_payload(event, op))
@@ -392,6 +399,22 @@ class CortexTransport(Transport):
                 )
             time.sleep(min(interval, remaining))
             interval = min(interval * backend.poll_backoff, backend.poll_max_interval)
+
+    def _raise_if_job_ended(self, request_id: str, op: str) -> None:
+        """A request the server does not know, in a job that ended (a server restart ends every
+        job it ran): say so at once instead of retrying the poll."""
+        info = self._request("GET", self._job_url, op="job status", policy=REPEATABLE)
+        if isinstance(info, dict) and isinstance(info.get("job"), dict):
+            info = info["job"]
+        status = _state(_field(info, "status", "job status"), "job_state_")
+        if status in ENDED_JOB:
+            raise server_error(
+                409,
+                f"job_{status}",
+                f"job {self.job_id} ended ({status}: {info.get('reason')}) and request "
+                f"{request_id} ended with it; the op's outcome is unknown",
+                op=op,
+            )
 
     def _result(self, state: dict, chunks: list[bytearray], op: str) -> Any:
         if chunks:
@@ -440,6 +463,7 @@ class CortexTransport(Transport):
                 with attempt:
                     response = client.request(method, url, **kwargs)
                     if response.status_code >= 400:
+                        log_failed(response, op)
                         raise error_from_response(response.status_code, response.content, op=op)
         except httpx.HTTPError as exc:
             raise connection_error(exc, url, op=op) from None

@@ -33,10 +33,12 @@ from arctic_platform.client.transports.http_common import (
     connection_error,
     decode_body,
     error_from_response,
+    log_failed,
     octet_request,
     read_response,
     retry_wait,
 )
+from arctic_platform.client.transports.liveness import LivenessWatch
 
 log = logging.getLogger(__name__)
 CONNECT_ERRORS = (httpx.ConnectError, httpx.ConnectTimeout)
@@ -66,6 +68,7 @@ class HttpTransport(Transport):
             headers["Authorization"] = f"Bearer {token}"
         self._headers = headers
         self._client: httpx.Client | None = None
+        self._watch: LivenessWatch | None = None
 
     # -- lifecycle --------------------------------------------------------------------------
 
@@ -86,6 +89,10 @@ class HttpTransport(Transport):
             headers=self._headers,
             timeout=httpx.Timeout(self.backend.request_timeout, connect=10.0),
         )
+        if self.backend.liveness_timeout is not None:
+            self._watch = LivenessWatch(
+                self._base_url, self._headers, self.backend.liveness_timeout
+            )
         self._get("/health", op="health")
         if self.config.reconnecting:
             return self._attach()
@@ -128,6 +135,9 @@ class HttpTransport(Transport):
                     log.warning("could not destroy job %s: %s", job_id, exc)
             self._client.close()
             self._client = None
+        if self._watch is not None:
+            self._watch.close()
+            self._watch = None
         if self._server is not None:
             self._server.stop()
             self._server = None
@@ -140,6 +150,11 @@ class HttpTransport(Transport):
     # -- ops --------------------------------------------------------------------------------
 
     def call(self, request: Request) -> Any:
+        if self._watch is None:
+            return self._call(request)
+        return self._watch.run(lambda: self._call(request), op=request.op)
+
+    def _call(self, request: Request) -> Any:
         params = {"job_id": request.job_id}
         path = f"/{request.op}"
         if request.binary:
@@ -184,6 +199,7 @@ class HttpTransport(Transport):
         except httpx.HTTPError as exc:
             raise connection_error(exc, f"{self._base_url}{path}", op=op) from None
         if response.status_code >= 400:
+            log_failed(response, op)
             raise error_from_response(response.status_code, body, op=op)
         content_type = response.headers.get("content-type", "")
         return decode_body(body, content_type, self._tensor_type, op=op)
