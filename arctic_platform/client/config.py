@@ -379,6 +379,8 @@ class ArcticRLClientConfig(_Section):
     legacy_backend: Literal["local", "dss-platform"] | None = Field(None, exclude=True)
     # Legacy settings that were accepted but have no meaning on these engines.
     ignored_settings: dict[str, Any] = Field(default_factory=dict, exclude=True, repr=False)
+    # The flat legacy fields as the caller set them; they read back as attributes.
+    legacy_fields: dict[str, Any] = Field(default_factory=dict, exclude=True, repr=False)
 
     @model_validator(mode="before")
     @classmethod
@@ -389,7 +391,7 @@ class ArcticRLClientConfig(_Section):
             known = cls.known_keys() | LEGACY_FIELDS
             unknown = [k for k in data if k not in known]
             if unknown:
-                shown = cls.known_keys() - {"legacy_backend", "ignored_settings"}
+                shown = cls.known_keys() - {"legacy_backend", "ignored_settings", "legacy_fields"}
                 raise ValueError(
                     unknown_field_message(unknown, known, "ArcticRLClientConfig", shown)
                 )
@@ -419,6 +421,43 @@ class ArcticRLClientConfig(_Section):
                     "name or builtin:tiny); set it at the top level or in the job's section"
                 )
         return self
+
+    def __getattr__(self, name: str) -> Any:
+        """A flat legacy field (``comm_protocol``, ``training_gpus``, ...) reads back as set.
+
+        Frameworks read their own fields after building the client (SkyRL:
+        ``rl_config.comm_protocol``). A field the caller did not set reads as the nested
+        config's equivalent (:meth:`legacy_value`).
+        """
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            from arctic_platform.client.legacy import LEGACY_FIELDS
+
+            if name in LEGACY_FIELDS:
+                return self.legacy_value(name)
+            raise
+
+    def legacy_value(self, name: str) -> Any:
+        """The flat legacy field ``name``: as the caller set it, else derived from this config
+        (``model_name``, ``comm_protocol``, ``*_gpus``, ``checkpoint_path``, ``host``/``port``),
+        else None."""
+        given = self.__dict__.get("legacy_fields") or {}
+        if name in given:
+            return given[name]
+        backend = self.backend
+        jobs = self.jobs()
+        derived: dict[str, Any] = {
+            "model_name": self.model,
+            "comm_protocol": {"ray": "ray", "http": "http", "cortex": "cortex"}.get(backend.type),
+            "checkpoint_path": self.training.checkpoint_dir if self.training else None,
+            **{f"{role}_gpus": job.n_gpus for role, job in jobs.items()},
+        }
+        if isinstance(backend, HttpBackend) and backend.url is None:
+            derived.update(host=backend.host, port=backend.port)
+        if name.endswith("_gpus"):
+            return derived.get(name, 0)
+        return derived.get(name)
 
     # -- views ------------------------------------------------------------------------------
 
