@@ -419,8 +419,35 @@ def shape_step_result(result: Mapping) -> dict:
 
 
 def shape_generate_result(result: Any) -> list:
-    """``generate``: the list of results, tensors as Python lists."""
+    """``generate``: the list of results, tensors as Python lists, log-probs flattened.
+
+    Servers answer log-probs in vLLM's per-position shape (``{token_id: {logprob, rank,
+    decoded_token}}``, the sampled token plus the ``k`` likeliest). The client hands each position
+    out flat: ``{token_id, logprob, rank, top}``, ``top`` being every token the server reported
+    there as ``[token_id, logprob]`` by rank.
+    """
     results = result.get("results") if isinstance(result, Mapping) else result
     if not isinstance(results, list):
         raise ArcticRLError(f"generate: the answer has no results list: {str(result)[:200]}")
-    return to_python(results)
+    results = to_python(results)
+    for output in results:
+        if isinstance(output, dict) and output.get("logprobs") is not None:
+            output["logprobs"] = [
+                flat_logprobs(position, token)
+                for position, token in zip(output["logprobs"], output["token_ids"], strict=True)
+            ]
+    return results
+
+
+def flat_logprobs(position: Mapping, token_id: int) -> dict[str, Any]:
+    """One vLLM-shaped position (keys are ints, or strings after JSON/DSSST1) as the flat form."""
+    entries = sorted(
+        ((int(key), value) for key, value in position.items()), key=lambda item: item[1]["rank"]
+    )
+    sampled = dict(entries)[int(token_id)]
+    return {
+        "token_id": int(token_id),
+        "logprob": sampled["logprob"],
+        "rank": sampled["rank"],
+        "top": [[token, value["logprob"]] for token, value in entries],
+    }

@@ -349,3 +349,19 @@ def test_numpy_results_keep_bf16_tensors_as_ml_dtypes_arrays():
     assert converted["logprobs"].astype("float32").tolist() == [[1.5, -2.25]]
     assert converted["steps"][0].tolist() == 3
     assert to_python({"x": tensor}) == {"x": [[1.5, -2.25]]}
+
+
+def test_generate_logprobs_come_out_flat(client):
+    """The server answers vLLM-shaped positions; the client hands each one out flat."""
+    (out,) = client.generate(["1+2="], {"max_tokens": 4, "logprobs": 2, "seed": 5})
+    assert len(out["logprobs"]) == len(out["token_ids"])
+    for token, entry in zip(out["token_ids"], out["logprobs"], strict=True):
+        assert set(entry) == {"token_id", "logprob", "rank", "top"}
+        assert entry["token_id"] == token and entry["rank"] >= 1
+        assert dict(entry["top"])[token] == entry["logprob"]  # every reported token, by rank
+        assert len(entry["top"]) in (
+            2,
+            3,
+        )  # the 2 likeliest, plus the sampled one if not among them
+        values = [v for _, v in entry["top"]]
+        assert values == sorted(values, reverse=True)

@@ -180,19 +180,25 @@ def test_logprobs_equal_an_independent_forward(engine, reference, temperature):
         ids = _ids(engine, PROMPTS[out["prompt_index"]])
         expected = _forward_log_probs(reference, ids, out["token_ids"], scale)
         assert len(out["logprobs"]) == len(out["token_ids"])
-        for t, entry in enumerate(out["logprobs"]):
-            assert entry["token_id"] == out["token_ids"][t]
-            assert entry["logprob"] == pytest.approx(
-                expected[t, entry["token_id"]].item(), abs=1e-5
-            )
+        for t, position in enumerate(out["logprobs"]):  # vLLM's {token_id: {logprob, rank, ..}}
+            token = out["token_ids"][t]
+            assert next(iter(position)) == token  # the sampled token comes first
+            sampled = position[token]
+            assert sampled["logprob"] == pytest.approx(expected[t, token].item(), abs=1e-5)
+            assert sampled["rank"] == 1 + int((expected[t] > expected[t, token] + 1e-6).sum())
+            assert sampled["decoded_token"] == engine.tokenizer.decode([token])
             top_values, top_ids = expected[t].topk(3)
-            assert [i for i, _ in entry["top"]] == top_ids.tolist()
-            assert [v for _, v in entry["top"]] == pytest.approx(top_values.tolist(), abs=1e-5)
+            for rank, (candidate, value) in enumerate(
+                zip(top_ids.tolist(), top_values.tolist(), strict=True), start=1
+            ):
+                assert position[candidate]["logprob"] == pytest.approx(value, abs=1e-5)
+                assert position[candidate]["rank"] == rank or candidate == token
+            assert set(position) == {token, *top_ids.tolist()}
 
 
 def test_logprobs_zero_gives_only_the_sampled_token(engine):
     out = engine.generate(["a"], {"max_tokens": 3, "logprobs": 0, "seed": 1})[0]
-    assert all(entry["top"] == [] for entry in out["logprobs"])
+    assert [list(position) for position in out["logprobs"]] == [[t] for t in out["token_ids"]]
     assert "logprobs" not in engine.generate(["a"], {"max_tokens": 3})[0]
 
 

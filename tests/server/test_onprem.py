@@ -152,3 +152,21 @@ def test_errors_name_the_problem_and_leave_state_alone(http, service):
         assert "message" in response.json()
     assert same_weights(before, weights_of(service.resolve(training, owner=None).engine))
     assert http.post(f"/step?job_id={training}", json={}).json()["global_steps"] == 1
+
+
+def test_generate_answers_logprobs_in_vllms_shape(http, service):
+    sampling = initialize(http, "sampling")
+    params = {"max_tokens": 4, "logprobs": 2, "seed": 3, "temperature": 1.0}
+    (result,) = post_frame(
+        http, f"/generate?job_id={sampling}", {"prompts": ["1+2="], "sampling_params": params}
+    )["results"]
+    tokenizer = service.resolve(sampling, owner=None).engine.tokenizer
+    assert len(result["logprobs"]) == len(result["token_ids"]) == 4
+    for token, position in zip(result["token_ids"], result["logprobs"], strict=True):
+        assert str(token) in position and len(position) in (2, 3)  # top-2 plus the sampled one
+        ranks = sorted(entry["rank"] for entry in position.values())
+        assert ranks[:2] == [1, 2]
+        for key, entry in position.items():
+            assert set(entry) == {"logprob", "rank", "decoded_token"}
+            assert entry["decoded_token"] == tokenizer.decode([int(key)])
+            assert entry["logprob"] <= 0
