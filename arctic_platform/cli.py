@@ -129,6 +129,12 @@ def serve(
     colocate: Annotated[
         bool, typer.Option(help="With --ray: put a job's trainer and samplers on shared devices.")
     ] = False,
+    instance_id: Annotated[
+        str | None, typer.Option(help="The id /health reports (launchers set it).", hidden=True)
+    ] = None,
+    parent_pid: Annotated[
+        int | None, typer.Option(help="Stop when this process (the launcher) dies.", hidden=True)
+    ] = None,
 ) -> None:
     """Serve the on-prem and Cortex-compatible HTTP APIs over one set of engines."""
     from arctic_platform._extras import require
@@ -152,6 +158,8 @@ def serve(
         log_level=log_level,
         ray_address=(ray_address or "auto") if ray else None,
         colocate=colocate,
+        instance=instance_id,
+        parent_pid=parent_pid,
     )
 
 

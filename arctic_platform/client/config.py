@@ -228,8 +228,10 @@ class CortexBackend(_Section):
 class RayBackend(_Section):
     """Ray actors, one per device; the training job runs data-parallel over its workers.
 
-    ``address``: ``auto`` (attach to a running cluster, else start one), ``local`` (start a
-    private one) or a cluster address (``host:port`` or ``ray://host:port``).
+    ``address``: ``auto`` (the cluster ``RAY_ADDRESS`` names, or the one this process already
+    belongs to, else a new private one; a cluster that merely runs on the same machine is not
+    joined), ``local`` (a new private one) or a cluster address (``host:port`` or
+    ``ray://host:port``). Which cluster was joined is logged.
     ``num_training_workers`` (the training job's ``n_gpus``) ranks train with ``data_parallel``
     ``ddp`` (replicated) or ``fsdp`` (sharded); ``colocate`` puts trainer and inference replicas
     on the same devices. ``data_dir`` (job records, default checkpoints) is a path on this

@@ -17,6 +17,7 @@ from arctic_platform.server.auth import TokenAuth
 from arctic_platform.server.errors import ServiceError
 from arctic_platform.server.http_common import service_error_response
 from arctic_platform.server.service import Service
+from arctic_platform.server_identity import new_instance_id
 
 DEFAULT_MAX_BODY_BYTES = 256 * 1024 * 1024
 
@@ -27,8 +28,12 @@ def create_app(
     auth: TokenAuth | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     close_service_on_shutdown: bool = True,
+    instance: str | None = None,
 ) -> FastAPI:
-    """An app serving ``service`` with the on-prem and Cortex-compatible routers."""
+    """An app serving ``service`` with the on-prem and Cortex-compatible routers.
+
+    ``instance`` is the id ``/health`` reports (a fresh one by default).
+    """
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -40,6 +45,7 @@ def create_app(
     app.state.service = service
     app.state.auth = auth or TokenAuth([])
     app.state.max_body_bytes = max_body_bytes
+    app.state.instance = instance or new_instance_id()
     app.add_exception_handler(ServiceError, service_error_response)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.include_router(cortex.router)

@@ -24,6 +24,7 @@ from arctic_platform.server.http_common import (
     read_op_body,
 )
 from arctic_platform.server.ops import BINARY_RESULTS, OPS_BY_KIND
+from arctic_platform.server_identity import health_answer
 
 router = APIRouter()
 
@@ -50,8 +51,10 @@ def _service(request: Request):
 
 
 @router.get("/health")
-async def health() -> dict:
-    return {"status": "OK"}
+async def health(request: Request) -> dict:
+    """Liveness plus identity (:mod:`arctic_platform.server_identity`), so a launcher knows
+    the process answering is the server it started."""
+    return health_answer(request.app.state.instance)
 
 
 @router.get("/status")

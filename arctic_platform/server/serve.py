@@ -29,11 +29,15 @@ def serve(
     log_level: str = "info",
     ray_address: str | None = None,
     colocate: bool = False,
+    instance: str | None = None,
+    parent_pid: int | None = None,
 ) -> None:
     """Run the server until SIGINT/SIGTERM; in-flight ops finish before it exits.
 
     With ``ray_address`` (``auto``, ``local`` or a cluster address) the engines run as Ray
-    actors on that cluster (``colocate``: trainer and samplers share devices).
+    actors on that cluster (``colocate``: trainer and samplers share devices). ``instance`` is
+    the id ``/health`` reports (the launcher's, to recognise its server); with ``parent_pid`` the
+    server stops when that process dies (:mod:`arctic_platform.server.parent_watch`).
     """
     import uvicorn
 
@@ -66,7 +70,9 @@ def serve(
             colocate=colocate,
         )
     )
-    app = create_app(service, auth=auth, max_body_bytes=max_body_mb * 1024 * 1024)
+    app = create_app(
+        service, auth=auth, max_body_bytes=max_body_mb * 1024 * 1024, instance=instance
+    )
     engines = "in this process" if ray_address is None else f"on Ray ({ray_address})"
     log.info(
         "arctic-platform serving on http://%s:%d (data dir %s, engines %s)",
@@ -78,6 +84,10 @@ def serve(
     # uvicorn drains in-flight requests on SIGTERM, then re-raises the signal; this handler turns
     # that into exit status 0, since SIGTERM is the normal way to stop a server.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    if parent_pid is not None:
+        from arctic_platform.server.parent_watch import watch_parent
+
+        watch_parent(parent_pid)
     try:
         uvicorn.run(
             app,

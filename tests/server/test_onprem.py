@@ -26,7 +26,8 @@ def initialize(http, job_type: str, **extra) -> str:
 
 
 def test_health_and_a_whole_grpo_step(http, service):
-    assert http.get("/health").json() == {"status": "OK"}
+    health = http.get("/health").json()
+    assert health["status"] == "OK" and health["server"] == "arctic-platform" and health["instance"]
     training = initialize(
         http, "training", training_config={"optimizer": {"lr": 1e-3}}, ds_config={"zero": 3}
     )

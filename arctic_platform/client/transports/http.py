@@ -25,7 +25,7 @@ from tenacity import Retrying, retry_if_exception_type, stop_after_attempt
 
 from arctic_platform import wire
 from arctic_platform.client.config import ArcticRLClientConfig, HttpBackend
-from arctic_platform.client.errors import ArcticRLError, server_error
+from arctic_platform.client.errors import ArcticRLError, BackendUnavailableError, server_error
 from arctic_platform.client.local_server import LocalServer
 from arctic_platform.client.tensors import resolve_tensor_type
 from arctic_platform.client.transport import JobHandles, Request, Transport
@@ -37,6 +37,7 @@ from arctic_platform.client.transports.http_common import (
     read_response,
     retry_wait,
 )
+from arctic_platform.server_identity import identity_problem
 
 log = logging.getLogger(__name__)
 CONNECT_ERRORS = (httpx.ConnectError, httpx.ConnectTimeout)
@@ -86,7 +87,9 @@ class HttpTransport(Transport):
             headers=self._headers,
             timeout=httpx.Timeout(self.backend.request_timeout, connect=10.0),
         )
-        self._get("/health", op="health")
+        problem = identity_problem(self._get("/health", op="health"))
+        if problem is not None:
+            raise BackendUnavailableError(f"backend.url: {self._base_url}: {problem}")
         if self.config.reconnecting:
             return self._attach()
         specs = self.config.sub_job_configs()
