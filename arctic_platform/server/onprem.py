@@ -31,18 +31,23 @@ router = APIRouter()
 # A route for every op a sub-job runs (streaming generation is the Cortex API's alone), and the
 # ``operation`` envelope.
 ONPREM_OPS = frozenset({"operation", *set().union(*OPS_BY_KIND.values())} - {"generate-stream"})
-# Fields of the reference server's JobConfig that have no meaning here; accepted and ignored.
-REFERENCE_INIT_FIELDS = {
-    "num_devices",
-    "ds_config",
-    "log_prob_config",
-    "ds_worker_config",
-    "arctic_inference_config",
-    "full_determinism",
-    "checkpoint_path",
-    "cuda_ipc",
-    "low_memory",
-}
+# Fields of the reference server's JobConfig (the form the reference client's /initialize sends).
+# A body with any of them is read the way the client reads the same legacy fields
+# (:mod:`arctic_platform.client.legacy`): optimizer, clipping, scheduler, token budget and
+# attention are honoured; what has no meaning here is reported back as ``ignored_settings``.
+REFERENCE_INIT_FIELDS = frozenset(
+    {
+        "num_devices",
+        "ds_config",
+        "log_prob_config",
+        "ds_worker_config",
+        "arctic_inference_config",
+        "full_determinism",
+        "checkpoint_path",
+        "cuda_ipc",
+        "low_memory",
+    }
+)
 STARTUP_TIMEOUT_S = 1800.0
 
 
@@ -69,14 +74,17 @@ async def initialize(request: Request) -> dict:
     """Create a job with one sub-job and wait until its engine is ready (as the reference does)."""
     owner = owner_of(request)
     body = decode_json(await read_body(request), what="initialize")
-    spec = _sub_job_from_init(body)
+    spec, ignored = _sub_job_from_init(body)
     service = _service(request)
     info = await run_in_threadpool(service.create_job, {"sub_job_configs": [spec]}, owner=owner)
     await run_in_threadpool(
         service.wait_until_running, info["job_id"], owner=owner, timeout=STARTUP_TIMEOUT_S
     )
     sub = info["sub_jobs"][0]
-    return {"job_id": sub["sub_job_id"], "job_type": spec["job_type"], "running": True}
+    answer = {"job_id": sub["sub_job_id"], "job_type": spec["job_type"], "running": True}
+    if ignored:
+        answer["ignored_settings"] = ignored
+    return answer
 
 
 @router.get("/job/{job_id}")
@@ -127,15 +135,49 @@ def _onprem_info(job: dict, sub: dict) -> dict:
     }
 
 
-def _sub_job_from_init(body: Any) -> dict:
-    """The reference ``JobConfig`` (or our sub-job config) as a sub-job config."""
+def _sub_job_from_init(body: Any) -> tuple[dict, dict]:
+    """The reference ``JobConfig`` (or our sub-job config) as ``(sub-job config, ignored)``."""
     if not isinstance(body, dict):
         raise BadRequest("initialize: body must be a JSON object")
-    spec = {k: v for k, v in body.items() if k not in REFERENCE_INIT_FIELDS}
+    if REFERENCE_INIT_FIELDS & set(body):
+        return _fold_reference_job(body)
+    spec = dict(body)
     spec.setdefault("job_type", "training")
     vllm = spec.pop("vllm_config", None)
     if vllm is not None:
         if spec["job_type"] == "training":
             raise BadRequest("initialize: vllm_config applies to sampling and log_prob jobs")
         spec.setdefault("inference_config", {})["vllm_config"] = vllm
-    return spec
+    return spec, {}
+
+
+def _fold_reference_job(body: dict) -> tuple[dict, dict]:
+    """A reference ``JobConfig`` through the client's legacy folding (see REFERENCE_INIT_FIELDS)."""
+    from pydantic import ValidationError
+
+    from arctic_platform.client.config import ArcticRLClientConfig
+    from arctic_platform.server.job_config import SHORT_JOB_TYPE
+    from arctic_platform.server.op_bodies import describe
+
+    job_type = body.get("job_type", "training")
+    role = SHORT_JOB_TYPE.get(job_type) if isinstance(job_type, str) else None
+    if role is None:
+        raise BadRequest(f"initialize: job_type: unknown {job_type!r}")
+    devices = body.get("num_devices") or 1
+    flat = {f"{r}_gpus": devices if r == role else 0 for r in ("training", "sampling", "log_prob")}
+    ignored: dict[str, Any] = {}
+    for key, value in body.items():
+        if key in ("job_type", "num_devices") or value is None:
+            continue
+        # log_prob_config: a DeepSpeed log-prob job's; checkpoint_path: saves go where each save
+        # call says (or to the server's default folder).
+        if key in ("log_prob_config", "checkpoint_path"):
+            ignored[key] = value
+        else:
+            flat[key] = value
+    try:
+        config = ArcticRLClientConfig.model_validate(flat)
+    except ValidationError as exc:
+        raise BadRequest(f"initialize: {describe(exc)}") from None
+    (spec,) = config.sub_job_configs()
+    return spec, {**config.ignored_settings, **ignored}

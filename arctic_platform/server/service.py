@@ -134,6 +134,22 @@ class Job:
 class Service:
     """Owns jobs and engines; every public method is thread-safe."""
 
+    def __reduce__(self):
+        """Refuse to be pickled, naming the fix: the engines live in this process's memory.
+
+        The inprocess backend's ``get_server_state()`` is this object; a framework that ships it
+        to another process (a Ray task, as SkyRL's driver does) would otherwise fail deep inside
+        pickle with ``cannot pickle '_thread.lock'``.
+        """
+        raise TypeError(
+            "the inprocess backend's server state (its Service and engines) lives in this "
+            "process and cannot be sent to another process (a Ray task or actor, a subprocess). "
+            "To share jobs across processes use the ray backend (backend: {type: ray}, or "
+            "comm_protocol: ray), whose get_server_state() travels to Ray tasks, or the http "
+            "backend (backend: {type: http, launch_local_server: true}), where "
+            "reconnect_config() alone attaches from any process"
+        )
+
     def __init__(self, settings: ServiceSettings) -> None:
         self.settings = settings
         settings.data_dir.mkdir(parents=True, exist_ok=True)

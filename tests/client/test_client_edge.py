@@ -365,3 +365,18 @@ def test_generate_logprobs_come_out_flat(client):
         )  # the 2 likeliest, plus the sampled one if not among them
         values = [v for _, v in entry["top"]]
         assert values == sorted(values, reverse=True)
+
+
+def test_inprocess_server_state_refuses_to_leave_its_process_naming_the_fix(tmp_path):
+    """SkyRL ships get_server_state() to a Ray task; the inprocess state cannot travel."""
+    import pickle
+
+    config = {
+        "model": TINY,
+        "backend": backend_config("inprocess", None, tmp_path),
+        "training": None,
+        "sampling": {},
+    }
+    refused = pytest.raises(TypeError, match="cannot be sent to another process.*ray backend")
+    with create_arctic_rl_client(config, blocking_calls=True) as client, refused:
+        pickle.dumps(client.get_server_state())

@@ -171,3 +171,62 @@ def test_generate_answers_logprobs_in_vllms_shape(http, service):
             assert set(entry) == {"logprob", "rank", "decoded_token"}
             assert entry["decoded_token"] == tokenizer.decode([int(key)])
             assert entry["logprob"] <= 0
+
+
+REFERENCE_TRAINING_INIT = {  # what the reference client's /initialize sends for a training job
+    "model_name": TINY,
+    "job_type": "training",
+    "arctic_inference_config": None,
+    "full_determinism": False,
+    "seed": 42,
+    "ds_config": {
+        "train_batch_size": 8,
+        "gradient_clipping": 0.5,
+        "bf16": {"enabled": True},
+        "zero_optimization": {"stage": 2},
+        "optimizer": {
+            "type": "AdamW",
+            "params": {"lr": 1e-3, "betas": [0.8, 0.95], "eps": 1e-6, "weight_decay": 0.1},
+        },
+        "scheduler": {
+            "type": "WarmupCosineLR",
+            "params": {"warmup_num_steps": 2, "total_num_steps": 20, "cos_min_ratio": 0.1},
+        },
+    },
+    "training_config": None,
+    "ds_worker_config": {"use_liger": True, "attn_implementation": "eager"},
+    "checkpoint_path": "/ckpt",
+    "cuda_ipc": False,
+    "low_memory": False,
+}
+
+
+def test_initialize_honours_the_reference_ds_config_and_reports_the_rest(http, service):
+    response = http.post("/initialize", json=REFERENCE_TRAINING_INIT)
+    assert response.status_code == 200, response.text
+    answer = response.json()
+    trainer = service.resolve(answer["job_id"], owner=None).engine
+    config = trainer.config
+    assert (config.optimizer.lr, config.optimizer.betas) == (1e-3, (0.8, 0.95))
+    assert (config.optimizer.eps, config.optimizer.weight_decay) == (1e-6, 0.1)
+    assert config.optimizer.grad_clip == 0.5
+    assert (config.scheduler.name, config.scheduler.warmup_steps) == ("cosine", 2)
+    assert (config.scheduler.total_steps, config.scheduler.min_lr_ratio) == (20, 0.1)
+    assert config.model.attn_implementation == "eager"
+    assert trainer.optimizer.param_groups[0]["betas"] == (0.8, 0.95)
+    assert set(answer["ignored_settings"]) == {
+        "ds_config.bf16",
+        "ds_config.zero_optimization",
+        "ds_worker_config.use_liger",
+        "full_determinism",
+        "cuda_ipc",
+        "low_memory",
+        "checkpoint_path",
+    }
+
+
+def test_initialize_with_a_bad_reference_field_names_it(http, service):
+    body = {**REFERENCE_TRAINING_INIT, "ds_config": {"optimizer": {"params": {"lr": -1}}}}
+    response = http.post("/initialize", json=body)
+    assert response.status_code == 400 and "lr" in response.text
+    assert http.get("/status").json()["jobs"] == {}
