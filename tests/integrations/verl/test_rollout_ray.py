@@ -55,6 +55,7 @@ def ray_with_standin():
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     python_path = os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))
     ray.init(
+        address="local",  # private: never a cluster that merely runs on this machine
         num_cpus=NUM_CPUS,
         include_dashboard=False,
         log_to_driver=False,
