@@ -100,7 +100,7 @@ def rollout(ray_with_standin, compose_verl, tmp_path_factory):
         servers = list(replica.servers)
         for server in servers:
             ray.kill(server)
-        asyncio.run(backend.destroy())
+        backend.destroy()
     url = handle["rl_client_reconnect_config"]["backend"]["url"]
     with pytest.raises(ray.exceptions.RayActorError):
         ray.get([server.set_global_steps.remote(0) for server in servers], timeout=30)
