@@ -32,6 +32,22 @@ def version() -> None:
     typer.echo(arctic_platform.__version__)
 
 
+@app.command("export-model")
+def export_model(
+    name: Annotated[str, typer.Argument(help="A built-in model: builtin:tiny or builtin:small.")],
+    destination: Annotated[Path, typer.Argument(help="A new folder to write the HF model into.")],
+) -> None:
+    """Write a built-in model as an ordinary Hugging Face folder (config, weights, tokenizer),
+    for frameworks that need a model path (verl's actor_rollout_ref.model.path)."""
+    from arctic_platform.engine.builtin import export_builtin_model
+
+    try:
+        path = export_builtin_model(name, destination)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
+    typer.echo(str(path))
+
+
 @app.command()
 def train(
     config: Annotated[

@@ -98,3 +98,24 @@ def test_the_readmes_hydra_file_example_composes(remote_backend, tmp_path):
     client = client_config(config, read_settings(config))
     assert (client.backend.type, client.backend.num_training_workers) == ("ray", 4)
     assert client.model == "Qwen/Qwen3-8B"
+
+
+def test_the_readmes_cpu_smoke_command_composes(compose_verl):
+    """The CPU smoke run of the integration's README: every override exists in verl's config."""
+    import shlex
+
+    from arctic_platform.integrations.verl.hydra_group import group_forms
+    from arctic_platform.integrations.verl.verl_config import check_verl_config, read_settings
+
+    readme = files("arctic_platform.integrations.verl").joinpath("README.md").read_text()
+    block = readme.split("## A CPU smoke run", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
+    command = block.split("python -m verl.trainer.main_ppo", 1)[1].replace("\\\n", " ")
+    select = "$(python -m arctic_platform.integrations.verl.hydra_group)"
+    assert select in command
+    command = command.replace(f'"{select}"', group_forms().command_line)
+    overrides = shlex.split(command)
+    config = compose_verl(*overrides, arctic=False)
+    check_verl_config(config)
+    assert config.ray_kwargs.ray_init.num_cpus == 16
+    assert config.transfer_queue.backend.SimpleStorage.num_data_storage_units == 1
+    assert read_settings(config).backend == "inprocess"
