@@ -12,6 +12,7 @@ from typing import Annotated
 import typer
 
 import arctic_platform
+from arctic_platform.jobs_cli import app as jobs_app
 
 app = typer.Typer(
     name="arctic-platform",
@@ -19,6 +20,7 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
 )
+app.add_typer(jobs_app, name="jobs")
 
 
 @app.callback()
@@ -70,14 +72,23 @@ def train(
         list[str] | None,
         typer.Option("--set", help="Override a recipe key, e.g. --set grpo.steps=20 (repeatable)."),
     ] = None,
+    logger: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="Also send metrics to tensorboard, wandb or mlflow (repeatable; adds to the "
+            "recipe's logging.backends)."
+        ),
+    ] = None,
     progress: Annotated[bool, typer.Option(help="Show the progress bar.")] = True,
 ) -> None:
-    """Run a recipe: SFT warm-up then GRPO; writes metrics.jsonl and a reward plot."""
+    """Run a recipe: SFT warm-up then GRPO; writes metrics.jsonl, the reward plot and the
+    configured trackers."""
     from arctic_platform._extras import require
 
     require("torch", "recipes", purpose="arctic-platform train")
     require("matplotlib", "recipes", purpose="the reward plot")
     from rich.console import Console
+    from rich.markup import escape
 
     from arctic_platform.recipes.config import load_recipe
     from arctic_platform.recipes.grpo import run_recipe
@@ -87,17 +98,21 @@ def train(
         resolve_run_dir,
         server_for_run,
     )
+    from arctic_platform.recipes.trackers import check_installed
 
     console = Console()
     try:
         check_options(backend, url)
         run_dir = resolve_run_dir(output_dir, resume=resume)
         with server_for_run(backend, url, run_dir) as server_url:
-            recipe = load_recipe(config, set_ or [], backend_settings(backend, server_url))
+            recipe = load_recipe(
+                config, set_ or [], backend_settings(backend, server_url), loggers=logger
+            )
+            check_installed(recipe.logging.backends)
             console.print(f"[bold]{recipe.name}[/] -> {run_dir}")
             summary = run_recipe(recipe, run_dir, resume=resume, show_progress=progress)
-    except ValueError as exc:
-        console.print(f"[red]error:[/] {exc}")
+    except (ValueError, ImportError) as exc:
+        console.print(f"[red]error:[/] {escape(str(exc))}")
         raise typer.Exit(code=2) from None
     grpo_evals = summary.eval_rewards("grpo")
     sft_evals = summary.eval_rewards("sft")

@@ -23,9 +23,9 @@ from arctic_platform.client.config import ArcticRLClientConfig, did_you_mean
 from arctic_platform.client.errors import ArcticRLError
 from arctic_platform.client.tensors import is_tensor, to_python
 from arctic_platform.client.transport import JobHandles, Request
+from arctic_platform.contract.bodies import SNOWAPI_ENVELOPE_KEYS, TRAIN_ENVELOPE_KEYS
+from arctic_platform.contract.generate_columns import COLUMNS_KEY, request_columns, results_of
 
-TRAIN_ENVELOPE_KEYS = {"batch", "meta", "processing", "router_replay", "reference_model"}
-SNOWAPI_ENVELOPE_KEYS = {"args", "kwargs", "context", "meta", "processing", "reference_model"}
 SYNCHRONOUS_SAVES = {
     "pending_saves": 0,
     "finalized": 0,
@@ -184,7 +184,13 @@ class OpCalls:
         if not isinstance(strict, bool):
             raise TypeError(f"generate: strict must be True or False, got {strict!r}")
         body["strict"] = strict
-        request = Request("generate", self.jobs.require("sampling"), body, binary=True)
+        request = Request(
+            "generate",
+            self.jobs.require("sampling"),
+            body,
+            binary=True,
+            frame_metadata=request_columns(),
+        )
         return Call([request], _only(shape_generate_result))
 
     def log_probs(self, prompts: Sequence, completions: Sequence | None, top_k: int) -> Call:
@@ -419,35 +425,14 @@ def shape_step_result(result: Mapping) -> dict:
 
 
 def shape_generate_result(result: Any) -> list:
-    """``generate``: the list of results, tensors as Python lists, log-probs flattened.
-
-    Servers answer log-probs in vLLM's per-position shape (``{token_id: {logprob, rank,
-    decoded_token}}``, the sampled token plus the ``k`` likeliest). The client hands each position
-    out flat: ``{token_id, logprob, rank, top}``, ``top`` being every token the server reported
-    there as ``[token_id, logprob]`` by rank.
-    """
-    results = result.get("results") if isinstance(result, Mapping) else result
-    if not isinstance(results, list):
+    """``generate``: the list of results with Python lists, from either result form (the tensor
+    columns this client asks for, or the reference list an older server sends)."""
+    try:
+        results = results_of(result)
+    except ValueError as exc:
+        raise ArcticRLError(f"generate: malformed result columns: {exc}") from None
+    if results is None:
         raise ArcticRLError(f"generate: the answer has no results list: {str(result)[:200]}")
-    results = to_python(results)
-    for output in results:
-        if isinstance(output, dict) and output.get("logprobs") is not None:
-            output["logprobs"] = [
-                flat_logprobs(position, token)
-                for position, token in zip(output["logprobs"], output["token_ids"], strict=True)
-            ]
-    return results
-
-
-def flat_logprobs(position: Mapping, token_id: int) -> dict[str, Any]:
-    """One vLLM-shaped position (keys are ints, or strings after JSON/DSSST1) as the flat form."""
-    entries = sorted(
-        ((int(key), value) for key, value in position.items()), key=lambda item: item[1]["rank"]
-    )
-    sampled = dict(entries)[int(token_id)]
-    return {
-        "token_id": int(token_id),
-        "logprob": sampled["logprob"],
-        "rank": sampled["rank"],
-        "top": [[token, value["logprob"]] for token, value in entries],
-    }
+    if isinstance(result, Mapping) and COLUMNS_KEY in result:
+        return results  # unpacked into plain Python values already
+    return to_python(results)

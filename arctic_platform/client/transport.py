@@ -16,39 +16,15 @@ import logging
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 from arctic_platform.client.errors import JobNotConfiguredError
+from arctic_platform.contract.ops import CLIENT_OPS, ROLES, Role
+
+# The canonical op names (the reference client's ``OPS``), from the op table.
+OPS = CLIENT_OPS
 
 log = logging.getLogger(__name__)
-
-Role = Literal["training", "sampling", "log_prob"]
-ROLES: tuple[Role, ...] = ("training", "sampling", "log_prob")
-
-# Colocation ops: sleep/wake an engine or empty its caches.
-LIFECYCLE_OPS = frozenset(
-    {
-        "sleep-inference",
-        "wake-inference",
-        "sleep-training",
-        "wake-training",
-        "empty-training-cache",
-    }
-)
-# Canonical op names on the wire (DESIGN.md §3).
-OPS = frozenset(
-    {
-        "forward-backward",
-        "forward",
-        "step",
-        "save",
-        "load-checkpoint",
-        "generate",
-        "log-probs",
-        "operation",
-        *LIFECYCLE_OPS,
-    }
-)
 
 
 @dataclass(frozen=True)
@@ -56,13 +32,15 @@ class Request:
     """One op for one sub-job.
 
     ``body`` is the op's body as the server validates it (a dict; ``wake-inference`` also takes a
-    tag list or None). ``binary`` says the body carries tensors and travels as a DSSST1 frame.
+    tag list or None). ``binary`` says the body carries tensors and travels as a DSSST1 frame;
+    ``frame_metadata`` is the op metadata that frame carries (response options).
     """
 
     op: str
     job_id: str
     body: Any = field(default_factory=dict)
     binary: bool = False
+    frame_metadata: dict | None = None
 
     def __post_init__(self) -> None:
         if self.op not in OPS:

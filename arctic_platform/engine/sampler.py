@@ -456,34 +456,23 @@ class SamplingEngine:
                 if params.logprobs is not None:
                     k = params.logprobs
                     output["logprobs"] = [
-                        self._position_logprobs(
-                            (ids[t], float(lp_out[slot, t]), int(rank_out[slot, t])),
-                            top_ids[slot, t, :k].tolist() if k else [],
-                            top_lp[slot, t, :k].tolist() if k else [],
-                        )
+                        {
+                            "token_id": ids[t],
+                            "logprob": float(lp_out[slot, t]),
+                            "rank": int(rank_out[slot, t]),
+                            "top": [
+                                [int(i), float(v)]
+                                for i, v in zip(
+                                    top_ids[slot, t, :k], top_lp[slot, t, :k], strict=True
+                                )
+                            ]
+                            if k
+                            else [],
+                        }
                         for t in range(n)
                     ]
                 yield piece, sample, output
                 slot += 1
-
-    def _position_logprobs(
-        self, sampled: tuple[int, float, int], top_ids: list[int], top_lp: list[float]
-    ) -> dict[int, dict]:
-        """One position in vLLM's shape: ``{token_id: {logprob, rank, decoded_token}}`` for the
-        sampled token (first) and the ``k`` likeliest ones (ranks 1..k), as reference users read.
-        """
-        token, logprob, rank = sampled
-        entries = {token: (logprob, rank)}
-        for j, (candidate, value) in enumerate(zip(top_ids, top_lp, strict=True)):
-            entries.setdefault(candidate, (value, j + 1))
-        return {
-            candidate: {
-                "logprob": value,
-                "rank": place,
-                "decoded_token": self.tokenizer.decode([candidate]),
-            }
-            for candidate, (value, place) in entries.items()
-        }
 
     def _text(self, ids: list[int], why: int, stop_string, params: SamplingParams):
         """The output text under vLLM's rules, and the stop reason (string, token id or None)."""

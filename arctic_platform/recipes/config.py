@@ -1,9 +1,10 @@
 """The recipe's configuration: YAML mapped onto typed sections, overridable from the CLI.
 
 A recipe file has a ``task`` (what to learn), a ``client`` (the :class:`ArcticRLClientConfig`:
-model, backend, job settings), the ``sft`` warm-up and ``grpo`` phases, ``eval`` and
-``checkpoint`` settings. Every section forbids unknown keys, so a typo in the YAML or in a
-``--set key=value`` override is an error that names the field. The packaged default recipe
+model, backend, job settings), the ``sft`` warm-up and ``grpo`` phases, ``eval``,
+``checkpoint`` and ``logging`` (experiment trackers) settings. Every section forbids unknown
+keys, so a typo in the YAML or in a ``--set key=value`` override is an error that names the
+field. The packaged default recipe
 (``default.yaml``) is what ``arctic-platform train`` runs with no arguments.
 """
 
@@ -15,7 +16,15 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveFloat, PositiveInt
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    NonNegativeInt,
+    PositiveFloat,
+    PositiveInt,
+    field_validator,
+)
 
 from arctic_platform.client.config import ArcticRLClientConfig
 
@@ -97,6 +106,31 @@ class CheckpointSettings(_Section):
     keep: PositiveInt = 2
 
 
+# Where per-step metrics can go; ``jsonl`` (``metrics.jsonl``) is always written.
+TrackerName = Literal["jsonl", "tensorboard", "wandb", "mlflow"]
+
+
+class LoggingSettings(_Section):
+    """Experiment trackers that receive each step's metrics and the recipe config.
+
+    ``metrics.jsonl`` is always written (resume and the plot read it), so ``jsonl`` is in
+    ``backends`` whether listed or not. ``project`` is the wandb project and the MLflow
+    experiment (default: the recipe's name); ``run_name`` is the run's display name (default: the
+    run directory's name). ``reward_curve.png`` is redrawn every ``plot_every`` steps (0: only at
+    the end of the run).
+    """
+
+    backends: list[TrackerName] = ["jsonl"]
+    project: str | None = Field(None, min_length=1)
+    run_name: str | None = Field(None, min_length=1)
+    plot_every: NonNegativeInt = 50
+
+    @field_validator("backends")
+    @classmethod
+    def _jsonl_first_no_repeats(cls, backends: list[str]) -> list[str]:
+        return list(dict.fromkeys(["jsonl", *backends]))
+
+
 class RecipeConfig(_Section):
     """A whole recipe (see the module docstring)."""
 
@@ -108,6 +142,7 @@ class RecipeConfig(_Section):
     grpo: GrpoPhase = GrpoPhase()
     eval: EvalSettings = EvalSettings()
     checkpoint: CheckpointSettings = CheckpointSettings()
+    logging: LoggingSettings = LoggingSettings()
 
     @property
     def total_steps(self) -> int:
@@ -122,9 +157,11 @@ def load_recipe(
     path: str | Path | None = None,
     overrides: list[str] | None = None,
     backend: dict[str, Any] | None = None,
+    loggers: list[str] | None = None,
 ) -> RecipeConfig:
     """The recipe at ``path`` (default: the packaged one) with ``key.sub=value`` overrides and,
-    when given, ``backend`` replacing the client's backend section."""
+    when given, ``backend`` replacing the client's backend section and ``loggers`` added to
+    ``logging.backends``."""
     import yaml
 
     source = Path(path) if path is not None else default_recipe_path()
@@ -141,6 +178,13 @@ def load_recipe(
     if backend is not None:
         client = data.get("client")
         data["client"] = {**(client if isinstance(client, dict) else {}), "backend": backend}
+    if loggers:
+        section = data.get("logging")
+        section = dict(section) if isinstance(section, dict) else {}
+        listed = section.get("backends", [])
+        if isinstance(listed, list):  # anything else is left for validation to name
+            section["backends"] = [*listed, *loggers]
+        data["logging"] = section
     return RecipeConfig.model_validate(data)
 
 

@@ -31,6 +31,7 @@ from arctic_platform.layout import training_batch
 from arctic_platform.recipes.config import RecipeConfig
 from arctic_platform.recipes.run_log import PLOT_FILE, MetricsLog, Progress, plot_run
 from arctic_platform.recipes.tasks import Example, Task, build_task
+from arctic_platform.recipes.trackers import RunTrackers, check_installed
 
 STATE_FILE = "state.json"
 # Task batches of the GRPO phase are drawn from a separate step range than the SFT ones.
@@ -155,6 +156,7 @@ class _Recipe:
         meta = {
             "pad_token_id": self.pad_id,
             "temperature": grpo.temperature,
+            "calculate_entropy": True,  # reported (and in the loss only if entropy_coeff != 0)
             "actor_config": {
                 "clip_ratio": grpo.clip_ratio,
                 "loss_agg_mode": grpo.loss_agg_mode,
@@ -187,6 +189,7 @@ class _Recipe:
             "pass_rate": float(np.mean(rewards.reshape(-1, n).max(axis=1) > 0)),
             "loss": out["loss"],
             "kl": metrics.get("actor/ppo_kl"),
+            "entropy": metrics.get("actor/entropy_loss"),
             "clipfrac": metrics.get("actor/pg_clipfrac"),
             "grad_norm": stepped["grad_norm"],
             "lr": stepped["last_lr"],
@@ -197,7 +200,7 @@ class _Recipe:
             "time_logprobs_s": scored - generated,
             "time_train_s": trained - scored,
             "time_sync_s": synced - trained,
-        }
+        } | ({"kl_loss": metrics["kl_loss"]} if "kl_loss" in metrics else {})
 
     def evaluate(self) -> float:
         """Mean reward of greedy completions on the held-out set."""
@@ -223,6 +226,7 @@ def run_recipe(
     from arctic_platform.engine.config import ModelConfig
     from arctic_platform.engine.models import load_tokenizer
 
+    check_installed(config.logging.backends)
     run_dir.mkdir(parents=True, exist_ok=True)
     state = _read_state(run_dir) if resume else None
     if resume and state is None:
@@ -238,31 +242,63 @@ def run_recipe(
             _restore(client, state)
             start = state["step"] + 1
         log = MetricsLog(run_dir, resume_after=start - 1 if state is not None else None)
-        last_eval = next(
-            (r["eval_reward"] for r in reversed(log.records) if r.get("eval_reward") is not None),
-            None,
+        trackers = RunTrackers(
+            config.logging.backends,
+            run_dir,
+            project=config.logging.project or config.name,
+            run_name=config.logging.run_name or run_dir.resolve().name,
+            config=config.model_dump(mode="json", by_alias=True),
+            start_step=start,
+            history=log.records,
         )
-        total = config.total_steps
-        with Progress(total, enabled=show_progress) as progress:
-            for step in range(start, total):
-                in_sft = step < config.sft.steps
-                record = {"step": step}
-                record.update(recipe.sft_step(step) if in_sft else recipe.grpo_step(step))
-                evaluate = _is_eval_step(config, step)
-                if in_sft and (evaluate or step == config.sft.steps - 1):
-                    client.sync_weights()  # the sampler evaluates, and GRPO starts from, these
-                if evaluate:
-                    started = time.perf_counter()
-                    last_eval = record["eval_reward"] = recipe.evaluate()
-                    record["time_eval_s"] = time.perf_counter() - started
-                log.append(record)
-                progress.update(record, step + 1, last_eval)
-                if _is_checkpoint_step(config, step):
-                    _checkpoint(client, run_dir, step, config.checkpoint.keep)
-        plot_path = plot_run(log.records, run_dir / PLOT_FILE, title=config.name)
+        plot_path = run_dir / PLOT_FILE
+        finished = False
+        try:
+            _train(config, recipe, client, log, trackers, start, show_progress)
+            finished = True
+        finally:
+            trackers.close(failed=not finished)
+        plot_run(log.records, plot_path, title=config.name)
     finally:
         client.shutdown()
     return RunSummary(run_dir, log.path, plot_path, log.records)
+
+
+def _train(
+    config: RecipeConfig,
+    recipe: _Recipe,
+    client,
+    log: MetricsLog,
+    trackers: RunTrackers,
+    start: int,
+    show_progress: bool,
+) -> None:
+    """Steps ``start`` to the end: each record to the log and the trackers, the plot redrawn
+    every ``logging.plot_every`` steps, checkpoints as configured."""
+    last_eval = next(
+        (r["eval_reward"] for r in reversed(log.records) if r.get("eval_reward") is not None),
+        None,
+    )
+    plot_every = config.logging.plot_every
+    with Progress(config.total_steps, enabled=show_progress) as progress:
+        for step in range(start, config.total_steps):
+            in_sft = step < config.sft.steps
+            record = {"step": step}
+            record.update(recipe.sft_step(step) if in_sft else recipe.grpo_step(step))
+            evaluate = _is_eval_step(config, step)
+            if in_sft and (evaluate or step == config.sft.steps - 1):
+                client.sync_weights()  # the sampler evaluates, and GRPO starts from, these
+            if evaluate:
+                started = time.perf_counter()
+                last_eval = record["eval_reward"] = recipe.evaluate()
+                record["time_eval_s"] = time.perf_counter() - started
+            log.append(record)
+            trackers.log(record)
+            progress.update(record, step + 1, last_eval)
+            if plot_every and (step + 1) % plot_every == 0:
+                plot_run(log.records, recipe.run_dir / PLOT_FILE, title=config.name)
+            if _is_checkpoint_step(config, step):
+                _checkpoint(client, recipe.run_dir, step, config.checkpoint.keep)
 
 
 def _client_config(config: RecipeConfig, run_dir: Path):

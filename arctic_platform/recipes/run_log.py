@@ -33,14 +33,26 @@ class MetricsLog:
             handle.write(json.dumps(record) + "\n")
 
 
-def plot_run(records: list[dict[str, Any]], path: Path, *, title: str) -> Path:
-    """Reward (training mean and greedy eval) and loss against step, SFT/GRPO boundary marked."""
+# The panels under the reward plot: title, then the (phase, metric, label) series drawn on it.
+LOSS_PANELS = (
+    ("SFT loss", (("sft", "loss", "cross-entropy"),)),
+    ("GRPO loss", (("grpo", "loss", "policy loss"),)),
+    ("GRPO KL", (("grpo", "kl", "old vs new policy"), ("grpo", "kl_loss", "vs reference"))),
+    ("GRPO entropy", (("grpo", "entropy", "token entropy"),)),
+)
+
+
+def run_figure(records: list[dict[str, Any]], *, title: str):
+    """The run's picture: reward on top, then the SFT loss, GRPO loss, KL and entropy each on its
+    own axis (their scales differ by orders of magnitude)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 6.5), sharex=True)
+    fig = plt.figure(figsize=(10, 9))
+    grid = fig.add_gridspec(3, 2)
+    top = fig.add_subplot(grid[0, :])
     grpo = [r for r in records if r["phase"] == "grpo"]
     evals = [r for r in records if r.get("eval_reward") is not None]
     if grpo:
@@ -50,6 +62,7 @@ def plot_run(records: list[dict[str, Any]], path: Path, *, title: str) -> Path:
             label="GRPO sample reward (mean)",
             alpha=0.6,
         )
+        top.axvline(grpo[0]["step"] - 0.5, color="k", linestyle=":", linewidth=1)
     top.plot(
         [r["step"] for r in evals],
         [r["eval_reward"] for r in evals],
@@ -57,27 +70,36 @@ def plot_run(records: list[dict[str, Any]], path: Path, *, title: str) -> Path:
         label="held-out reward (greedy)",
         color="tab:red",
     )
-    top.set_ylabel("reward")
-    top.set_ylim(-0.02, 1.02)
+    top.set(xlabel="step", ylabel="reward", ylim=(-0.02, 1.02), title=title)
     top.legend(loc="upper left")
-    top.set_title(title)
-    for phase, color in (("sft", "tab:gray"), ("grpo", "tab:blue")):
-        points = [r for r in records if r["phase"] == phase and r.get("loss") is not None]
-        bottom.plot(
-            [r["step"] for r in points],
-            [r["loss"] for r in points],
-            color=color,
-            label=f"{phase.upper()} loss",
-        )
-    bottom.set_xlabel("step")
-    bottom.set_ylabel("loss")
-    bottom.legend(loc="upper right")
-    if grpo:
-        for axis in (top, bottom):
-            axis.axvline(grpo[0]["step"] - 0.5, color="k", linestyle=":", linewidth=1)
+    for index, (panel, series) in enumerate(LOSS_PANELS):
+        axis = fig.add_subplot(grid[1 + index // 2, index % 2])
+        drawn = False
+        for phase, key, label in series:
+            points = [r for r in records if r["phase"] == phase and r.get(key) is not None]
+            if points:
+                axis.plot([r["step"] for r in points], [r[key] for r in points], label=label)
+                drawn = True
+        if drawn and len(series) > 1:
+            axis.legend(loc="upper right", fontsize=8)
+        if not drawn:
+            axis.text(0.5, 0.5, "no data yet", ha="center", va="center", transform=axis.transAxes)
+        axis.set_title(panel, fontsize=10)
+        axis.set_xlabel("step")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    return fig
+
+
+def plot_run(records: list[dict[str, Any]], path: Path, *, title: str) -> Path:
+    """Write :func:`run_figure` to ``path``. Redrawn during the run: the PNG is written beside
+    ``path`` and moved over it, so a viewer never reads a half-written file."""
+    import matplotlib.pyplot as plt
+
+    fig = run_figure(records, title=title)
+    partial = path.with_name(f".{path.stem}.partial{path.suffix}")
+    fig.savefig(partial, dpi=100)
     plt.close(fig)
+    partial.replace(path)
     return path
 
 

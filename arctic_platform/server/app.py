@@ -12,7 +12,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
-from arctic_platform.server import cortex, onprem
+from arctic_platform.server import cortex, jobs_api, onprem
 from arctic_platform.server.auth import TokenAuth
 from arctic_platform.server.errors import ServiceError
 from arctic_platform.server.http_common import service_error_response
@@ -30,9 +30,8 @@ def create_app(
     close_service_on_shutdown: bool = True,
     instance: str | None = None,
 ) -> FastAPI:
-    """An app serving ``service`` with the on-prem and Cortex-compatible routers.
-
-    ``instance`` is the id ``/health`` reports (a fresh one by default).
+    """An app serving ``service`` with the on-prem (ops and ``/jobs``) and Cortex-compatible
+    routers. ``instance`` is the id ``/health`` reports (a fresh one by default).
     """
 
     @asynccontextmanager
@@ -49,6 +48,7 @@ def create_app(
     app.add_exception_handler(ServiceError, service_error_response)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.include_router(cortex.router)
+    app.include_router(jobs_api.router)
     app.include_router(onprem.router)
     return app
 

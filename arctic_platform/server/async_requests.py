@@ -19,6 +19,7 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -49,6 +50,7 @@ class AsyncRequest:
     events: list[dict] = field(default_factory=list)
     stream_cursor: int = 0
     future: Future | None = field(default=None, repr=False)
+    reshape: Callable[[Any], Any] | None = field(default=None, repr=False)
 
     @property
     def streaming(self) -> bool:
@@ -72,8 +74,10 @@ class RequestStore:
         sub_job_id: str,
         op: str,
         binary_result: bool,
+        reshape: Callable[[Any], Any] | None = None,
     ) -> AsyncRequest:
-        """Register ``future`` and return its request; its outcome is recorded when it resolves."""
+        """Register ``future`` and return its request; its outcome is recorded when it resolves
+        (passed through ``reshape`` first, when given: the result form the client asked for)."""
         request = AsyncRequest(
             request_id=uuid.uuid4().hex,
             job_id=job_id,
@@ -81,6 +85,7 @@ class RequestStore:
             op=op,
             binary_result=binary_result,
             future=future,
+            reshape=reshape,
         )
         with self._lock:
             self._requests[request.request_id] = request
@@ -135,28 +140,34 @@ class RequestStore:
         return body
 
     def _finish(self, request: AsyncRequest, future: Future) -> None:
+        # Shaping and encoding happen outside the lock: a big result takes a while, and polls
+        # of other requests must not wait for it.
+        status, result, events, error = "done", None, [], None
+        if future.cancelled():
+            status = "cancelled"
+        else:
+            try:
+                result, events = self._outcome(request, future)
+            except Exception as exc:
+                status, error = "failed", f"{type(exc).__name__}: {exc}"
         with self._lock:
             request.updated_at = time.time()
-            if future.cancelled():
-                request.status = "cancelled"
-                return
-            error = future.exception()
-            if error is not None:
-                request.status = "failed"
-                request.error = f"{type(error).__name__}: {error}"
-                return
-            value = future.result()
-            if request.streaming:
-                request.events = [
-                    {"type": "result", "index": i, "output": o} for i, o in enumerate(value)
-                ]
-                request.events.append({"type": "done", "count": len(value)})
-                request.result = {"count": len(value)}
-            elif request.binary_result:
-                request.result, request.events = _encode_result(value)
-            else:
-                request.result = value
-            request.status = "done"
+            request.status = status
+            request.result, request.events, request.error = result, events, error
+
+    @staticmethod
+    def _outcome(request: AsyncRequest, future: Future) -> tuple[Any, list[dict]]:
+        """``(result, events)`` of a resolved request; raises the op's error."""
+        value = future.result()
+        if request.reshape is not None:
+            value = request.reshape(value)
+        if request.streaming:
+            events = [{"type": "result", "index": i, "output": o} for i, o in enumerate(value)]
+            events.append({"type": "done", "count": len(value)})
+            return {"count": len(value)}, events
+        if request.binary_result:
+            return _encode_result(value)
+        return value, []
 
     def _evict(self) -> None:
         while len(self._requests) > self._capacity:

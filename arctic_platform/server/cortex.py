@@ -9,6 +9,7 @@ group (see :mod:`arctic_platform.server.async_requests`).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 import json
@@ -21,6 +22,12 @@ from fastapi import APIRouter, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import FileResponse, Response
 
+from arctic_platform import wire
+from arctic_platform.contract import ops as contract
+from arctic_platform.contract.bodies import GenerateBody
+from arctic_platform.contract.generate_columns import as_columns, wants_columns
+from arctic_platform.server.reference_logprobs import as_reference_logprobs
+from arctic_platform.contract.ops import BINARY_RESULTS, QUICK_OPERATIONS
 from arctic_platform.server.errors import BadRequest, NotFound, ServiceError
 from arctic_platform.server.http_common import (
     decode_frame,
@@ -28,9 +35,7 @@ from arctic_platform.server.http_common import (
     owner_of,
     read_body,
 )
-from arctic_platform.server.op_bodies import GenerateBody, parse
-from arctic_platform.server.ops import BINARY_RESULTS
-from arctic_platform.server.service import LIFECYCLE_OPERATIONS
+from arctic_platform.server.op_bodies import parse
 
 PREFIX = "/api/v2/databases/{database}/schemas/{schema}/{endpoint}"
 EXPORT_TTL_S = 900
@@ -159,7 +164,10 @@ async def _chunked_octet_op(request: Request, job_id: str, op: str) -> dict:
         payload = decode_frame(outcome.frame, what=op)
         if op == "forward" and isinstance(payload, dict):
             payload.setdefault("reference_model", False)
-        request_id = _submit(service, job_id, op, payload, owner)
+        columns = op == "generate" and wants_columns(wire.read_metadata(outcome.frame))
+        request_id = _submit(
+            service, job_id, op, payload, owner, reshape=as_columns if columns else None
+        )
     except ServiceError:
         if outcome.group_id is not None:
             service.chunk_groups.forget(job_id, outcome.group_id)
@@ -169,36 +177,25 @@ async def _chunked_octet_op(request: Request, job_id: str, op: str) -> dict:
     return {"request_id": request_id, "job_id": job_id}
 
 
-def _submit(service, job_id: str, op: str, body: Any, owner: str | None) -> str:
+def _submit(service, job_id: str, op: str, body: Any, owner: str | None, *, reshape=None) -> str:
     sub, op, body = service.dispatch(job_id, op, body, owner=owner)
-    return _queue(service, job_id, sub, op, body)
+    if op == "generate" and reshape is None:  # the reference form: vLLM-shaped log-probs
+        reshape = functools.partial(as_reference_logprobs, model_name=sub.spec.model_name)
+    return _queue(service, job_id, sub, op, body, reshape=reshape)
 
 
-def _queue(service, job_id: str, sub, op: str, body: Any) -> str:
-    """Queue ``op`` on ``sub`` as an async request the client polls; its ``request_id``."""
+def _queue(service, job_id: str, sub, op: str, body: Any, *, reshape=None) -> str:
+    """Queue ``op`` on ``sub`` as an async request the client polls; its ``request_id``.
+    ``reshape`` turns the op's result into the form the client asked for."""
     record = service.requests.track(
         service.submit(sub, op, body),
         job_id=job_id,
         sub_job_id=sub.sub_job_id,
         op=op,
         binary_result=op in BINARY_RESULTS,
+        reshape=reshape,
     )
     return record.request_id
-
-
-@router.post("/{job_id}/forward-backward")
-async def forward_backward(job_id: str, request: Request) -> dict:
-    return await _chunked_octet_op(request, job_id, "forward-backward")
-
-
-@router.post("/{job_id}/forward-no-grad")
-async def forward_no_grad(job_id: str, request: Request) -> dict:
-    return await _chunked_octet_op(request, job_id, "forward")
-
-
-@router.post("/{job_id}/generate")
-async def generate(job_id: str, request: Request) -> dict:
-    return await _chunked_octet_op(request, job_id, "generate")
 
 
 @router.post("/{job_id}/generate-stream")
@@ -219,19 +216,24 @@ async def _json_op(request: Request, job_id: str, op: str) -> dict:
     return {"request_id": _submit(_service(request), job_id, op, body, owner), "job_id": job_id}
 
 
-@router.post("/{job_id}/log-probs")
-async def log_probs(job_id: str, request: Request) -> dict:
-    return await _json_op(request, job_id, "log-probs")
+def _add_data_plane_route(spec: contract.Op) -> None:
+    """``POST /{job}/{route}`` for an op of the table: octet ops take (chunked) DSSST1 frames,
+    the others JSON; both answer ``{"request_id", "job_id"}``."""
+    serve = _chunked_octet_op if spec.binary_request else _json_op
+
+    async def route(job_id: str, request: Request) -> dict:
+        return await serve(request, job_id, spec.name)
+
+    route.__name__ = spec.name.replace("-", "_")
+    router.add_api_route(f"/{{job_id}}/{spec.cortex_route}", route, methods=["POST"])
 
 
-@router.post("/{job_id}/step")
-async def step(job_id: str, request: Request) -> dict:
-    return await _json_op(request, job_id, "step")
-
-
-@router.post("/{job_id}/save")
-async def save(job_id: str, request: Request) -> dict:
-    return await _json_op(request, job_id, "save")
+# Routes with their own checks are written out below; every other data-plane op comes from the
+# op table.
+_SPECIAL_ROUTES = {"generate-stream", "load-checkpoint"}
+for _spec in contract.OPS.values():
+    if _spec.cortex_route is not None and _spec.name not in _SPECIAL_ROUTES:
+        _add_data_plane_route(_spec)
 
 
 @router.post("/{job_id}/load")
@@ -254,7 +256,7 @@ async def operation(job_id: str, request: Request) -> Any:
     sub, op, payload = service.dispatch(job_id, "operation", body, owner=owner)
     if sub is None:
         return service.inline_operation(job_id, op, payload, owner=owner)
-    if op in LIFECYCLE_OPERATIONS:
+    if op in QUICK_OPERATIONS:
         # Quick operations answer inline, as the Cortex API does for these types.
         return await run_in_threadpool(service.call, sub, op, payload)
     return {"request_id": _queue(service, job_id, sub, op, payload), "job_id": job_id}

@@ -68,12 +68,13 @@ def decode_json(body: bytes | bytearray, *, what: str) -> Any:
         raise BadRequest(f"{what}: malformed JSON body: {exc}") from None
 
 
-async def read_op_body(request: Request, *, what: str) -> Any:
-    """Decode by Content-Type: DSSST1 for ``application/octet-stream``, JSON otherwise."""
+async def read_op_body(request: Request, *, what: str) -> tuple[Any, dict]:
+    """``(body, frame metadata)``, decoded by Content-Type: DSSST1 for
+    ``application/octet-stream`` (its op metadata carries response options), JSON otherwise."""
     body = await read_body(request)
     if OCTET in request.headers.get("content-type", ""):
-        return decode_frame(body, what=what)
-    return decode_json(body, what=what)
+        return decode_frame(body, what=what), wire.read_metadata(body)
+    return decode_json(body, what=what), {}
 
 
 def frame_response(value: Any) -> Response:

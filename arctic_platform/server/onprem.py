@@ -10,11 +10,14 @@ everything else as JSON.
 from __future__ import annotations
 
 import asyncio
+import functools
 from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.concurrency import run_in_threadpool
 
+from arctic_platform.contract.generate_columns import as_columns, wants_columns
+from arctic_platform.contract.ops import BINARY_RESULTS, ONPREM_OPS
 from arctic_platform.server.errors import BadRequest, NotFound
 from arctic_platform.server.http_common import (
     decode_json,
@@ -23,14 +26,10 @@ from arctic_platform.server.http_common import (
     read_body,
     read_op_body,
 )
-from arctic_platform.server.ops import BINARY_RESULTS, OPS_BY_KIND
+from arctic_platform.server.reference_logprobs import as_reference_logprobs
 from arctic_platform.server_identity import health_answer
 
 router = APIRouter()
-
-# A route for every op a sub-job runs (streaming generation is the Cortex API's alone), and the
-# ``operation`` envelope.
-ONPREM_OPS = frozenset({"operation", *set().union(*OPS_BY_KIND.values())} - {"generate-stream"})
 # Fields of the reference server's JobConfig (the form the reference client's /initialize sends).
 # A body with any of them is read the way the client reads the same legacy fields
 # (:mod:`arctic_platform.client.legacy`): optimizer, clipping, scheduler, token budget and
@@ -111,7 +110,7 @@ async def run_op(
     if op not in ONPREM_OPS:
         raise NotFound(f"unknown op {op!r}; known: {sorted(ONPREM_OPS)}")
     owner = owner_of(request)
-    body = await read_op_body(request, what=op)
+    body, frame_metadata = await read_op_body(request, what=op)
     if op == "sleep-inference" and level is not None and body is None:
         body = {"level": level}
     if op == "sleep-training" and mode is not None and body is None:
@@ -121,6 +120,13 @@ async def run_op(
     if sub is None:
         return service.inline_operation(job_id, op, body, owner=owner)
     result = await asyncio.wrap_future(service.submit(sub, op, body))
+    if op == "generate":  # columns when asked for, else the reference form (vLLM log-probs)
+        reshape = (
+            as_columns
+            if wants_columns(frame_metadata)
+            else functools.partial(as_reference_logprobs, model_name=sub.spec.model_name)
+        )
+        result = await run_in_threadpool(reshape, result)
     return frame_response(result) if op in BINARY_RESULTS else result
 
 

@@ -1,104 +1,22 @@
-"""The body of every op, validated at the edge before anything runs.
+"""Validating op bodies at the server's edge, before anything runs.
 
-JSON bodies are pydantic models that forbid unknown keys, so a typo is a 400 naming the key.
-Tensor-carrying bodies (forward-backward, forward) have their envelope checked here and their
-tensors checked by the engine, which also names the field it rejects.
+JSON bodies are checked against their models (:mod:`arctic_platform.contract.bodies`), so a typo
+is a 400 naming the key. Tensor-carrying bodies (forward-backward, forward) have their envelope
+checked here and their tensors checked by the engine, which also names the field it rejects.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, ValidationError
+from pydantic import BaseModel, ValidationError
 
+from arctic_platform.contract.bodies import SNOWAPI_ENVELOPE_KEYS, TRAIN_ENVELOPE_KEYS
 from arctic_platform.server.errors import BadRequest
 
 
-class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class StepBody(_Body):
-    learning_rate: float | None = Field(None, gt=0.0)
-
-
-class SaveBody(_Body):
-    checkpoint_id: str | None = None
-    checkpoint_type: Literal["resumable", "weights-only"] = "resumable"
-    path: str | None = None
-    step: NonNegativeInt | None = None
-    export_hf: bool = False
-    save_total_limit: NonNegativeInt | None = None
-    stage_info: dict[str, Any] | None = None
-
-
-class LoadBody(_Body):
-    """On-prem form ``{path, step}`` or Cortex form ``{checkpoint_id, source_job_id?}``."""
-
-    path: str | None = None
-    step: NonNegativeInt | None = None
-    checkpoint_id: str | None = None
-    source_job_id: str | None = None
-    target_sub_job_id: str | None = None
-
-
-class GenerateBody(_Body):
-    prompts: list[str | list[int]] = Field(min_length=1)
-    sampling_params: dict[str, Any] | list[dict[str, Any] | None] | None = None
-    routing_key: Any = None
-    strict: bool = False
-
-
-class LogProbsBody(_Body):
-    prompts: list[str | list[int]] = Field(min_length=1)
-    completions: list[str | list[int]] | None = None
-    top_k: NonNegativeInt = 1
-
-
-class WeightSyncBody(_Body):
-    source_sub_job_id: str | int | None = None
-    target_sub_job_ids: list[str | int] = Field(min_length=1)
-    cuda_ipc: bool | None = None
-    low_memory: bool | None = None
-    weight_format: Literal["vllm", "hf", "lora"] | None = None
-
-
-class ResetPrefixCacheBody(_Body):
-    drain: bool = True
-    timeout_s: float = Field(60.0, gt=0.0)
-    retry_interval_s: float = Field(0.1, gt=0.0)
-
-
-class SleepInferenceBody(_Body):
-    level: int = Field(1, ge=1, le=2)
-
-
-class SleepTrainingBody(_Body):
-    mode: Literal["all", "non_lp", "lp_params"] = "all"
-
-
-class EmptyBody(_Body):
-    pass
-
-
-class CancelRequestBody(_Body):
-    request_id: str = Field(min_length=1)
-
-
-class TailLogsBody(_Body):
-    cursor: str | int | None = None
-    max_lines: int = Field(200, ge=1, le=10_000)
-
-
-class OperationBody(_Body):
-    operation_type: str = Field(min_length=1)
-    sub_job_id: str | int | None = None
-    sub_job_type: str | None = None
-    payload: dict[str, Any] = Field(default_factory=dict)
-
-
-def parse(model: type[_Body], body: Any, *, what: str) -> Any:
+def parse(model: type[BaseModel], body: Any, *, what: str) -> Any:
     """Validate ``body`` (None means empty) as ``model``; a 400 names the failing field."""
     if body is None:
         body = {}
@@ -134,10 +52,6 @@ def wake_tags(body: Any) -> list[str] | None:
     return body
 
 
-TRAIN_ENVELOPE_KEYS = {"batch", "meta", "processing", "router_replay", "reference_model"}
-CORTEX_ENVELOPE_KEYS = {"args", "kwargs", "context", "meta", "processing", "reference_model"}
-
-
 def train_envelope(body: Any, *, op: str) -> tuple[Mapping, dict, dict, bool]:
     """``(batch, meta, processing, reference_model)`` of a forward-backward/forward body.
 
@@ -154,7 +68,7 @@ def train_envelope(body: Any, *, op: str) -> tuple[Mapping, dict, dict, bool]:
         unknown = keys - TRAIN_ENVELOPE_KEYS
         batch = body["batch"]
     elif "kwargs" in keys:
-        unknown = keys - CORTEX_ENVELOPE_KEYS
+        unknown = keys - SNOWAPI_ENVELOPE_KEYS
         if body.get("args") not in (None, (), []):
             raise BadRequest(f"{op}: args: positional tensors are not supported; use kwargs")
         batch = body["kwargs"]

@@ -12,61 +12,33 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from arctic_platform.server import op_bodies as bodies
+from arctic_platform.contract import ops as contract
 from arctic_platform.server.errors import BadRequest, NotFound
-
-TRAINING_OPS = {
-    "forward-backward",
-    "forward",
-    "step",
-    "save",
-    "load-checkpoint",
-    "sleep-training",
-    "wake-training",
-    "empty-training-cache",
-    "weight-sync",
-}
-SAMPLING_OPS = {
-    "generate",
-    "generate-stream",
-    "sleep-inference",
-    "wake-inference",
-    "reset-prefix-cache",
-}
-LOG_PROB_OPS = {"forward", "log-probs", "sleep-inference", "wake-inference", "reset-prefix-cache"}
-OPS_BY_KIND = {"training": TRAINING_OPS, "sampling": SAMPLING_OPS, "log_prob": LOG_PROB_OPS}
-# Ops whose results carry tensors: delivered as DSSST1 by the HTTP routers.
-BINARY_RESULTS = {"forward-backward", "forward", "generate", "log-probs"}
+from arctic_platform.server.op_bodies import parse, train_envelope, wake_tags
 
 
 def op_kind(op: str, body: Any = None) -> str:
     """The sub-job type an op runs on when the caller names only the parent job."""
-    if op == "forward":
-        return "log_prob" if isinstance(body, dict) and body.get("reference_model") else "training"
-    if op in SAMPLING_OPS:
-        return "sampling"
-    if op == "log-probs":
-        return "log_prob"
-    if op in TRAINING_OPS:
-        return "training"
-    raise NotFound(f"unknown op {op!r}")
+    if op not in contract.OPS or not contract.OPS[op].job_types:
+        raise NotFound(f"unknown op {op!r}")
+    reference = isinstance(body, dict) and bool(body.get("reference_model"))
+    return contract.default_role(op, reference_model=reference)
 
 
 def prepare_op(service, sub, op: str, body: Any) -> Callable[[], Any]:
     """Validate ``body`` for ``op`` on ``sub`` and return the runner (see module doc)."""
-    if op not in OPS_BY_KIND[sub.kind]:
+    if op not in contract.OPS_BY_ROLE[sub.kind]:
         raise BadRequest(
             f"op {op!r} does not run on a {sub.kind} sub-job ({sub.sub_job_id})",
             code="wrong_job_type",
         )
-    engine = sub.engine
-    job_id = sub.sub_job_id
-    handler = _HANDLERS[op]
-    return handler(service, sub, engine, job_id, body)
+    model = contract.OPS[op].request
+    parsed = body if model is None else parse(model, body, what=op)
+    return _HANDLERS[op](service, sub, sub.engine, sub.sub_job_id, parsed)
 
 
 def _forward_backward(service, sub, engine, job_id, body):
-    batch, meta, processing, _ = bodies.train_envelope(body, op="forward-backward")
+    batch, meta, processing, _ = train_envelope(body, op="forward-backward")
 
     def run():
         out = engine.forward_backward(batch, meta, processing)
@@ -81,7 +53,7 @@ def _forward_backward(service, sub, engine, job_id, body):
 
 
 def _forward(service, sub, engine, job_id, body):
-    batch, meta, processing, _ = bodies.train_envelope(body, op="forward")
+    batch, meta, processing, _ = train_envelope(body, op="forward")
 
     def run():
         out = engine.forward(batch, meta, processing)
@@ -97,10 +69,9 @@ def _forward(service, sub, engine, job_id, body):
 
 
 def _step(service, sub, engine, job_id, body):
-    parsed = bodies.parse(bodies.StepBody, body, what="step")
 
     def run():
-        out = engine.step(parsed.learning_rate)
+        out = engine.step(body.learning_rate)
         return {
             "job_id": job_id,
             "global_steps": out["global_steps"],
@@ -113,16 +84,15 @@ def _step(service, sub, engine, job_id, body):
 
 
 def _save(service, sub, engine, job_id, body):
-    parsed = bodies.parse(bodies.SaveBody, body, what="save")
 
     def run():
         saved = engine.save_checkpoint(
-            parsed.path,
-            step=parsed.step,
-            export_hf=parsed.export_hf or parsed.checkpoint_type == "weights-only",
-            save_total_limit=parsed.save_total_limit,
+            body.path,
+            step=body.step,
+            export_hf=body.export_hf or body.checkpoint_type == "weights-only",
+            save_total_limit=body.save_total_limit,
         )
-        service.record_checkpoint(sub, saved, parsed.checkpoint_type, None)
+        service.record_checkpoint(sub, saved, body.checkpoint_type, None)
         return {
             "job_id": job_id,
             "path": saved["path"],
@@ -137,51 +107,46 @@ def _save(service, sub, engine, job_id, body):
 
 
 def _load(service, sub, engine, job_id, body):
-    parsed = bodies.parse(bodies.LoadBody, body, what="load")
-    path = parsed.path
-    if parsed.checkpoint_id is not None:
-        if parsed.path is not None:
+    path = body.path
+    if body.checkpoint_id is not None:
+        if body.path is not None:
             raise BadRequest("load: give either path or checkpoint_id, not both")
-        source_job = parsed.source_job_id or sub.job_id
+        source_job = body.source_job_id or sub.job_id
         owner = service.owner_of(sub.job_id)
-        path = service.checkpoint(source_job, parsed.checkpoint_id, owner=owner)["path"]
-    if parsed.target_sub_job_id not in (None, job_id):
-        raise BadRequest(f"load: target_sub_job_id {parsed.target_sub_job_id} is not {job_id}")
+        path = service.checkpoint(source_job, body.checkpoint_id, owner=owner)["path"]
+    if body.target_sub_job_id not in (None, job_id):
+        raise BadRequest(f"load: target_sub_job_id {body.target_sub_job_id} is not {job_id}")
 
     def run():
-        out = engine.load_checkpoint(path, step=parsed.step)
+        out = engine.load_checkpoint(path, step=body.step)
         return {"job_id": job_id, **out}
 
     return run
 
 
 def _sleep_training(service, sub, engine, job_id, body):
-    parsed = bodies.parse(bodies.SleepTrainingBody, body, what="sleep-training")
-    return lambda: {"job_id": job_id, "workers": [engine.sleep(parsed.mode)]}
+    return lambda: {"job_id": job_id, "workers": [engine.sleep(body.mode)]}
 
 
 def _wake_training(service, sub, engine, job_id, body):
-    bodies.parse(bodies.EmptyBody, body, what="wake-training")
     return lambda: {"job_id": job_id, "workers": [engine.wake()]}
 
 
 def _empty_training_cache(service, sub, engine, job_id, body):
-    bodies.parse(bodies.EmptyBody, body, what="empty-training-cache")
     return lambda: {"job_id": job_id, "workers": [engine.empty_cache()]}
 
 
 def _weight_sync(service, sub, engine, job_id, body):
-    parsed = bodies.parse(bodies.WeightSyncBody, body, what="weight-sync")
-    if parsed.source_sub_job_id not in (None, job_id):
+    if body.source_sub_job_id not in (None, job_id):
         raise BadRequest(
-            f"weight-sync: source_sub_job_id {parsed.source_sub_job_id} is not this training "
+            f"weight-sync: source_sub_job_id {body.source_sub_job_id} is not this training "
             f"sub-job ({job_id})"
         )
-    if parsed.weight_format not in (None, "vllm", "hf"):
+    if body.weight_format not in (None, "vllm", "hf"):
         raise BadRequest("weight-sync: weight_format 'lora' is not supported; weights are merged")
     owner = service.owner_of(sub.job_id)
     targets = []
-    for target_id in parsed.target_sub_job_ids:
+    for target_id in body.target_sub_job_ids:
         target = service.resolve(str(target_id), owner=owner)
         if target.kind == "training":
             raise BadRequest(f"weight-sync: target {target_id} is a training sub-job")
@@ -206,46 +171,41 @@ def _weight_sync(service, sub, engine, job_id, body):
 
 
 def _generate(service, sub, engine, job_id, body):
-    parsed = bodies.parse(bodies.GenerateBody, body, what="generate")
 
     def run():
-        results = engine.generate(parsed.prompts, parsed.sampling_params)
+        results = engine.generate(body.prompts, body.sampling_params)
         return {"job_id": job_id, "results": results}
 
     return run
 
 
 def _generate_stream(service, sub, engine, job_id, body):
-    parsed = bodies.parse(bodies.GenerateBody, body, what="generate-stream")
-    return lambda: engine.generate(parsed.prompts, parsed.sampling_params)
+    return lambda: engine.generate(body.prompts, body.sampling_params)
 
 
 def _log_probs(service, sub, engine, job_id, body):
-    parsed = bodies.parse(bodies.LogProbsBody, body, what="log-probs")
 
     def run():
-        results = engine.log_probs(parsed.prompts, parsed.completions, parsed.top_k)
+        results = engine.log_probs(body.prompts, body.completions, body.top_k)
         return {"job_id": job_id, "results": results}
 
     return run
 
 
 def _sleep_inference(service, sub, engine, job_id, body):
-    parsed = bodies.parse(bodies.SleepInferenceBody, body, what="sleep-inference")
     if sub.kind == "log_prob":
         return lambda: {"job_id": job_id, sub.kind: _not_applicable("sleep")}
-    return lambda: {"job_id": job_id, sub.kind: engine.sleep(parsed.level)}
+    return lambda: {"job_id": job_id, sub.kind: engine.sleep(body.level)}
 
 
 def _wake_inference(service, sub, engine, job_id, body):
-    tags = bodies.wake_tags(body)
+    tags = wake_tags(body)
     if sub.kind == "log_prob":
         return lambda: {"job_id": job_id, sub.kind: _not_applicable("wake")}
     return lambda: {"job_id": job_id, sub.kind: engine.wake(tags)}
 
 
 def _reset_prefix_cache(service, sub, engine, job_id, body):
-    bodies.parse(bodies.ResetPrefixCacheBody, body, what="reset-prefix-cache")
     if sub.kind == "log_prob":
         return lambda: {"job_id": job_id, sub.kind: _not_applicable("prefix cache")}
     return lambda: {"job_id": job_id, sub.kind: engine.reset_prefix_cache()}

@@ -28,6 +28,7 @@ from typing import Any, Literal
 
 from pydantic import ValidationError
 
+from arctic_platform.contract.ops import INLINE_OPERATIONS, OPERATION, OPERATION_TYPES
 from arctic_platform.server.async_requests import ChunkGroups, RequestStore
 from arctic_platform.server.errors import (
     BadRequest,
@@ -46,17 +47,6 @@ from arctic_platform.server.op_bodies import describe
 from arctic_platform.server.store import MetadataStore
 
 TERMINAL = ("failed", "cancelled", "terminated")
-INLINE_OPERATIONS = {"cancel-request", "tail-logs"}
-# Colocation lifecycle ops travel as operations on the Cortex API, which has no route for them.
-LIFECYCLE_OPERATIONS = {
-    "reset-prefix-cache",
-    "sleep-inference",
-    "wake-inference",
-    "sleep-training",
-    "wake-training",
-    "empty-training-cache",
-}
-OPERATION_TYPES = {"weight-sync", *LIFECYCLE_OPERATIONS, *INLINE_OPERATIONS}
 LOG_LINES_PER_JOB = 2000
 
 
@@ -117,6 +107,10 @@ class Job:
     )
     log_offset: int = 0
     cancelled: threading.Event = field(default_factory=threading.Event)
+    # The op that ran most recently on any sub-job, and when it started (what an operator asks
+    # first about a job that looks stuck).
+    last_op: str | None = None
+    last_op_at: float | None = None
 
     def info(self) -> dict:
         return {
@@ -127,6 +121,8 @@ class Job:
             "updated_at": self.updated_at,
             "experiment_name": self.experiment_name,
             "image_tag": "arctic-platform",
+            "last_op": self.last_op,
+            "last_op_at": self.last_op_at,
             "sub_jobs": [s.info() for s in self.sub_jobs],
         }
 
@@ -201,6 +197,10 @@ class Service:
     def get_job(self, job_id: str, *, owner: str | None = None) -> dict:
         return self._job(job_id, owner).info()
 
+    def job_request(self, job_id: str, *, owner: str | None = None) -> dict:
+        """The create-job request the job was made from (its configuration)."""
+        return self._job(job_id, owner).request
+
     def list_jobs(self, *, owner: str | None = None, status: str | None = None) -> list[dict]:
         with self._lock:
             jobs = [j for j in self._jobs.values() if j.owner == owner]
@@ -273,10 +273,11 @@ class Service:
         ``target`` is a sub-job id, or a job id (the op's natural sub-job type is then used).
         Inline operations (``cancel-request``, ``tail-logs``) come back with ``sub_job=None``.
         """
-        from arctic_platform.server.op_bodies import OperationBody, parse
+        from arctic_platform.contract.bodies import OperationBody
+        from arctic_platform.server.op_bodies import parse
         from arctic_platform.server.ops import op_kind
 
-        if op == "operation":
+        if op == OPERATION:
             envelope = parse(OperationBody, body, what="operation")
             op, body = envelope.operation_type, envelope.payload
             if op not in OPERATION_TYPES:
@@ -315,7 +316,8 @@ class Service:
 
     def inline_operation(self, target: str, op: str, body: Any, *, owner: str | None) -> dict:
         """Operations answered at once, without entering a queue."""
-        from arctic_platform.server.op_bodies import CancelRequestBody, TailLogsBody, parse
+        from arctic_platform.contract.bodies import CancelRequestBody, TailLogsBody
+        from arctic_platform.server.op_bodies import parse
 
         job_id = target.split(":", 1)[0]
         if op == "cancel-request":
@@ -384,6 +386,7 @@ class Service:
             raise Conflict(f"job {job.job_id} was cancelled", code="job_cancelled")
         with self._slots:
             self._require_running(job)
+            job.last_op, job.last_op_at = op, time.time()
             try:
                 return runner()
             except ServiceError:

@@ -59,7 +59,7 @@ from arctic_platform.client.errors import (
     server_error,
 )
 from arctic_platform.client.tensors import resolve_tensor_type
-from arctic_platform.client.transport import LIFECYCLE_OPS, JobHandles, Request, Transport
+from arctic_platform.client.transport import JobHandles, Request, Transport
 from arctic_platform.client.transports.http_common import (
     connection_error,
     decode_body,
@@ -67,6 +67,8 @@ from arctic_platform.client.transports.http_common import (
     octet_request,
     retry_wait,
 )
+from arctic_platform.contract.ops import OPERATION
+from arctic_platform.contract.ops import op as contract_op
 
 log = logging.getLogger(__name__)
 
@@ -231,21 +233,13 @@ class CortexTransport(Transport):
 
     def call(self, request: Request) -> Any:
         op = request.op
-        if op == "forward-backward":
-            return self._octet(request, "forward-backward", force_chunk=True)
-        if op == "forward":
-            return self._octet(request, "forward-no-grad", force_chunk=False)
-        if op == "generate":
-            return self._octet(request, "generate", force_chunk=False)
-        if op == "log-probs":
-            return self._submit_json(op, "log-probs", request.body, REPEATABLE)
-        if op in ("step", "save"):
-            return self._submit_json(op, op, request.body, NOT_REPEATABLE)
+        if op == OPERATION:
+            return self._operation(request.body)
+        spec = contract_op(op)
         if op == "load-checkpoint":
             return self._load(request)
-        if op == "operation":
-            return self._operation(request.body)
-        if op in LIFECYCLE_OPS:
+        if spec.cortex_route is None:
+            # No route of its own: an operation envelope addressed to the sub-job.
             payload = request.body
             if op == "wake-inference":
                 payload = {} if payload is None else {"tags": payload}
@@ -255,12 +249,17 @@ class CortexTransport(Transport):
                 "payload": payload or {},
             }
             return self._operation(envelope)
-        raise ValueError(f"op: the cortex transport has no route for {op!r}")
+        if spec.binary_request:
+            force_chunk = spec.retry == "chunk_group"
+            return self._octet(request, spec.cortex_route, force_chunk=force_chunk)
+        policy = NOT_REPEATABLE if spec.retry == "never" else REPEATABLE
+        return self._submit_json(op, spec.cortex_route, request.body, policy)
 
     def _octet(self, request: Request, route: str, *, force_chunk: bool) -> Any:
         op = request.op
         url = f"{self._job_url}/{route}"
-        buffers = wire.dumps_buffers(request.body, metadata=RESPONSE_OPTIONS)
+        metadata = _merge_options(RESPONSE_OPTIONS, request.frame_metadata)
+        buffers = wire.dumps_buffers(request.body, metadata=metadata)
         size = sum(memoryview(b).nbytes for b in buffers)
         limit = self.backend.max_request_bytes
         if not force_chunk and size <= limit:
@@ -354,7 +353,7 @@ class CortexTransport(Transport):
             )
             body["checkpoint_id"] = latest["checkpoint_id"]
         body.setdefault("target_sub_job_id", request.job_id)
-        return self._submit_json(op, "load", body, NOT_REPEATABLE)
+        return self._submit_json(op, contract_op(op).cortex_route, body, NOT_REPEATABLE)
 
     # -- polling ----------------------------------------------------------------------------
 
@@ -446,6 +445,15 @@ class CortexTransport(Transport):
             raise connection_error(exc, url, op=op) from None
         content_type = response.headers.get("content-type", "")
         return decode_body(bytearray(response.content), content_type, self._tensor_type, op=op)
+
+
+def _merge_options(base: dict, extra: dict | None) -> dict:
+    """Op metadata ``base`` with ``extra`` merged in (``response_options`` merged key by key)."""
+    merged = {**base, **(extra or {})}
+    key = "response_options"
+    if extra and key in extra:
+        merged[key] = {**base.get(key, {}), **extra[key]}
+    return merged
 
 
 def _field(value: Any, name: str, op: str) -> Any:

@@ -146,7 +146,8 @@ class HttpTransport(Transport):
         params = {"job_id": request.job_id}
         path = f"/{request.op}"
         if request.binary:
-            content, headers = octet_request(wire.dumps_buffers(request.body))
+            buffers = wire.dumps_buffers(request.body, metadata=request.frame_metadata)
+            content, headers = octet_request(buffers)
             return self._send(
                 "POST", path, op=request.op, params=params, content=content, headers=headers
             )

@@ -1,0 +1,8 @@
+"""The API contract that client, server and engines share, defined once.
+
+Everything here imports only the standard library, numpy and pydantic, so the client (which may be
+installed without torch or FastAPI) and the server both derive from the same definitions:
+
+* :mod:`~arctic_platform.contract.generate_columns`: generate results as tensor columns, the bulk
+  form of a rollout on the wire.
+"""

@@ -1,0 +1,86 @@
+"""The op table is what the routers, the Service and the client actually serve and send."""
+
+from __future__ import annotations
+
+import pytest
+
+from arctic_platform.client import OPS
+from arctic_platform.contract import ops as contract
+from arctic_platform.server.cortex import PREFIX
+
+REFERENCE_CLIENT_OPS = {
+    "forward-backward",
+    "forward",
+    "step",
+    "save",
+    "load-checkpoint",
+    "generate",
+    "log-probs",
+    "operation",
+    "sleep-inference",
+    "wake-inference",
+    "sleep-training",
+    "wake-training",
+}
+
+
+def test_the_client_sends_the_reference_op_names_and_no_others():
+    assert REFERENCE_CLIENT_OPS <= OPS
+    assert {"empty-training-cache"} == OPS - REFERENCE_CLIENT_OPS
+
+
+def test_every_route_of_the_table_is_served_and_no_other(tmp_path):
+    """Each op's on-prem and Cortex route reaches the Service (which then looks for the job)."""
+    import httpx
+
+    from arctic_platform.server.app import create_app
+    from arctic_platform.server.auth import TokenAuth
+    from arctic_platform.server.service import Service, ServiceSettings
+    from tests.live_server import serve_app
+
+    service = Service(ServiceSettings(data_dir=tmp_path, device="cpu"))
+    app = create_app(service, auth=TokenAuth([]), close_service_on_shutdown=False)
+    cortex = PREFIX.format(database="DB", schema="RL", endpoint="cortex-training")
+    try:
+        with serve_app(app) as url, httpx.Client(base_url=url) as http:
+
+            def reaches_service(path: str) -> bool:
+                """A route of ours answered (a 404 for the job, a 400 for the body), not the
+                router's "no such route"."""
+                reply = http.post(path, json={})
+                routed = reply.status_code in (400, 404) and "unknown op" not in reply.text
+                return routed and reply.json() != {"detail": "Not Found"}
+
+            for name in contract.OPS:
+                assert reaches_service(f"/{name}?job_id=nojob") == (name in contract.ONPREM_OPS)
+            routes = {op.cortex_route for op in contract.OPS.values() if op.cortex_route}
+            for route in routes | {"operation"}:
+                assert reaches_service(f"{cortex}/nojob/{route}"), route
+            assert not reaches_service(f"{cortex}/nojob/fwd-bwd")
+    finally:
+        service.close()
+
+
+@pytest.mark.parametrize(
+    ("name", "reference", "role"),
+    [
+        ("forward", False, "training"),
+        ("forward", True, "log_prob"),
+        ("sleep-inference", False, "sampling"),
+        ("log-probs", False, "log_prob"),
+        ("weight-sync", False, "training"),
+    ],
+)
+def test_an_op_addressed_to_a_parent_job_runs_on_its_default_sub_job(name, reference, role):
+    assert contract.default_role(name, reference_model=reference) == role
+
+
+def test_only_ops_that_may_be_repeated_are_retried_after_sending():
+    never = {op.name for op in contract.OPS.values() if op.retry == "never" and op.cortex_route}
+    assert never == {"step", "save", "load-checkpoint"}
+    assert contract.op("forward-backward").retry == "chunk_group"
+
+
+def test_an_unknown_op_is_an_error_naming_the_known_ones():
+    with pytest.raises(KeyError, match="known: .*forward-backward"):
+        contract.op("fwd-bwd")
