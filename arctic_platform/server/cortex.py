@@ -26,7 +26,6 @@ from arctic_platform import wire
 from arctic_platform.contract import ops as contract
 from arctic_platform.contract.bodies import GenerateBody
 from arctic_platform.contract.generate_columns import as_columns, wants_columns
-from arctic_platform.server.reference_logprobs import as_reference_logprobs
 from arctic_platform.contract.ops import BINARY_RESULTS, QUICK_OPERATIONS
 from arctic_platform.server.errors import BadRequest, NotFound, ServiceError
 from arctic_platform.server.http_common import (
@@ -36,6 +35,7 @@ from arctic_platform.server.http_common import (
     read_body,
 )
 from arctic_platform.server.op_bodies import parse
+from arctic_platform.server.reference_logprobs import as_reference_logprobs
 
 PREFIX = "/api/v2/databases/{database}/schemas/{schema}/{endpoint}"
 EXPORT_TTL_S = 900
