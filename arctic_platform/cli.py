@@ -166,6 +166,13 @@ def serve(
     parent_pid: Annotated[
         int | None, typer.Option(help="Stop when this process (the launcher) dies.", hidden=True)
     ] = None,
+    allow_path: Annotated[
+        list[Path] | None,
+        typer.Option(
+            help="A folder clients may read models and checkpoints from (repeatable); otherwise "
+            "every client path stays in its tenant's folder under --data-dir.",
+        ),
+    ] = None,
 ) -> None:
     """Serve the on-prem and Cortex-compatible HTTP APIs over one set of engines."""
     from arctic_platform._extras import require
@@ -191,6 +198,7 @@ def serve(
         colocate=colocate,
         instance=instance_id,
         parent_pid=parent_pid,
+        allowed_paths=tuple(allow_path or ()),
     )
 
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from arctic_platform.engine import cancellation
 from arctic_platform.engine.batching import Batch, MicroBatch, plan_microbatches, validate_batch
 from arctic_platform.engine.config import TrainingEngineConfig
 from arctic_platform.engine.errors import EngineInputError
@@ -160,6 +161,7 @@ def scored_microbatches(
     when the request has no loss). Gradients flow if the caller enables them.
     """
     for mb in request.plan:
+        cancellation.check()  # between microbatches: a cancelled op stops here
         outputs = score(
             model,
             mb.to(device),

@@ -32,7 +32,11 @@ class TokenAuth:
         value = os.environ.get(name)
         if not value:
             raise ValueError(f"--token-env {name}: the environment variable is unset or empty")
-        return cls([t.strip() for t in value.split(",")])
+        tokens = [t.strip() for t in value.split(",") if t.strip()]
+        if not tokens:
+            # Only separators would otherwise mean "no tokens", i.e. no authentication at all.
+            raise ValueError(f"--token-env {name}: the environment variable holds no token")
+        return cls(tokens)
 
     @property
     def enabled(self) -> bool:

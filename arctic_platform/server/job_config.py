@@ -241,13 +241,15 @@ def training_engine_config(
     checkpoint_dir: str,
     job_name: str,
     default_seed: int = 42,
+    model_name: str | None = None,
 ) -> TrainingEngineConfig:
-    """Map a training sub-job onto :class:`TrainingEngineConfig`."""
+    """Map a training sub-job onto :class:`TrainingEngineConfig` (``model_name`` overrides the
+    spec's, e.g. with the checked local folder it names)."""
     settings = spec.training_config
     assert settings is not None
     optimizer = settings.optimizer
     return TrainingEngineConfig(
-        model=model_config_of(spec, device=device),
+        model=model_config_of(spec, model_name=model_name, device=device),
         optimizer=OptimizerConfig(
             lr=optimizer.lr,
             betas=optimizer.betas,

@@ -31,6 +31,7 @@ def serve(
     colocate: bool = False,
     instance: str | None = None,
     parent_pid: int | None = None,
+    allowed_paths: tuple[Path, ...] = (),
 ) -> None:
     """Run the server until SIGINT/SIGTERM; in-flight ops finish before it exits.
 
@@ -44,7 +45,10 @@ def serve(
     from arctic_platform.server.app import create_app
     from arctic_platform.server.service import Service, ServiceSettings
 
-    auth = TokenAuth.from_env(token_env)
+    try:
+        auth = TokenAuth.from_env(token_env)
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
     if not auth.enabled and host not in LOOPBACK:
         raise SystemExit(
             f"refusing to listen on {host} without authentication; "
@@ -68,6 +72,7 @@ def serve(
             max_concurrent_ops=max_concurrent_ops,
             engine_backend="local" if ray_address is None else "ray",
             colocate=colocate,
+            allowed_paths=allowed_paths,
         )
     )
     app = create_app(

@@ -35,7 +35,9 @@ def build_rl_config(protocol: str) -> dict:
         "model_name": "builtin:tiny",
         "backend": "local",
         "comm_protocol": protocol,
-        "checkpoint_path": os.path.abspath("ckpts"),
+        # SkyRL's trainer.ckpt_path. A served job's paths stay in the tenant's folder on the server,
+        # so the http replay names a relative one; the ray backend keeps the driver's paths.
+        "checkpoint_path": os.path.abspath("ckpts") if protocol == "ray" else "ckpts",
         "training_gpus": 1,
         "sampling_gpus": 1,
         "log_prob_gpus": 0,
