@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
@@ -35,9 +34,9 @@ def build_rl_config(protocol: str) -> dict:
         "model_name": "builtin:tiny",
         "backend": "local",
         "comm_protocol": protocol,
-        # SkyRL's trainer.ckpt_path. A served job's paths stay in the tenant's folder on the server,
-        # so the http replay names a relative one; the ray backend keeps the driver's paths.
-        "checkpoint_path": os.path.abspath("ckpts") if protocol == "ray" else "ckpts",
+        # SkyRL's trainer.ckpt_path is absolute (~/ckpts/...). Served jobs (http and ray) keep
+        # every path inside the tenant's folder on the server, so the replay names a relative one.
+        "checkpoint_path": "ckpts",
         "training_gpus": 1,
         "sampling_gpus": 1,
         "log_prob_gpus": 0,
