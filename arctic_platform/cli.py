@@ -13,6 +13,7 @@ import typer
 
 import arctic_platform
 from arctic_platform.jobs_cli import app as jobs_app
+from arctic_platform.server.limits import ServerLimits
 
 app = typer.Typer(
     name="arctic-platform",
@@ -166,6 +167,20 @@ def serve(
     parent_pid: Annotated[
         int | None, typer.Option(help="Stop when this process (the launcher) dies.", hidden=True)
     ] = None,
+    sampling_engine: Annotated[
+        str,
+        typer.Option(
+            help="Engine of sampling jobs that do not choose one: torch (ours) or vllm "
+            "(vLLM in its own process; see --vllm-python)."
+        ),
+    ] = "torch",
+    vllm_python: Annotated[
+        Path | None,
+        typer.Option(
+            help="Python of the environment that has vLLM (default: $ARCTIC_VLLM_PYTHON, else "
+            "this interpreter if it imports vllm)."
+        ),
+    ] = None,
     allow_path: Annotated[
         list[Path] | None,
         typer.Option(
@@ -173,6 +188,33 @@ def serve(
             "every client path stays in its tenant's folder under --data-dir.",
         ),
     ] = None,
+    max_ops_per_tenant: Annotated[
+        int | None,
+        typer.Option(
+            min=1,
+            help="Op slots one tenant may hold at once (default: all but one when there are "
+            "several tokens, so another tenant always finds a slot).",
+        ),
+    ] = None,
+    drain_timeout: Annotated[
+        float,
+        typer.Option(
+            min=0,
+            help="On SIGTERM, seconds ops in flight may take before their jobs are failed.",
+        ),
+    ] = 30.0,
+    max_samples_per_request: Annotated[
+        int, typer.Option(min=1, help="Samples (n summed over prompts) in one generate.")
+    ] = ServerLimits.max_samples_per_request,
+    max_sample_tokens: Annotated[
+        int, typer.Option(min=1, help="n x max_tokens summed over one generate's prompts.")
+    ] = ServerLimits.max_sample_tokens,
+    max_batch_rows: Annotated[
+        int, typer.Option(min=1, help="Rows in one training/forward batch or log-probs call.")
+    ] = ServerLimits.max_batch_rows,
+    max_batch_tokens: Annotated[
+        int, typer.Option(min=1, help="Rows x sequence length of one training/forward batch.")
+    ] = ServerLimits.max_batch_tokens,
 ) -> None:
     """Serve the on-prem and Cortex-compatible HTTP APIs over one set of engines."""
     from arctic_platform._extras import require
@@ -181,6 +223,14 @@ def serve(
     require("torch", "server", purpose="arctic-platform serve")
     if not ray and (ray_address is not None or colocate):
         raise typer.BadParameter("--ray-address and --colocate need --ray")
+    if sampling_engine not in ("torch", "vllm"):
+        raise typer.BadParameter(
+            f"--sampling-engine: expected torch or vllm, got {sampling_engine!r}"
+        )
+    if ray and (sampling_engine != "torch" or vllm_python is not None):
+        raise typer.BadParameter("--sampling-engine vllm and --vllm-python run without --ray")
+    if vllm_python is not None and not vllm_python.is_file():
+        raise typer.BadParameter(f"--vllm-python: {vllm_python} is not a file")
     if ray:
         require("ray", "ray", purpose="arctic-platform serve --ray")
     from arctic_platform.server.serve import serve as run_server
@@ -198,7 +248,17 @@ def serve(
         colocate=colocate,
         instance=instance_id,
         parent_pid=parent_pid,
+        sampling_engine=sampling_engine,
+        vllm_python=None if vllm_python is None else str(vllm_python),
         allowed_paths=tuple(allow_path or ()),
+        max_ops_per_tenant=max_ops_per_tenant,
+        drain_timeout=drain_timeout,
+        limits=ServerLimits(
+            max_samples_per_request=max_samples_per_request,
+            max_sample_tokens=max_sample_tokens,
+            max_batch_rows=max_batch_rows,
+            max_batch_tokens=max_batch_tokens,
+        ),
     )
 
 

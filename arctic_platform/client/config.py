@@ -128,6 +128,9 @@ class HttpBackend(_Section):
     job_ready_timeout: PositiveFloat = 1800.0
     request_timeout: PositiveFloat = 1800.0
     connect_retries: NonNegativeInt = 3
+    # While an op is in flight the server's /health must answer within this many seconds, else
+    # the op fails naming a hung or stopped server (None: wait up to request_timeout).
+    liveness_timeout: PositiveFloat | None = 30.0
 
     @model_validator(mode="after")
     def _check(self) -> HttpBackend:
@@ -348,15 +351,35 @@ class TrainingJob(_Job):
 class InferenceJob(_Job):
     """A sampler (``sampling``) or a frozen reference scorer (``log_prob``).
 
-    ``max_seq_len`` bounds prompt plus completion (default: the model's context length);
-    ``vllm_config`` is the vLLM engine dictionary frameworks pass (``max_num_seqs`` and
-    ``max_model_len`` are honoured, other keys are recorded by the server as ignored).
+    ``max_seq_len`` bounds prompt plus completion (default: the model's context length).
+    ``engine`` picks the sampler: ``torch`` (ours) or ``vllm`` (vLLM in its own process); unset,
+    the server's default (ours, unless ``serve --sampling-engine vllm``). ``vllm`` holds the vLLM
+    settings (``python``, ``weight_sync``, ``env``, ``startup_timeout_s``) and any vLLM engine
+    arguments; our sampler honours ``max_num_seqs`` and ``max_model_len`` from it and the server
+    records the rest as ignored. The legacy ``vllm_config`` is folded into ``vllm``.
     """
 
     max_seq_len: PositiveInt | None = None
     max_batch_size: PositiveInt = 256
     max_tokens_per_microbatch: PositiveInt = 16384
-    vllm_config: dict[str, Any] = Field(default_factory=dict)
+    engine: Literal["torch", "vllm"] | None = None
+    vllm: dict[str, Any] = Field(default_factory=dict)
+
+    @classmethod
+    def known_keys(cls) -> set[str]:
+        return super().known_keys() | {"vllm_config"}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _fold_vllm_config(cls, data: Any) -> Any:
+        if isinstance(data, Mapping) and "vllm_config" in data:
+            data = dict(data)
+            legacy = data.pop("vllm_config")
+            if legacy is not None and not isinstance(legacy, Mapping):
+                raise ValueError("vllm_config: expected a mapping (folded into vllm)")
+            vllm = data.get("vllm")
+            data["vllm"] = {**(legacy or {}), **(vllm if isinstance(vllm, Mapping) else {})}
+        return data
 
 
 # -- the config -------------------------------------------------------------------------------
@@ -544,10 +567,12 @@ class ArcticRLClientConfig(_Section):
                 "n_gpus": job.n_gpus,
                 "max_batch_size": job.max_batch_size,
                 "max_tokens_per_microbatch": job.max_tokens_per_microbatch,
-                "vllm_config": dict(job.vllm_config),
+                "vllm_config": dict(job.vllm),
             }
             if job.max_seq_len is not None:
                 settings["max_seq_len"] = job.max_seq_len
+            if job.engine is not None:
+                settings["engine"] = job.engine
             spec["inference_config"] = settings
         return spec
 

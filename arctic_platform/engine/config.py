@@ -7,9 +7,9 @@ the same validated objects. All models forbid unknown fields so a typo fails lou
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt
+from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, model_validator
 
 
 class _Strict(BaseModel):
@@ -85,6 +85,41 @@ class TrainingEngineConfig(_Strict):
     save_total_limit: PositiveInt | None = None
 
 
+SamplingEngineName = Literal["torch", "vllm"]
+
+
+class VllmSettings(BaseModel):
+    """How the vLLM sampling engine runs (``sampling.vllm``; the legacy ``vllm_config``).
+
+    ``python`` is the interpreter of the environment that has vLLM (default:
+    ``$ARCTIC_VLLM_PYTHON``, else this interpreter when it can import vllm). ``weight_sync`` picks
+    how synced weights reach the running engine: ``restart`` builds a new vLLM engine on them,
+    ``reload`` loads them into the running one, ``auto`` restarts on CPU and reloads on GPU.
+    ``env`` adds environment variables for the vLLM process (``VLLM_CPU_KVCACHE_SPACE``, ...).
+    Every other key is a vLLM engine argument (``enforce_eager``, ``gpu_memory_utilization``, ...),
+    checked against the installed vLLM when the engine starts; ``max_num_seqs`` and
+    ``max_model_len`` also bound our own sampler.
+    """
+
+    model_config = ConfigDict(extra="allow", validate_default=True)
+
+    python: str | None = Field(None, min_length=1)
+    weight_sync: Literal["auto", "reload", "restart"] = "auto"
+    env: dict[str, str] = Field(default_factory=dict)
+    startup_timeout_s: PositiveFloat = 600.0
+
+    @model_validator(mode="after")
+    def _model_is_the_jobs(self) -> VllmSettings:
+        if "model" in self.engine_args:
+            raise ValueError("model: the job's model is what vLLM loads; set it there")
+        return self
+
+    @property
+    def engine_args(self) -> dict[str, Any]:
+        """The vLLM engine arguments: every key that is not one of ours."""
+        return dict(self.model_extra or {})
+
+
 class SamplingEngineConfig(_Strict):
     """Everything a sampling (or reference log-prob) job needs.
 
@@ -94,7 +129,9 @@ class SamplingEngineConfig(_Strict):
     ``max_kv_cache_bytes`` bounds the key/value cache of one decoding wave (rows x (prompt +
     completion) x bytes per token), so a batch of long sequences decodes in several waves rather
     than exhausting memory. ``max_logprobs`` caps the ``logprobs`` a request may ask for, and
-    ``seed`` seeds the draws of requests that do not bring their own.
+    ``seed`` seeds the draws of requests that do not bring their own. ``engine`` picks the
+    engine: ours (``torch``, the default) or vLLM in its own process (``vllm``, set up by
+    ``vllm``).
     """
 
     model: ModelConfig
@@ -104,3 +141,5 @@ class SamplingEngineConfig(_Strict):
     max_kv_cache_bytes: PositiveInt = 4 * 1024**3
     max_logprobs: PositiveInt = 20
     seed: int = 42
+    engine: SamplingEngineName = "torch"
+    vllm: VllmSettings = VllmSettings()

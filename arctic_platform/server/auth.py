@@ -42,6 +42,11 @@ class TokenAuth:
     def enabled(self) -> bool:
         return bool(self._tokens)
 
+    @property
+    def tenants(self) -> int:
+        """How many tenants can call (1 without authentication)."""
+        return max(1, len(set(self._tokens)))
+
     def owner(self, authorization: str | None, token_type: str | None = None) -> str | None:
         """The owner id for these headers; None when auth is off. Raises :class:`Unauthorized`."""
         if not self.enabled:

@@ -21,6 +21,8 @@ from pydantic import (
     Field,
     NonNegativeFloat,
     PositiveInt,
+    ValidationError,
+    field_validator,
     model_validator,
 )
 
@@ -29,8 +31,10 @@ from arctic_platform.engine.config import (
     ModelConfig,
     OptimizerConfig,
     SamplingEngineConfig,
+    SamplingEngineName,
     SchedulerConfig,
     TrainingEngineConfig,
+    VllmSettings,
 )
 
 JobType = Literal["training", "sampling", "log_prob"]
@@ -68,7 +72,8 @@ CORTEX_TRAINING_PASSTHROUGH = frozenset(
 CORTEX_INFERENCE_PASSTHROUGH = frozenset(
     {"gpu_memory_utilization", "multiplex_job_id", "peft_config"}
 )
-# vLLM engine arguments that mean something on our sampler; the rest are recorded as ignored.
+# vLLM engine arguments that mean something on our sampler; with the torch engine the rest are
+# recorded as ignored (the vLLM engine uses them all).
 VLLM_KEYS_USED = frozenset({"max_num_seqs", "max_model_len"})
 
 
@@ -151,7 +156,25 @@ class InferenceSettings(_WithPassthrough):
     max_seq_len: PositiveInt | None = None  # None: the model's context length
     max_batch_size: PositiveInt = 256
     max_tokens_per_microbatch: PositiveInt = 16384
+    # Which sampling engine: ours or vLLM (None: the server's default, fixed at job creation).
+    engine: SamplingEngineName | None = None
+    # The vLLM settings (:class:`VllmSettings`: ours, then vLLM engine arguments).
     vllm_config: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("vllm_config")
+    @classmethod
+    def _check_vllm(cls, value: dict[str, Any]) -> dict[str, Any]:
+        try:
+            VllmSettings.model_validate(value)
+        except ValidationError as exc:
+            error = exc.errors()[0]
+            where = ".".join(str(p) for p in error["loc"])
+            raise ValueError(f"{where}: {error['msg']}") from None
+        return value
+
+    @property
+    def vllm(self) -> VllmSettings:
+        return VllmSettings.model_validate(self.vllm_config)
 
 
 class SourceCheckpoint(_Spec):
@@ -188,6 +211,11 @@ class SubJobConfig(_Spec):
                 )
             if self.inference_config is None:
                 self.inference_config = InferenceSettings()
+            if self.kind == "log_prob" and self.inference_config.engine == "vllm":
+                raise ValueError(
+                    "inference_config.engine: vllm runs sampling sub-jobs; a log-prob sub-job "
+                    "scores with our engine"
+                )
         if self.post_init_hooks:
             raise ValueError(
                 "model_post_init: no model post-init hooks are available on this server"
@@ -204,7 +232,7 @@ class SubJobConfig(_Spec):
         """Foreign keys this server accepted but does not act on."""
         settings = self.training_config or self.inference_config
         ignored = dict(settings.ignored) if settings is not None else {}
-        if self.inference_config is not None:
+        if self.inference_config is not None and self.inference_config.engine != "vllm":
             unused = set(self.inference_config.vllm_config) - VLLM_KEYS_USED
             ignored.update(
                 {f"vllm_config.{k}": self.inference_config.vllm_config[k] for k in unused}
@@ -269,16 +297,27 @@ def training_engine_config(
 
 
 def sampling_engine_config(
-    spec: SubJobConfig, *, device: str, default_seed: int = 42, model_name: str | None = None
+    spec: SubJobConfig,
+    *,
+    device: str,
+    default_seed: int = 42,
+    model_name: str | None = None,
+    vllm_python: str | None = None,
 ) -> SamplingEngineConfig:
-    """Map a sampling or log-probability sub-job onto :class:`SamplingEngineConfig`."""
+    """Map a sampling or log-probability sub-job onto :class:`SamplingEngineConfig`
+    (``vllm_python``: the server operator's vLLM interpreter, used unless the job names one)."""
     settings = spec.inference_config
     assert settings is not None
-    vllm = settings.vllm_config
+    vllm = settings.vllm
+    engine_args = vllm.engine_args
+    if vllm.python is None and vllm_python is not None:
+        vllm = vllm.model_copy(update={"python": vllm_python})
     return SamplingEngineConfig(
         model=model_config_of(spec, model_name=model_name, device=device),
-        max_batch_size=vllm.get("max_num_seqs", settings.max_batch_size),
-        max_model_len=vllm.get("max_model_len", settings.max_seq_len),
+        max_batch_size=engine_args.get("max_num_seqs", settings.max_batch_size),
+        max_model_len=engine_args.get("max_model_len", settings.max_seq_len),
         max_tokens_per_microbatch=settings.max_tokens_per_microbatch,
         seed=default_seed if spec.seed is None else spec.seed,
+        engine=settings.engine or "torch",
+        vllm=vllm,
     )

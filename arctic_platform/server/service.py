@@ -23,6 +23,7 @@ import time
 import traceback
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -50,6 +51,7 @@ from arctic_platform.server.job_config import (
 from arctic_platform.server.limits import ServerLimits
 from arctic_platform.server.op_bodies import describe
 from arctic_platform.server.paths import CHECKPOINTS_DIR, PathPolicy
+from arctic_platform.server.scheduler import FairSlots
 from arctic_platform.server.store import MetadataStore
 
 TERMINAL = ("failed", "cancelled", "terminated")
@@ -70,10 +72,19 @@ class ServiceSettings:
     engine_backend: Literal["local", "ray"] = "local"
     colocate: bool = False
     # Client paths stay inside each tenant's folder, or (read-only) under these prefixes; an
-    # in-process Service, owned by the one user of its process, does not confine them.
+    # in-process Service, owned by the one user of its process, does not confine them (and only
+    # there may a job name the interpreter that runs its vLLM engine).
     allowed_paths: tuple[Path, ...] = ()
     confine_paths: bool = True
     limits: ServerLimits = field(default_factory=ServerLimits)
+    # The engine of sampling sub-jobs that do not choose one, and the interpreter that runs vLLM
+    # (None: $ARCTIC_VLLM_PYTHON, else this one if it has vllm).
+    sampling_engine: Literal["torch", "vllm"] = "torch"
+    vllm_python: str | None = None
+    # At most this many of the ``max_concurrent_ops`` slots run one tenant's ops (None: all).
+    max_ops_per_tenant: int | None = None
+    # On close, how long ops in flight may take before their jobs are failed and stopped.
+    drain_timeout_s: float = 30.0
 
 
 @dataclass
@@ -123,6 +134,8 @@ class Job:
     cancelled: threading.Event = field(default_factory=threading.Event)
     # Stops the job's ops in flight (job cancelled, server draining); see engine/cancellation.py.
     stop: CancelToken = field(default_factory=CancelToken)
+    # Ops submitted and not yet finished (what a shutdown drains).
+    in_flight: set = field(default_factory=set)
     # The op that ran most recently on any sub-job, and when it started (what an operator asks
     # first about a job that looks stuck).
     last_op: str | None = None
@@ -174,10 +187,11 @@ class Service:
         self.chunk_groups = ChunkGroups()
         self._lock = threading.RLock()
         self._jobs: dict[str, Job] = {}
-        self._slots = threading.BoundedSemaphore(settings.max_concurrent_ops)
+        self.slots = FairSlots(settings.max_concurrent_ops, settings.max_ops_per_tenant)
         # One build thread per job: a model load that hangs delays only its own job.
         self._builders: set[threading.Thread] = set()
         self._closed = False
+        self._closing: threading.Event | None = None
         self._restore()
         self._remove_stale_staging()
 
@@ -193,6 +207,7 @@ class Service:
         for i, spec in enumerate(parsed.sub_job_configs):
             if spec.source_checkpoint_info is not None:
                 self._source_checkpoint(spec, owner, field=f"sub_job_configs.{i}")
+            self._settle_sampling_engine(spec, field=f"sub_job_configs.{i}")
             model_paths.append(
                 self.paths.model_name(
                     owner, spec.model_name, field=f"sub_job_configs.{i}.model_name"
@@ -233,6 +248,20 @@ class Service:
             self._builders.add(builder)
         builder.start()
         return job.info()
+
+    def _settle_sampling_engine(self, spec: SubJobConfig, *, field: str) -> None:
+        """Record the server's default engine in a sampling sub-job that chose none, and refuse
+        a vLLM interpreter named by a job where only the operator may name one."""
+        settings = spec.inference_config
+        if settings is None:
+            return
+        if spec.kind == "sampling" and settings.engine is None:
+            settings.engine = self.settings.sampling_engine
+        if "python" in settings.vllm_config and self.settings.confine_paths:
+            raise BadRequest(
+                f"{field}.inference_config.vllm_config.python: this server runs vLLM with the "
+                "interpreter its operator chose (serve --vllm-python); a job cannot name one"
+            )
 
     def get_job(self, job_id: str, *, owner: str | None = None) -> dict:
         return self._job(job_id, owner).info()
@@ -408,7 +437,15 @@ class Service:
         runner = prepare_op(self, sub, op, body)
         if sub.queue is None:
             raise Conflict(f"sub-job {sub.sub_job_id} has no engine", code="job_not_running")
-        return sub.queue.submit(self._guarded, job, sub, op, runner)
+        future = sub.queue.submit(self._guarded, job, sub, op, runner)
+        with self._lock:
+            job.in_flight.add(future)
+        future.add_done_callback(lambda f: self._op_done(job, f))
+        return future
+
+    def _op_done(self, job: Job, future: Future) -> None:
+        with self._lock:
+            job.in_flight.discard(future)
 
     def call(self, sub: SubJob, op: str, body: Any) -> Any:
         """Run ``op`` and wait for its result (the in-process and on-prem paths)."""
@@ -425,7 +462,7 @@ class Service:
 
         if job.cancelled.is_set():
             raise Conflict(f"job {job.job_id} was cancelled", code="job_cancelled")
-        with self._slots:
+        with self.slots.slot(job.owner):
             self._require_running(job)
             job.last_op, job.last_op_at = op, time.time()
             try:
@@ -523,26 +560,58 @@ class Service:
 
     # -- lifecycle --------------------------------------------------------------------------
 
-    def close(self) -> None:
-        """Stop accepting work, let in-flight ops finish, release engines."""
+    def close(self, drain_timeout: float | None = None) -> None:
+        """Stop accepting work and let ops in flight finish, for at most ``drain_timeout`` seconds
+        (default ``settings.drain_timeout_s``); then the jobs still busy are failed with that
+        reason and their ops stopped at their next decode step or microbatch. Engines are
+        released either way."""
+        with self._lock:
+            closing, first = self._closing, self._closing is None
+            if first:
+                closing = self._closing = threading.Event()
+        if not first:
+            closing.wait()  # a close under way (the signal's drain, then the app's shutdown)
+            return
+        try:
+            self._drain(drain_timeout)
+        finally:
+            closing.set()
+
+    def _drain(self, drain_timeout: float | None) -> None:
+        timeout = self.settings.drain_timeout_s if drain_timeout is None else drain_timeout
+        deadline = time.monotonic() + timeout
         with self._lock:
             self._closed = True
             jobs = list(self._jobs.values())
+            builders = list(self._builders)
         for job in jobs:
             if job.status in ("pending", "initializing"):
                 job.cancelled.set()  # a build under way stops before its next engine
-        with self._lock:
-            builders = list(self._builders)
         for builder in builders:
-            builder.join()
+            builder.join(max(0.0, deadline - time.monotonic()))
         for job in jobs:
             for sub in job.sub_jobs:
                 if sub.queue is not None:
-                    sub.queue.shutdown(wait=True)
-            if job.status not in TERMINAL:
+                    sub.queue.shutdown(wait=False)  # queued ops still run, new ones are refused
+        with self._lock:
+            pending = [f for job in jobs for f in job.in_flight]
+        wait_futures(pending, timeout=max(0.0, deadline - time.monotonic()))
+        for job in jobs:
+            with self._lock:
+                busy = bool(job.in_flight)
+            if busy:
+                reason = f"server shut down with ops in flight after --drain-timeout {timeout:g}s"
+                job.stop.cancel(reason)  # its ops stop at their next step or microbatch
+                self._fail(job, reason)
+            elif job.status not in TERMINAL:
                 self._set_status(job, "terminated", "server shut down")
             self._release(job)
         self.store.close()
+
+    def busy(self) -> int:
+        """Ops submitted and not yet finished, across jobs."""
+        with self._lock:
+            return sum(len(j.in_flight) for j in self._jobs.values())
 
     def _build(self, job: Job) -> None:
         try:

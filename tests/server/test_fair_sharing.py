@@ -165,3 +165,39 @@ def wait_for(condition) -> None:
     while not condition():
         assert time.monotonic() < deadline
         time.sleep(0.01)
+
+
+def test_another_tenant_is_served_while_one_tenant_runs_long_generates(tmp_path):
+    # The starvation scenario: tenant a runs two long generates (two jobs), which on a server
+    # without per-tenant shares would hold both op slots.
+    service = Service(
+        ServiceSettings(data_dir=tmp_path, device="cpu", max_concurrent_ops=2, max_ops_per_tenant=1)
+    )
+    try:
+        a_jobs = [running(service, "a", "sampling") for _ in range(2)]
+        b_job = running(service, "b", "log_probability")
+        first = endless_generate(service, a_jobs[0], "a")
+        sub = service.resolve(a_jobs[1], owner="a", kind="sampling")
+        second = service.submit(sub, "generate", {"prompts": ["1"], "sampling_params": ENDLESS})
+        quick = service.execute(b_job, "log-probs", {"prompts": ["1+2="]}, owner="b")
+        assert quick["results"]
+        # b's op finished while a's first generate still ran and its second still waited: the
+        # bound on b's latency is one op of its own, not a's generations.
+        assert not first.done() and not second.done()
+        assert service.slots.queued() == {"a": 1}
+    finally:
+        service.close(drain_timeout=0)
+    assert "drain-timeout" in ended_by(first, "op_cancelled")
+
+
+def test_close_fails_busy_jobs_after_the_drain_timeout_and_stops_their_ops(tmp_path):
+    service = Service(ServiceSettings(data_dir=tmp_path, device="cpu"))
+    busy = running(service, None, "sampling")
+    idle = running(service, None, "training")
+    future = endless_generate(service, busy, None)
+    service.close(drain_timeout=0.2)
+    message = ended_by(future, "op_cancelled")
+    assert "--drain-timeout 0.2s" in message
+    jobs = {j["job_id"]: j for j in service.list_jobs()}
+    assert jobs[busy]["status"] == "failed" and "drain-timeout" in jobs[busy]["reason"]
+    assert jobs[idle]["status"] == "terminated"

@@ -37,6 +37,7 @@ from arctic_platform.client.transports.http_common import (
     read_response,
     retry_wait,
 )
+from arctic_platform.client.transports.liveness import LivenessWatch
 from arctic_platform.server_identity import identity_problem
 
 log = logging.getLogger(__name__)
@@ -67,6 +68,7 @@ class HttpTransport(Transport):
             headers["Authorization"] = f"Bearer {token}"
         self._headers = headers
         self._client: httpx.Client | None = None
+        self._watch: LivenessWatch | None = None
 
     # -- lifecycle --------------------------------------------------------------------------
 
@@ -87,6 +89,10 @@ class HttpTransport(Transport):
             headers=self._headers,
             timeout=httpx.Timeout(self.backend.request_timeout, connect=10.0),
         )
+        if self.backend.liveness_timeout is not None:
+            self._watch = LivenessWatch(
+                self._base_url, self._headers, self.backend.liveness_timeout
+            )
         problem = identity_problem(self._get("/health", op="health"))
         if problem is not None:
             raise BackendUnavailableError(f"backend.url: {self._base_url}: {problem}")
@@ -131,6 +137,9 @@ class HttpTransport(Transport):
                     log.warning("could not destroy job %s: %s", job_id, exc)
             self._client.close()
             self._client = None
+        if self._watch is not None:
+            self._watch.close()
+            self._watch = None
         if self._server is not None:
             self._server.stop()
             self._server = None
@@ -143,6 +152,11 @@ class HttpTransport(Transport):
     # -- ops --------------------------------------------------------------------------------
 
     def call(self, request: Request) -> Any:
+        if self._watch is None:
+            return self._call(request)
+        return self._watch.run(lambda: self._call(request), op=request.op)
+
+    def _call(self, request: Request) -> Any:
         params = {"job_id": request.job_id}
         path = f"/{request.op}"
         if request.binary:
