@@ -289,7 +289,7 @@ def test_flat_fields_the_reference_verl_adapter_sets_read_back_as_set():
     for name in ("model_name", "seed", "max_seq_len", "training_gpus", "sampling_gpus"):
         assert getattr(config, name) == verl[name], name
     assert config.log_prob_gpus == 1 and config.checkpoint_path == "/ckpt"
-    assert config.comm_protocol == "http" and config.sampling.vllm_config == {"max_num_seqs": 8}
+    assert config.comm_protocol == "http" and config.sampling.vllm == {"max_num_seqs": 8}
 
 
 def test_unset_flat_fields_read_as_the_nested_equivalent():
