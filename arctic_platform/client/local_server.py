@@ -114,6 +114,11 @@ class LocalServer:
                     )
                 time.sleep(0.2)
 
+    @property
+    def pid(self) -> int | None:
+        """The server process's id while it runs (for tools that watch its resources)."""
+        return None if self._process is None else self._process.pid
+
     def _health_problem(self, probe: httpx.Client) -> str | None:
         """``""`` when our server answers ``/health``, why not when something else does, None
         when nothing answers yet."""
