@@ -39,10 +39,11 @@ def prepare_op(service, sub, op: str, body: Any) -> Callable[[], Any]:
 
 def _forward_backward(service, sub, engine, job_id, body):
     batch, meta, processing, _ = train_envelope(body, op="forward-backward")
-    service.limits.check_batch("forward-backward", batch)
+    tokens = service.limits.check_batch("forward-backward", batch)
 
     def run():
         out = engine.forward_backward(batch, meta, processing)
+        service.metrics.add_tokens("forward-backward", tokens)
         return {
             "job_id": job_id,
             "avg_loss": out["avg_loss"],
@@ -55,10 +56,11 @@ def _forward_backward(service, sub, engine, job_id, body):
 
 def _forward(service, sub, engine, job_id, body):
     batch, meta, processing, _ = train_envelope(body, op="forward")
-    service.limits.check_batch("forward", batch)
+    tokens = service.limits.check_batch("forward", batch)
 
     def run():
         out = engine.forward(batch, meta, processing)
+        service.metrics.add_tokens("forward", tokens)
         tensors = {k: out[k] for k in ("logprobs", "entropy") if k in out}
         return {
             "job_id": job_id,
@@ -183,6 +185,7 @@ def _generate(service, sub, engine, job_id, body):
 
     def run():
         results = engine.generate(body.prompts, body.sampling_params)
+        service.metrics.add_tokens("generate", sum(len(r["token_ids"]) for r in results))
         return {"job_id": job_id, "results": results}
 
     return run
