@@ -1,8 +1,10 @@
-"""Typed settings of the engines: the model, the optimizer, the schedule and the job knobs.
+"""Typed settings of the engines: the model and the job knobs, composing the optimizer, schedule
+and LoRA settings of :mod:`arctic_platform.contract.settings`.
 
-These are the engine's own contract. The client's YAML (``ArcticRLClientConfig``) and the server's
-job-creation bodies are mapped onto them at their edges, so every backend builds its engines from
-the same validated objects. All models forbid unknown fields so a typo fails loudly.
+The optimizer, schedule and LoRA models are defined once in the contract (pydantic only, so the
+client can use them without torch); the server's job config and the client's YAML compose the
+same models, so every backend builds its engines from the same validated objects. All models
+forbid unknown fields so a typo fails loudly.
 """
 
 from __future__ import annotations
@@ -11,18 +13,20 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt
 
+from arctic_platform.contract.settings import LoraConfig, OptimizerConfig, SchedulerConfig
+
+__all__ = [
+    "LoraConfig",
+    "ModelConfig",
+    "OptimizerConfig",
+    "SamplingEngineConfig",
+    "SchedulerConfig",
+    "TrainingEngineConfig",
+]
+
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_default=True)
-
-
-class LoraConfig(_Strict):
-    """Low-rank adapters through peft; only the adapter weights train."""
-
-    r: PositiveInt = 8
-    alpha: float = 16.0
-    dropout: float = Field(0.0, ge=0.0, lt=1.0)
-    target_modules: list[str] | Literal["all-linear"] = "all-linear"
 
 
 class ModelConfig(_Strict):
@@ -38,30 +42,6 @@ class ModelConfig(_Strict):
     attn_implementation: str | None = None
     trust_remote_code: bool = False
     lora: LoraConfig | None = None
-
-
-class OptimizerConfig(_Strict):
-    """AdamW hyper-parameters and gradient clipping (``grad_clip <= 0`` disables clipping)."""
-
-    name: Literal["adamw"] = "adamw"
-    lr: float = Field(1e-5, gt=0.0)
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = Field(1e-8, gt=0.0)
-    weight_decay: float = Field(0.0, ge=0.0)
-    grad_clip: float = 1.0
-
-
-class SchedulerConfig(_Strict):
-    """Learning-rate schedule: linear warmup, then constant, linear or cosine decay.
-
-    ``total_steps`` is required by the decaying schedules; ``min_lr_ratio`` is the floor they
-    decay to, as a fraction of the peak learning rate.
-    """
-
-    name: Literal["constant", "linear", "cosine"] = "constant"
-    warmup_steps: int = Field(0, ge=0)
-    total_steps: PositiveInt | None = None
-    min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0)
 
 
 class TrainingEngineConfig(_Strict):

@@ -55,7 +55,8 @@ async def health() -> dict:
 async def status(request: Request) -> dict:
     jobs = _service(request).list_jobs(owner=owner_of(request))
     subs = {s["sub_job_id"]: _onprem_info(j, s) for j in jobs for s in j["sub_jobs"]}
-    return {"device": request.app.state.service.settings.device, "jobs": subs}
+    service = _service(request)
+    return {"device": service.settings.device, "jobs": subs, "running_ops": service.running_ops}
 
 
 @router.post("/initialize")

@@ -378,7 +378,7 @@ class RayEngines:
                 engine = RayTrainingEngine(
                     sub_job_id=sub.sub_job_id,
                     config=config,
-                    strategy=spec.training_config.data_parallel,
+                    strategy=spec.training_config.data_parallel or "ddp",
                     workers=spec.training_config.n_gpus,
                     placement=placement,
                     on_close=release,

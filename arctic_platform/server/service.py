@@ -17,6 +17,7 @@ and can start a new job from a checkpoint.
 from __future__ import annotations
 
 import collections
+import contextlib
 import threading
 import time
 import traceback
@@ -28,6 +29,12 @@ from typing import Any, Literal
 
 from pydantic import ValidationError
 
+from arctic_platform.contract.job_config import (
+    API_JOB_TYPE,
+    SHORT_JOB_TYPE,
+    CreateJobRequest,
+    SubJobConfig,
+)
 from arctic_platform.contract.ops import INLINE_OPERATIONS, OPERATION, OPERATION_TYPES
 from arctic_platform.server.async_requests import ChunkGroups, RequestStore
 from arctic_platform.server.errors import (
@@ -36,12 +43,6 @@ from arctic_platform.server.errors import (
     EngineFailure,
     NotFound,
     ServiceError,
-)
-from arctic_platform.server.job_config import (
-    API_JOB_TYPE,
-    SHORT_JOB_TYPE,
-    CreateJobRequest,
-    SubJobConfig,
 )
 from arctic_platform.server.op_bodies import describe
 from arctic_platform.server.store import MetadataStore
@@ -140,6 +141,7 @@ class Service:
         self._lock = threading.RLock()
         self._jobs: dict[str, Job] = {}
         self._slots = threading.BoundedSemaphore(settings.max_concurrent_ops)
+        self._running_ops = 0
         self._builders = ThreadPoolExecutor(max_workers=1, thread_name_prefix="job-init")
         self._closed = False
         self._restore()
@@ -229,7 +231,14 @@ class Service:
             "device": self.settings.device,
             "active_sub_jobs": active,
             "max_concurrent_ops": self.settings.max_concurrent_ops,
+            "running_ops": self.running_ops,
         }
+
+    @property
+    def running_ops(self) -> int:
+        """How many ops are executing on an engine right now (not queued ones)."""
+        with self._lock:
+            return self._running_ops
 
     def tail_logs(
         self, job_id: str, *, owner: str | None = None, cursor: Any = None, max_lines: int = 200
@@ -368,7 +377,7 @@ class Service:
 
         if job.cancelled.is_set():
             raise Conflict(f"job {job.job_id} was cancelled", code="job_cancelled")
-        with self._slots:
+        with self._slots, self._counted():
             self._require_running(job)
             job.last_op, job.last_op_at = op, time.time()
             try:
@@ -385,6 +394,16 @@ class Service:
                 self._log(job, reason + "\n" + traceback.format_exc(limit=8))
                 self._fail(job, reason)
                 raise EngineFailure(reason) from exc
+
+    @contextlib.contextmanager
+    def _counted(self):
+        with self._lock:
+            self._running_ops += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._running_ops -= 1
 
     # -- checkpoints ------------------------------------------------------------------------
 

@@ -122,7 +122,9 @@ NOT_REPEATABLE = RetryPolicy(frozenset({429}), after_send=False)
 class CortexTransport(Transport):
     """One Cortex job with its sub-jobs (see module doc)."""
 
-    def __init__(self, config: ArcticRLClientConfig) -> None:
+    def __init__(
+        self, config: ArcticRLClientConfig, *, http_transport: httpx.BaseTransport | None = None
+    ) -> None:
         backend = config.backend
         assert isinstance(backend, CortexBackend)
         self.config = config
@@ -139,6 +141,7 @@ class CortexTransport(Transport):
             headers=headers,
             timeout=httpx.Timeout(backend.request_timeout, connect=10.0),
             verify=backend.verify_tls,
+            transport=http_transport,
         )
 
     @property
