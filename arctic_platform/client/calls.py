@@ -7,9 +7,9 @@ cannot drift between them.
 
 Arguments are checked here, before anything is sent: a wrong type or an unknown key is a
 ``TypeError``/``ValueError`` naming the argument. Responses get the compatibility aliases
-frameworks read (DESIGN.md §3): ``loss`` and ``avg_loss`` both present; ``grad_norm`` and
-``last_lr`` at the top level and in ``metrics``; ``batch`` and ``model_outputs`` naming the same
-outputs; ``generate`` returns the list of results with tensors as Python lists.
+frameworks read (:mod:`arctic_platform.contract.results`): ``loss`` and ``avg_loss`` both present;
+``grad_norm`` and ``last_lr`` at the top level and in ``metrics``; ``batch`` and ``model_outputs``
+naming the same outputs; ``generate`` returns the list of results with tensors as Python lists.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from arctic_platform.client.tensors import is_tensor, to_python
 from arctic_platform.client.transport import JobHandles, Request
 from arctic_platform.contract.bodies import SNOWAPI_ENVELOPE_KEYS, TRAIN_ENVELOPE_KEYS
 from arctic_platform.contract.generate_columns import COLUMNS_KEY, request_columns, results_of
+from arctic_platform.contract.results import shape_step_result, shape_train_result
 
 SYNCHRONOUS_SAVES = {
     "pending_saves": 0,
@@ -391,37 +392,6 @@ def _str(what: str, name: str, value: Any) -> str:
 
 
 # -- responses --------------------------------------------------------------------------------
-
-
-def shape_train_result(result: Mapping) -> dict:
-    """``fwd_bwd``/``fwd_no_grad``: ``loss``/``avg_loss`` and ``batch``/``model_outputs``."""
-    out = dict(result)
-    metrics = out.get("metrics")
-    out["metrics"] = dict(metrics) if isinstance(metrics, Mapping) else {}
-    if "avg_loss" not in out and "loss" not in out and "loss" in out["metrics"]:
-        out["avg_loss"] = out["metrics"]["loss"]
-    if "avg_loss" in out:
-        out.setdefault("loss", out["avg_loss"])
-    elif "loss" in out:
-        out["avg_loss"] = out["loss"]
-    if "batch" not in out and "model_outputs" in out:
-        out["batch"] = out["model_outputs"]
-    if "batch" in out:
-        out.setdefault("model_outputs", out["batch"])
-    return out
-
-
-def shape_step_result(result: Mapping) -> dict:
-    """``step``: ``grad_norm`` and ``last_lr`` both at the top level and in ``metrics``."""
-    out = dict(result)
-    metrics = dict(out.get("metrics") or {})
-    for key in ("grad_norm", "last_lr"):
-        if key in out:
-            metrics.setdefault(key, out[key])
-        elif key in metrics:
-            out[key] = metrics[key]
-    out["metrics"] = metrics
-    return out
 
 
 def shape_generate_result(result: Any) -> list:

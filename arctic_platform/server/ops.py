@@ -1,10 +1,9 @@
 """What each op does on each kind of sub-job, and the response shape it returns.
 
 ``prepare_op`` runs on the caller's thread: it validates the body (a 400 names the field) and
-returns a runner that the sub-job's queue executes. Responses have one shape on every backend
-(DESIGN.md §3): ``forward-backward -> {job_id, avg_loss, loss, metrics}``, ``forward -> {job_id,
-batch: {logprobs[, entropy]}, metrics, avg_loss}``, ``step -> {job_id, global_steps, last_lr,
-grad_norm, metrics}``, ``generate -> {job_id, results}``.
+returns a runner that the sub-job's queue executes. Responses have one shape on every backend,
+built by :mod:`arctic_platform.contract.results` (``generate -> {job_id, results}``, or columns:
+:mod:`arctic_platform.contract.generate_columns`).
 """
 
 from __future__ import annotations
@@ -13,6 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from arctic_platform.contract import ops as contract
+from arctic_platform.contract import results
 from arctic_platform.server.errors import BadRequest, NotFound
 from arctic_platform.server.op_bodies import parse, train_envelope, wake_tags
 
@@ -41,13 +41,7 @@ def _forward_backward(service, sub, engine, job_id, body):
     batch, meta, processing, _ = train_envelope(body, op="forward-backward")
 
     def run():
-        out = engine.forward_backward(batch, meta, processing)
-        return {
-            "job_id": job_id,
-            "avg_loss": out["avg_loss"],
-            "loss": out["loss"],
-            "metrics": out["metrics"],
-        }
+        return results.fwd_bwd_result(job_id, engine.forward_backward(batch, meta, processing))
 
     return run
 
@@ -56,14 +50,7 @@ def _forward(service, sub, engine, job_id, body):
     batch, meta, processing, _ = train_envelope(body, op="forward")
 
     def run():
-        out = engine.forward(batch, meta, processing)
-        tensors = {k: out[k] for k in ("logprobs", "entropy") if k in out}
-        return {
-            "job_id": job_id,
-            "batch": tensors,
-            "metrics": out["metrics"],
-            "avg_loss": out.get("avg_loss", 0.0),
-        }
+        return results.forward_result(job_id, engine.forward(batch, meta, processing))
 
     return run
 
@@ -71,14 +58,7 @@ def _forward(service, sub, engine, job_id, body):
 def _step(service, sub, engine, job_id, body):
 
     def run():
-        out = engine.step(body.learning_rate)
-        return {
-            "job_id": job_id,
-            "global_steps": out["global_steps"],
-            "last_lr": out["last_lr"],
-            "grad_norm": out["grad_norm"],
-            "metrics": out["metrics"],
-        }
+        return results.step_result(job_id, engine.step(body.learning_rate))
 
     return run
 
