@@ -25,6 +25,7 @@ from pydantic import (
     model_validator,
 )
 
+from arctic_platform.contract.ops import Role
 from arctic_platform.contract.settings import (
     LoraConfig,
     OptimizerConfig,
@@ -32,7 +33,9 @@ from arctic_platform.contract.settings import (
     Settings,
 )
 
-JobType = Literal["training", "sampling", "log_prob"]
+# Sub-job types: this project's short names (the op table's roles, used in sub-job ids) and the
+# Cortex API's, with the one map between them each way.
+JobType = Role
 ApiJobType = Literal["training", "sampling", "log_probability"]
 API_JOB_TYPE: dict[str, ApiJobType] = {
     "training": "training",

@@ -16,6 +16,7 @@ from fastapi import APIRouter, Request
 from fastapi.concurrency import run_in_threadpool
 
 from arctic_platform.contract.generate_columns import as_columns, wants_columns
+from arctic_platform.contract.job_config import SHORT_JOB_TYPE
 from arctic_platform.contract.ops import BINARY_RESULTS, ONPREM_OPS
 from arctic_platform.server.errors import BadRequest, NotFound
 from arctic_platform.server.http_common import (
@@ -117,7 +118,7 @@ def _onprem_info(job: dict, sub: dict) -> dict:
     return {
         "job_id": sub["sub_job_id"],
         "parent_job_id": job["job_id"],
-        "job_type": "log_prob" if sub["job_type"] == "log_probability" else sub["job_type"],
+        "job_type": SHORT_JOB_TYPE[sub["job_type"]],
         "model_name": sub["model_name"],
         "status": job["status"].upper(),
         "reason": job["reason"],

@@ -67,6 +67,7 @@ from arctic_platform.client.transports.http_common import (
     octet_request,
     retry_wait,
 )
+from arctic_platform.contract.job_config import SHORT_JOB_TYPE
 from arctic_platform.contract.ops import OPERATION
 from arctic_platform.contract.ops import op as contract_op
 
@@ -91,12 +92,6 @@ DONE = {"done", "completed", "succeeded"}
 FAILED = {"failed"}
 CANCELLED = {"cancelled", "canceled"}
 ENDED_JOB = {"failed", "cancelled", "canceled", "terminated", "done"}
-ROLE_OF_TYPE = {
-    "training": "training",
-    "sampling": "sampling",
-    "log_probability": "log_prob",
-    "log_prob": "log_prob",
-}
 # Error kinds our server records for failed requests, and the status the same error has inline.
 FAILED_KINDS = {
     "BadRequest": (400, "invalid_argument"),
@@ -479,7 +474,7 @@ def _sub_jobs(info: dict) -> dict[str, str]:
     """Role -> sub-job id, from a job's info (the first sub-job of each type)."""
     found: dict[str, str] = {}
     for sub in info.get("sub_jobs") or []:
-        role = ROLE_OF_TYPE.get(_state(sub.get("job_type"), "job_type_"))
+        role = SHORT_JOB_TYPE.get(_state(sub.get("job_type"), "job_type_"))
         if role is not None and role not in found and sub.get("sub_job_id"):
             found[role] = str(sub["sub_job_id"])
     return found
