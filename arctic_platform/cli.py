@@ -13,6 +13,7 @@ import typer
 
 import arctic_platform
 from arctic_platform.jobs_cli import app as jobs_app
+from arctic_platform.server.limits import ServerLimits
 
 app = typer.Typer(
     name="arctic-platform",
@@ -144,6 +145,40 @@ def serve(
     colocate: Annotated[
         bool, typer.Option(help="With --ray: put a job's trainer and samplers on shared devices.")
     ] = False,
+    allow_path: Annotated[
+        list[Path] | None,
+        typer.Option(
+            help="A folder clients may read models and checkpoints from (repeatable); otherwise "
+            "every client path stays in its tenant's folder under --data-dir.",
+        ),
+    ] = None,
+    max_ops_per_tenant: Annotated[
+        int | None,
+        typer.Option(
+            min=1,
+            help="Op slots one tenant may hold at once (default: all but one when there are "
+            "several tokens, so another tenant always finds a slot).",
+        ),
+    ] = None,
+    drain_timeout: Annotated[
+        float,
+        typer.Option(
+            min=0,
+            help="On SIGTERM, seconds ops in flight may take before their jobs are failed.",
+        ),
+    ] = 30.0,
+    max_samples_per_request: Annotated[
+        int, typer.Option(min=1, help="Samples (n summed over prompts) in one generate.")
+    ] = ServerLimits.max_samples_per_request,
+    max_sample_tokens: Annotated[
+        int, typer.Option(min=1, help="n x max_tokens summed over one generate's prompts.")
+    ] = ServerLimits.max_sample_tokens,
+    max_batch_rows: Annotated[
+        int, typer.Option(min=1, help="Rows in one training/forward batch or log-probs call.")
+    ] = ServerLimits.max_batch_rows,
+    max_batch_tokens: Annotated[
+        int, typer.Option(min=1, help="Rows x sequence length of one training/forward batch.")
+    ] = ServerLimits.max_batch_tokens,
 ) -> None:
     """Serve the on-prem and Cortex-compatible HTTP APIs over one set of engines."""
     from arctic_platform._extras import require
@@ -167,6 +202,15 @@ def serve(
         log_level=log_level,
         ray_address=(ray_address or "auto") if ray else None,
         colocate=colocate,
+        allowed_paths=tuple(allow_path or ()),
+        max_ops_per_tenant=max_ops_per_tenant,
+        drain_timeout=drain_timeout,
+        limits=ServerLimits(
+            max_samples_per_request=max_samples_per_request,
+            max_sample_tokens=max_sample_tokens,
+            max_batch_rows=max_batch_rows,
+            max_batch_tokens=max_batch_tokens,
+        ),
     )
 
 

@@ -60,6 +60,11 @@ PAYLOAD_KEY = "payload"
 MAX_HEADER_BYTES = 64 * 1024 * 1024
 CHUNK_OVERHEAD_BYTES = 8192
 MAX_TREE_DEPTH = 256
+# numpy 1.x arrays have at most 32 dimensions (numpy 2: 64); a frame may not ask for more.
+MAX_TENSOR_DIMS = 32
+# A shape's byte size counting zero dims as 1 must fit numpy's index type, or numpy refuses it
+# even for a zero-size tensor.
+_MAX_SHAPE_BYTES = 2**62
 
 _CHUNK_KEYS = {"request": REQUEST_CHUNK_KEY, "result": RESULT_CHUNK_KEY}
 _PICKLE_PREFIXES = (b"\x80\x02", b"\x80\x03", b"\x80\x04", b"\x80\x05")
@@ -412,6 +417,10 @@ def _parse_entry(key: str, spec: Any, data_size: int) -> _Entry:
         raise ValueError(f"tensor {key!r} has unsupported dtype {code!r}")
     if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
         raise ValueError(f"tensor {key!r} has an invalid shape {shape!r}")
+    if len(shape) > MAX_TENSOR_DIMS:
+        raise ValueError(
+            f"tensor {key!r} has a shape of {len(shape)} dimensions (at most {MAX_TENSOR_DIMS})"
+        )
     if (
         not isinstance(offsets, list)
         or len(offsets) != 2
@@ -421,6 +430,8 @@ def _parse_entry(key: str, spec: Any, data_size: int) -> _Entry:
         raise ValueError(f"tensor {key!r} has invalid data_offsets {offsets!r}")
     if math.prod(shape) * _NUMPY_DTYPES[code].itemsize != offsets[1] - offsets[0]:
         raise ValueError(f"tensor {key!r}: shape {shape} and {code} do not match its byte range")
+    if math.prod(max(d, 1) for d in shape) * _NUMPY_DTYPES[code].itemsize > _MAX_SHAPE_BYTES:
+        raise ValueError(f"tensor {key!r} has a shape {_short(shape)} too large to index")
     return _Entry(code, shape, offsets[0], offsets[1])
 
 

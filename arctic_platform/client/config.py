@@ -101,6 +101,9 @@ class HttpBackend(_Section):
     job_ready_timeout: PositiveFloat = 1800.0
     request_timeout: PositiveFloat = 1800.0
     connect_retries: NonNegativeInt = 3
+    # While an op is in flight the server's /health must answer within this many seconds, else
+    # the op fails naming a hung or stopped server (None: wait up to request_timeout).
+    liveness_timeout: PositiveFloat | None = 30.0
 
     @model_validator(mode="after")
     def _check(self) -> HttpBackend:

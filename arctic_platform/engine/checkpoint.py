@@ -9,11 +9,12 @@ A checkpoint directory holds
 * ``rng_state.pt`` (torch CPU and CUDA generators, Python ``random``, numpy);
 * ``trainer_state.json`` (global step, learning-rate override).
 
-Writes go to a hidden staging directory in the job folder and are renamed into place, then the
-``latest`` pointer file (holding the step, as the reference server writes it) is replaced with
-``os.replace``. A save that fails half-way leaves the previous checkpoints and ``latest`` as they
-were. ``save_total_limit`` keeps the newest ``checkpoint-<step>`` folders of the job and deletes
-older ones; nothing else in the folder is touched.
+Writes go to a hidden staging directory in the job folder, are fsynced and renamed into place
+(:mod:`arctic_platform.engine.checkpoint_staging`), then the ``latest`` pointer file (holding the
+step, as the reference server writes it) is replaced atomically. A save that fails half-way
+leaves the previous checkpoints and ``latest`` as they were. ``save_total_limit`` keeps the newest
+``checkpoint-<step>`` folders of the job and deletes older ones; nothing else in the folder is
+touched (the trainer applies it only to the job's own checkpoint folder).
 
 Restoring every piece of state is what makes resumption bitwise-identical to an uninterrupted run
 on CPU.
@@ -27,8 +28,6 @@ import os
 import random
 import re
 import shutil
-import tempfile
-import uuid
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +35,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file
 
+from arctic_platform.engine import checkpoint_staging as staging_files
 from arctic_platform.engine.errors import EngineInputError
 
 CHECKPOINT_PATTERN = re.compile(r"^checkpoint-(\d+)$")
@@ -46,7 +46,6 @@ SCHEDULER_FILE = "scheduler.pt"
 RNG_FILE = "rng_state.pt"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 HF_EXPORT_DIR = "hf"
-_STAGING_PREFIXES = (".tmp-checkpoint-", ".old-checkpoint-")
 
 
 def checkpoint_id(step: int) -> str:
@@ -77,22 +76,21 @@ def save_checkpoint(
     """
     job = Path(job_dir)
     job.mkdir(parents=True, exist_ok=True)
-    _remove_stale_staging(job)
+    staging_files.remove_stale([job])
     name = checkpoint_id(step)
     final = job / name
-    staging = job / f".tmp-{name}-{uuid.uuid4().hex}"
-    staging.mkdir()  # not mkdtemp: the checkpoint keeps the umask's permissions, not 0700
+    staging = staging_files.new_staging_dir(job, name)
     try:
         _write_model(staging, model, tokenizer, export_hf=export_hf)
         torch.save(optimizer.state_dict(), staging / OPTIMIZER_FILE)
         torch.save(scheduler.state_dict(), staging / SCHEDULER_FILE)
         torch.save(capture_rng(), staging / RNG_FILE)
-        _write_text(staging / TRAINER_STATE, json.dumps(trainer_state, indent=2))
-        _replace_dir(staging, final)
+        (staging / TRAINER_STATE).write_text(json.dumps(trainer_state, indent=2))
+        staging_files.publish(staging, final)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    _write_text(job / LATEST_FILE, str(step), atomic=True)
+    staging_files.write_text_atomic(job / LATEST_FILE, str(step))
     if save_total_limit:
         prune_checkpoints(job, save_total_limit, keep_name=name)
     hf_path = None
@@ -285,40 +283,6 @@ def _check_optimizer_state(optimizer: torch.optim.Optimizer, state: dict, direct
         raise EngineInputError(
             "path", f"optimizer state in {directory} is for a different set of trainable weights"
         )
-
-
-def _replace_dir(staging: Path, final: Path) -> None:
-    """Rename ``staging`` to ``final``, moving an existing ``final`` aside first."""
-    old = None
-    if final.exists():
-        old = final.with_name(f".old-{final.name}-{os.getpid()}")
-        final.rename(old)
-    staging.rename(final)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-
-
-def _write_text(path: Path, text: str, *, atomic: bool = False) -> None:
-    if not atomic:
-        path.write_text(text)
-        return
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}-", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as handle:
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def _remove_stale_staging(job: Path) -> None:
-    """Leftovers of saves that were killed before they could clean up."""
-    for entry in job.iterdir():
-        if entry.name.startswith(_STAGING_PREFIXES) and entry.is_dir():
-            shutil.rmtree(entry, ignore_errors=True)
 
 
 def _to_lists(value):

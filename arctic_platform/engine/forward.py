@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from arctic_platform.contract.results import loss_fields
+from arctic_platform.engine import cancellation
 from arctic_platform.engine.batching import Batch, MicroBatch, plan_microbatches, validate_batch
 from arctic_platform.engine.config import TrainingEngineConfig
 from arctic_platform.engine.errors import EngineInputError
@@ -161,6 +162,7 @@ def scored_microbatches(
     when the request has no loss). Gradients flow if the caller enables them.
     """
     for mb in request.plan:
+        cancellation.check()  # between microbatches: a cancelled op stops here
         outputs = score(
             model,
             mb.to(device),

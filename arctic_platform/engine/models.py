@@ -6,12 +6,36 @@ model, so built-in models exercise exactly the code path real checkpoints take.
 
 from __future__ import annotations
 
+import threading
+from pathlib import Path
+
 import torch
 
 from arctic_platform.engine.builtin import builtin_model_path, is_builtin
 from arctic_platform.engine.config import LoraConfig, ModelConfig
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+# transformers' model construction is not thread-safe (it patches global init functions and
+# resolves its names lazily), and seeding and random weight initialisation use process-global
+# generators. Engines built on concurrent threads (one per job on a server) hold this lock around
+# those steps; the slow part, reading the files, happens before it (see :func:`read_ahead`).
+MODEL_INIT_LOCK = threading.Lock()
+READ_AHEAD_BYTES = 16 * 1024 * 1024
+
+
+def read_ahead(path: str) -> None:
+    """Read a local model folder's files once, unlocked, so a slow or stalled disk delays only
+    the job that loads from it; ``from_pretrained`` then reads them from the page cache."""
+    folder = Path(path)
+    if not folder.is_dir():
+        return
+    for file in sorted(folder.rglob("*")):
+        if not file.is_dir():  # a pipe or device that stalls stalls here, unlocked
+            with open(file, "rb") as handle:
+                while handle.read(READ_AHEAD_BYTES):
+                    continue
 
 
 def resolve_model_path(name: str) -> str:
@@ -35,11 +59,13 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 
 def load_tokenizer(config: ModelConfig):
     """Load the tokenizer; a missing pad token falls back to the eos token."""
-    from transformers import AutoTokenizer
+    with MODEL_INIT_LOCK:
+        path = resolve_model_path(config.name)
+    read_ahead(path)
+    with MODEL_INIT_LOCK:
+        from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(
-        resolve_model_path(config.name), trust_remote_code=config.trust_remote_code
-    )
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=config.trust_remote_code)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
@@ -47,22 +73,25 @@ def load_tokenizer(config: ModelConfig):
 
 def load_causal_lm(config: ModelConfig, device: torch.device | None = None):
     """Load the model described by ``config`` onto ``device``, with LoRA adapters if configured."""
-    from transformers import AutoModelForCausalLM
-    from transformers.utils import logging as hf_logging
-
-    # Engines load models inside servers and training loops, whose own progress output the
-    # per-load "Loading weights" bars would interleave with.
-    hf_logging.disable_progress_bar()
-
     device = device or resolve_device(config.device)
-    model = AutoModelForCausalLM.from_pretrained(
-        resolve_model_path(config.name),
-        dtype=resolve_dtype(config.dtype, device),
-        attn_implementation=config.attn_implementation or "sdpa",
-        trust_remote_code=config.trust_remote_code,
-    ).to(device)
-    if config.lora is not None:
-        model = apply_lora(model, config.lora)
+    with MODEL_INIT_LOCK:
+        path = resolve_model_path(config.name)
+    read_ahead(path)
+    with MODEL_INIT_LOCK:
+        from transformers import AutoModelForCausalLM
+        from transformers.utils import logging as hf_logging
+
+        # Engines load models inside servers and training loops, whose own progress output the
+        # per-load "Loading weights" bars would interleave with.
+        hf_logging.disable_progress_bar()
+        model = AutoModelForCausalLM.from_pretrained(
+            path,
+            dtype=resolve_dtype(config.dtype, device),
+            attn_implementation=config.attn_implementation or "sdpa",
+            trust_remote_code=config.trust_remote_code,
+        ).to(device)
+        if config.lora is not None:
+            model = apply_lora(model, config.lora)
     return model
 
 

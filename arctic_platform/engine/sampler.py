@@ -42,6 +42,7 @@ from dataclasses import dataclass
 
 import torch
 
+from arctic_platform.engine import cancellation
 from arctic_platform.engine.config import SamplingEngineConfig
 from arctic_platform.engine.errors import EngineInputError, SamplerStateError
 from arctic_platform.engine.kv_cache import KVBufferPool, KVCache
@@ -289,6 +290,7 @@ class SamplingEngine:
         max_min_tokens = max(s.request.params.min_tokens for s in wave)
         done = torch.zeros(rows_total, dtype=torch.bool, device=device)
         for step in range(max_new):
+            cancellation.check()  # between decode steps: a cancelled op stops here
             suppress = self._suppression(state, step) if step < max_min_tokens else None
             tokens, scaled = choose_tokens(
                 logits,

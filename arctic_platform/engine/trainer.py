@@ -41,7 +41,13 @@ from arctic_platform.engine.forward import (
 )
 from arctic_platform.engine.meta import to_float, to_int
 from arctic_platform.engine.metrics import MetricSums
-from arctic_platform.engine.models import load_causal_lm, load_tokenizer, resolve_device
+from arctic_platform.engine.models import (
+    MODEL_INIT_LOCK,
+    apply_lora,
+    load_causal_lm,
+    load_tokenizer,
+    resolve_device,
+)
 from arctic_platform.engine.schedule import build_scheduler, lr_factor
 
 SLEEP_MODES = ("all",)
@@ -60,8 +66,13 @@ class TrainingEngine:
     def __init__(self, config: TrainingEngineConfig) -> None:
         self.config = config
         self.device = resolve_device(config.model.device)
-        seed_everything(config.seed)
-        model = load_causal_lm(config.model, self.device)
+        # Loading the weights draws no random numbers; seeding and the adapters' random
+        # initialisation use process-global generators, so concurrent builds take turns there.
+        model = load_causal_lm(config.model.model_copy(update={"lora": None}), self.device)
+        with MODEL_INIT_LOCK:
+            seed_everything(config.seed)
+            if config.model.lora is not None:
+                model = apply_lora(model, config.model.lora)
         if config.gradient_checkpointing:
             model.gradient_checkpointing_enable(
                 gradient_checkpointing_kwargs={"use_reentrant": False}
@@ -268,13 +279,28 @@ class TrainingEngine:
     def _save_target(
         self, path, step: int | None, save_total_limit: int | None
     ) -> tuple[Path, int, int | None]:
-        """Validate a save's arguments: ``(job folder, step, retention)`` with the defaults."""
+        """Validate a save's arguments: ``(job folder, step, retention)`` with the defaults.
+
+        Retention deletes older ``checkpoint-<step>`` folders, so it applies only to the job's own
+        checkpoint folder: a save elsewhere keeps every folder it finds there.
+        """
         step = self.global_steps if step is None else to_int("step", step, minimum=0)
+        job_dir = self._job_dir(path)
+        own = path is None or (
+            self.config.checkpoint_dir is not None
+            and self._job_dir(None).resolve() == job_dir.resolve()
+        )
         if save_total_limit is not None:
             save_total_limit = to_int("save_total_limit", save_total_limit, minimum=0)
+            if save_total_limit and not own:
+                raise EngineInputError(
+                    "save_total_limit",
+                    "retention applies only to the job's own checkpoint folder; "
+                    "omit path or save_total_limit",
+                )
         else:
-            save_total_limit = self.config.save_total_limit
-        return self._job_dir(path), step, save_total_limit
+            save_total_limit = self.config.save_total_limit if own else None
+        return job_dir, step, save_total_limit
 
     def _write_checkpoint(
         self,

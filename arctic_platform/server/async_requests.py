@@ -231,6 +231,10 @@ class _Group:
     def total(self) -> int:
         return self.descriptor["total_chunks"]
 
+    @property
+    def complete(self) -> bool:
+        return len(self.chunk_digests) == self.total
+
     def missing(self) -> list[int]:
         return [i for i in range(self.total) if i not in self.chunk_digests]
 
@@ -247,6 +251,49 @@ class ChunkOutcome:
 
 
 _GROUP_KEYS = ("total_chunks", "frame_sha256", "frame_size_bytes", "operation")
+# A group's chunk count is bounded so that bookkeeping per chunk stays small (the client sends
+# chunks of up to 60 MiB: this allows frames far beyond any body limit).
+MAX_CHUNKS_PER_GROUP = 4096
+MAX_GROUP_ID_CHARS = 128
+
+
+def check_descriptor(meta: dict) -> tuple[str, int]:
+    """``(chunk_group_id, chunk_idx)`` of a request-chunk descriptor whose every field has the
+    right type and range; else a 400 naming the field."""
+
+    def bad(field: str, expected: str) -> BadRequest:
+        return BadRequest(
+            f"request chunk: {field} must be {expected}, got {_short(meta.get(field))}",
+            field=field,
+        )
+
+    group_id = meta.get("chunk_group_id")
+    if not isinstance(group_id, str) or not 1 <= len(group_id) <= MAX_GROUP_ID_CHARS:
+        raise bad("chunk_group_id", f"a string of 1..{MAX_GROUP_ID_CHARS} characters")
+    total = meta.get("total_chunks")
+    if not _is_int(total) or not 1 <= total <= MAX_CHUNKS_PER_GROUP:
+        raise bad("total_chunks", f"an integer in 1..{MAX_CHUNKS_PER_GROUP}")
+    index = meta.get("chunk_idx")
+    if not _is_int(index) or not 0 <= index < total:
+        raise bad("chunk_idx", f"an integer in 0..{total - 1}")
+    size = meta.get("frame_size_bytes")
+    if not _is_int(size) or size < 0:
+        raise bad("frame_size_bytes", "a non-negative integer")
+    digest = meta.get("frame_sha256")
+    if not isinstance(digest, str) or len(digest) != 64 or digest.strip("0123456789abcdef"):
+        raise bad("frame_sha256", "64 lowercase hex digits")
+    if meta.get("operation") is not None and not isinstance(meta["operation"], str):
+        raise bad("operation", "a string")
+    return group_id, index
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 class ChunkGroups:
@@ -273,10 +320,7 @@ class ChunkGroups:
             payload = wire.loads(frame)["payload"]
         except (wire.WireError, KeyError, TypeError) as exc:
             raise BadRequest(f"malformed request chunk: {exc}") from None
-        group_id = meta.get("chunk_group_id")
-        index = meta.get("chunk_idx")
-        if not isinstance(group_id, str) or not isinstance(index, int):
-            raise BadRequest("request chunk needs a string chunk_group_id and an int chunk_idx")
+        group_id, index = check_descriptor(meta)
         digest = hashlib.sha256(payload).hexdigest()
         key = (sub_job_id, group_id)
         with self._lock:
@@ -305,9 +349,9 @@ class ChunkGroups:
                 return self._existing(group, group_id)
             group.chunk_digests[index] = digest
             group.chunks[index] = frame
-            missing = group.missing()
-            if missing:
+            if not group.complete:
                 if index == group.total - 1:
+                    missing = group.missing()
                     raise Conflict(
                         f"request chunk group is missing chunks {missing[:20]}",
                         code="chunk_group_missing_chunks",

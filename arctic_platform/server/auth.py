@@ -32,11 +32,20 @@ class TokenAuth:
         value = os.environ.get(name)
         if not value:
             raise ValueError(f"--token-env {name}: the environment variable is unset or empty")
-        return cls([t.strip() for t in value.split(",")])
+        tokens = [t.strip() for t in value.split(",") if t.strip()]
+        if not tokens:
+            # Only separators would otherwise mean "no tokens", i.e. no authentication at all.
+            raise ValueError(f"--token-env {name}: the environment variable holds no token")
+        return cls(tokens)
 
     @property
     def enabled(self) -> bool:
         return bool(self._tokens)
+
+    @property
+    def tenants(self) -> int:
+        """How many tenants can call (1 without authentication)."""
+        return max(1, len(set(self._tokens)))
 
     def owner(self, authorization: str | None, token_type: str | None = None) -> str | None:
         """The owner id for these headers; None when auth is off. Raises :class:`Unauthorized`."""

@@ -26,7 +26,7 @@ from arctic_platform.contract import ops as contract
 from arctic_platform.contract.bodies import GenerateBody
 from arctic_platform.contract.generate_columns import as_columns, wants_columns
 from arctic_platform.contract.ops import BINARY_RESULTS, QUICK_OPERATIONS
-from arctic_platform.server.errors import BadRequest, NotFound, ServiceError
+from arctic_platform.server.errors import BadRequest, NotFound
 from arctic_platform.server.http_common import (
     decode_frame,
     decode_json,
@@ -166,7 +166,9 @@ async def _chunked_octet_op(request: Request, job_id: str, op: str) -> dict:
         request_id = _submit(
             service, job_id, op, payload, owner, reshape=as_columns if columns else None
         )
-    except ServiceError:
+    except BaseException:
+        # Whatever went wrong, a retry of this group must get a definite answer, not wait on a
+        # group that stays scheduled without a request.
         if outcome.group_id is not None:
             service.chunk_groups.forget(job_id, outcome.group_id)
         raise

@@ -49,9 +49,10 @@ def training_config_for(service, sub, source: dict | None, *, device: str) -> Tr
     return training_engine_config(
         sub.spec,
         device=device,
-        checkpoint_dir=str(service.checkpoint_root),
+        checkpoint_dir=str(service.paths.checkpoint_root(service.owner_of(sub.job_id))),
         job_name=sub.sub_job_id.replace(":", "-"),
         default_seed=service.settings.default_seed,
+        model_name=sub.model_path,
     )
 
 
@@ -62,7 +63,7 @@ def inference_config_for(service, sub, source: dict | None, *, device: str) -> S
         sub.spec,
         device=device,
         default_seed=service.settings.default_seed,
-        model_name=_weights_dir(source) if source is not None else None,
+        model_name=_weights_dir(source) if source is not None else sub.model_path,
     )
 
 

@@ -32,12 +32,14 @@ def training_engine_config(
     checkpoint_dir: str,
     job_name: str,
     default_seed: int = 42,
+    model_name: str | None = None,
 ) -> TrainingEngineConfig:
-    """Map a training sub-job onto :class:`TrainingEngineConfig`."""
+    """Map a training sub-job onto :class:`TrainingEngineConfig` (``model_name`` overrides the
+    spec's, e.g. with the checked local folder it names)."""
     settings = spec.training_config
     assert settings is not None
     return TrainingEngineConfig(
-        model=model_config_of(spec, device=device),
+        model=model_config_of(spec, model_name=model_name, device=device),
         optimizer=settings.optimizer,
         scheduler=settings.schedule,
         max_tokens_per_microbatch=settings.max_tokens_per_microbatch,

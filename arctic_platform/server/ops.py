@@ -39,6 +39,7 @@ def prepare_op(service, sub, op: str, body: Any) -> Callable[[], Any]:
 
 def _forward_backward(service, sub, engine, job_id, body):
     batch, meta, processing, _ = train_envelope(body, op="forward-backward")
+    service.limits.check_batch("forward-backward", batch)
 
     def run():
         return results.fwd_bwd_result(job_id, engine.forward_backward(batch, meta, processing))
@@ -48,6 +49,7 @@ def _forward_backward(service, sub, engine, job_id, body):
 
 def _forward(service, sub, engine, job_id, body):
     batch, meta, processing, _ = train_envelope(body, op="forward")
+    service.limits.check_batch("forward", batch)
 
     def run():
         return results.forward_result(job_id, engine.forward(batch, meta, processing))
@@ -64,10 +66,13 @@ def _step(service, sub, engine, job_id, body):
 
 
 def _save(service, sub, engine, job_id, body):
+    path = None
+    if body.path is not None:
+        path = service.paths.writable(service.owner_of(sub.job_id), body.path, field="save.path")
 
     def run():
         saved = engine.save_checkpoint(
-            body.path,
+            path,
             step=body.step,
             export_hf=body.export_hf or body.checkpoint_type == "weights-only",
             save_total_limit=body.save_total_limit,
@@ -87,13 +92,16 @@ def _save(service, sub, engine, job_id, body):
 
 
 def _load(service, sub, engine, job_id, body):
-    path = body.path
+    owner = service.owner_of(sub.job_id)
+    path = None
+    if body.path is not None:
+        path = service.paths.readable(owner, body.path, field="load.path")
     if body.checkpoint_id is not None:
         if body.path is not None:
             raise BadRequest("load: give either path or checkpoint_id, not both")
         source_job = body.source_job_id or sub.job_id
-        owner = service.owner_of(sub.job_id)
-        path = service.checkpoint(source_job, body.checkpoint_id, owner=owner)["path"]
+        record = service.checkpoint(source_job, body.checkpoint_id, owner=owner)
+        path = service.paths.readable(owner, record["path"], field="load.checkpoint_id")
     if body.target_sub_job_id not in (None, job_id):
         raise BadRequest(f"load: target_sub_job_id {body.target_sub_job_id} is not {job_id}")
 
@@ -151,23 +159,31 @@ def _weight_sync(service, sub, engine, job_id, body):
 
 
 def _generate(service, sub, engine, job_id, body):
+    _check_generate(service, engine, "generate", body)
 
     def run():
-        results = engine.generate(body.prompts, body.sampling_params)
-        return {"job_id": job_id, "results": results}
+        return {"job_id": job_id, "results": engine.generate(body.prompts, body.sampling_params)}
 
     return run
 
 
 def _generate_stream(service, sub, engine, job_id, body):
+    _check_generate(service, engine, "generate-stream", body)
     return lambda: engine.generate(body.prompts, body.sampling_params)
 
 
+def _check_generate(service, engine, op: str, parsed) -> None:
+    # Without max_tokens a sample may run to the end of the engine's context.
+    context = getattr(engine, "max_model_len", 1)
+    service.limits.check_generate(op, parsed.prompts, parsed.sampling_params, context)
+
+
 def _log_probs(service, sub, engine, job_id, body):
+    service.limits.check_rows("log-probs", len(body.prompts))
 
     def run():
-        results = engine.log_probs(body.prompts, body.completions, body.top_k)
-        return {"job_id": job_id, "results": results}
+        scored = engine.log_probs(body.prompts, body.completions, body.top_k)
+        return {"job_id": job_id, "results": scored}
 
     return run
 

@@ -9,12 +9,19 @@ from __future__ import annotations
 import logging
 import signal
 import sys
+import threading
 from pathlib import Path
 
 from arctic_platform.server.auth import TokenAuth
+from arctic_platform.server.limits import ServerLimits
 
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 log = logging.getLogger("arctic_platform.serve")
+
+
+def default_share(slots: int, auth: TokenAuth) -> int:
+    """Slots one tenant may hold: all of them with one tenant, else all but one."""
+    return slots if auth.tenants <= 1 else max(1, slots - 1)
 
 
 def serve(
@@ -29,8 +36,13 @@ def serve(
     log_level: str = "info",
     ray_address: str | None = None,
     colocate: bool = False,
+    allowed_paths: tuple[Path, ...] = (),
+    max_ops_per_tenant: int | None = None,
+    drain_timeout: float = 30.0,
+    limits: ServerLimits | None = None,
 ) -> None:
-    """Run the server until SIGINT/SIGTERM; in-flight ops finish before it exits.
+    """Run the server until SIGINT/SIGTERM; ops in flight get ``drain_timeout`` seconds to
+    finish, then their jobs are failed and the ops stopped.
 
     With ``ray_address`` (``auto``, ``local`` or a cluster address) the engines run as Ray
     actors on that cluster (``colocate``: trainer and samplers share devices).
@@ -40,7 +52,10 @@ def serve(
     from arctic_platform.server.app import create_app
     from arctic_platform.server.service import Service, ServiceSettings
 
-    auth = TokenAuth.from_env(token_env)
+    try:
+        auth = TokenAuth.from_env(token_env)
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
     if not auth.enabled and host not in LOOPBACK:
         raise SystemExit(
             f"refusing to listen on {host} without authentication; "
@@ -64,6 +79,10 @@ def serve(
             max_concurrent_ops=max_concurrent_ops,
             engine_backend="local" if ray_address is None else "ray",
             colocate=colocate,
+            allowed_paths=allowed_paths,
+            limits=limits or ServerLimits(),
+            max_ops_per_tenant=max_ops_per_tenant or default_share(max_concurrent_ops, auth),
+            drain_timeout_s=drain_timeout,
         )
     )
     app = create_app(service, auth=auth, max_body_bytes=max_body_mb * 1024 * 1024)
@@ -78,15 +97,27 @@ def serve(
     # uvicorn drains in-flight requests on SIGTERM, then re-raises the signal; this handler turns
     # that into exit status 0, since SIGTERM is the normal way to stop a server.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+
+    class DrainingServer(uvicorn.Server):
+        """Starts the Service's bounded drain when the shutdown signal arrives, so on-prem
+        requests waiting on ops in flight end with it rather than hold uvicorn's shutdown."""
+
+        def handle_exit(self, sig, frame) -> None:
+            if not self.should_exit:
+                threading.Thread(target=service.close, name="drain", daemon=True).start()
+            super().handle_exit(sig, frame)
+
+    config = uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level=log_level,
+        http="httptools",
+        # A backstop: the drain ends every op by ``drain_timeout``; answers need a moment more.
+        timeout_graceful_shutdown=drain_timeout + 10,
+    )
     try:
-        uvicorn.run(
-            app,
-            host=host,
-            port=port,
-            log_level=log_level,
-            http="httptools",
-            timeout_graceful_shutdown=None,
-        )
+        DrainingServer(config).run()
     finally:
         if started_ray:
             import ray

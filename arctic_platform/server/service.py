@@ -17,12 +17,13 @@ and can start a new job from a checkpoint.
 from __future__ import annotations
 
 import collections
-import contextlib
+import logging
 import threading
 import time
 import traceback
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -36,6 +37,9 @@ from arctic_platform.contract.job_config import (
     SubJobConfig,
 )
 from arctic_platform.contract.ops import INLINE_OPERATIONS, OPERATION, OPERATION_TYPES
+from arctic_platform.engine import cancellation
+from arctic_platform.engine.cancellation import CancelToken
+from arctic_platform.engine.checkpoint_staging import remove_stale
 from arctic_platform.server.async_requests import ChunkGroups, RequestStore
 from arctic_platform.server.errors import (
     BadRequest,
@@ -44,11 +48,15 @@ from arctic_platform.server.errors import (
     NotFound,
     ServiceError,
 )
+from arctic_platform.server.limits import ServerLimits
 from arctic_platform.server.op_bodies import describe
+from arctic_platform.server.paths import CHECKPOINTS_DIR, PathPolicy
+from arctic_platform.server.scheduler import FairSlots
 from arctic_platform.server.store import MetadataStore
 
 TERMINAL = ("failed", "cancelled", "terminated")
 LOG_LINES_PER_JOB = 2000
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -63,6 +71,15 @@ class ServiceSettings:
     # data-parallel over n_gpus workers), placed on shared devices when ``colocate`` is set.
     engine_backend: Literal["local", "ray"] = "local"
     colocate: bool = False
+    # Client paths stay inside each tenant's folder, or (read-only) under these prefixes; an
+    # in-process Service, owned by the one user of its process, does not confine them.
+    allowed_paths: tuple[Path, ...] = ()
+    confine_paths: bool = True
+    limits: ServerLimits = field(default_factory=ServerLimits)
+    # At most this many of the ``max_concurrent_ops`` slots run one tenant's ops (None: all).
+    max_ops_per_tenant: int | None = None
+    # On close, how long ops in flight may take before their jobs are failed and stopped.
+    drain_timeout_s: float = 30.0
 
 
 @dataclass
@@ -76,6 +93,8 @@ class SubJob:
     status: str = "pending"
     engine: Any = None
     queue: ThreadPoolExecutor | None = None
+    # What the engine loads: ``spec.model_name`` checked against the owner's space (see paths.py).
+    model_path: str | None = None
 
     def info(self) -> dict:
         settings = self.spec.training_config or self.spec.inference_config
@@ -108,6 +127,10 @@ class Job:
     )
     log_offset: int = 0
     cancelled: threading.Event = field(default_factory=threading.Event)
+    # Stops the job's ops in flight (job cancelled, server draining); see engine/cancellation.py.
+    stop: CancelToken = field(default_factory=CancelToken)
+    # Ops submitted and not yet finished (what a shutdown drains).
+    in_flight: set = field(default_factory=set)
     # The op that ran most recently on any sub-job, and when it started (what an operator asks
     # first about a job that looks stuck).
     last_op: str | None = None
@@ -134,17 +157,22 @@ class Service:
     def __init__(self, settings: ServiceSettings) -> None:
         self.settings = settings
         settings.data_dir.mkdir(parents=True, exist_ok=True)
-        self.checkpoint_root = settings.data_dir / "checkpoints"
+        self.limits = settings.limits
+        self.paths = PathPolicy(
+            settings.data_dir, settings.allowed_paths, confine=settings.confine_paths
+        )
         self.store = MetadataStore(settings.data_dir / "metadata.sqlite3")
         self.requests = RequestStore()
         self.chunk_groups = ChunkGroups()
         self._lock = threading.RLock()
         self._jobs: dict[str, Job] = {}
-        self._slots = threading.BoundedSemaphore(settings.max_concurrent_ops)
-        self._running_ops = 0
-        self._builders = ThreadPoolExecutor(max_workers=1, thread_name_prefix="job-init")
+        self.slots = FairSlots(settings.max_concurrent_ops, settings.max_ops_per_tenant)
+        # One build thread per job: a model load that hangs delays only its own job.
+        self._builders: set[threading.Thread] = set()
         self._closed = False
+        self._closing: threading.Event | None = None
         self._restore()
+        self._remove_stale_staging()
 
     # -- jobs -------------------------------------------------------------------------------
 
@@ -154,16 +182,30 @@ class Service:
             parsed = CreateJobRequest.model_validate(request)
         except ValidationError as exc:
             raise BadRequest(f"create job: {describe(exc)}") from None
+        model_paths = []
         for i, spec in enumerate(parsed.sub_job_configs):
             if spec.source_checkpoint_info is not None:
                 self._source_checkpoint(spec, owner, field=f"sub_job_configs.{i}")
+            model_paths.append(
+                self.paths.model_name(
+                    owner, spec.model_name, field=f"sub_job_configs.{i}.model_name"
+                )
+            )
         job_id = uuid.uuid4().hex[:12]
         counts: collections.Counter = collections.Counter()
         sub_jobs = []
-        for spec in parsed.sub_job_configs:
+        for spec, model_path in zip(parsed.sub_job_configs, model_paths, strict=True):
             sub_id = f"{job_id}:{spec.kind}:{counts[spec.kind]}"
             counts[spec.kind] += 1
-            sub_jobs.append(SubJob(sub_job_id=sub_id, job_id=job_id, kind=spec.kind, spec=spec))
+            sub_jobs.append(
+                SubJob(
+                    sub_job_id=sub_id,
+                    job_id=job_id,
+                    kind=spec.kind,
+                    spec=spec,
+                    model_path=model_path,
+                )
+            )
         job = Job(
             job_id=job_id,
             owner=owner,
@@ -177,7 +219,12 @@ class Service:
             self._jobs[job_id] = job
         self._log(job, f"created with {len(sub_jobs)} sub-job(s)")
         self._persist(job)
-        self._builders.submit(self._build, job)
+        builder = threading.Thread(
+            target=self._build, args=(job,), name=f"job-init-{job_id}", daemon=True
+        )
+        with self._lock:
+            self._builders.add(builder)
+        builder.start()
         return job.info()
 
     def get_job(self, job_id: str, *, owner: str | None = None) -> dict:
@@ -216,6 +263,7 @@ class Service:
                     code="failed_precondition",
                 )
             job.cancelled.set()
+            job.stop.cancel(f"job {job_id} was cancelled")
             self._set_status(job, "cancelled", "cancelled by the client")
         self._release(job)
         return job.info()
@@ -237,8 +285,7 @@ class Service:
     @property
     def running_ops(self) -> int:
         """How many ops are executing on an engine right now (not queued ones)."""
-        with self._lock:
-            return self._running_ops
+        return self.slots.running()
 
     def tail_logs(
         self, job_id: str, *, owner: str | None = None, cursor: Any = None, max_lines: int = 200
@@ -360,7 +407,15 @@ class Service:
         runner = prepare_op(self, sub, op, body)
         if sub.queue is None:
             raise Conflict(f"sub-job {sub.sub_job_id} has no engine", code="job_not_running")
-        return sub.queue.submit(self._guarded, job, sub, op, runner)
+        future = sub.queue.submit(self._guarded, job, sub, op, runner)
+        with self._lock:
+            job.in_flight.add(future)
+        future.add_done_callback(lambda f: self._op_done(job, f))
+        return future
+
+    def _op_done(self, job: Job, future: Future) -> None:
+        with self._lock:
+            job.in_flight.discard(future)
 
     def call(self, sub: SubJob, op: str, body: Any) -> Any:
         """Run ``op`` and wait for its result (the in-process and on-prem paths)."""
@@ -377,13 +432,16 @@ class Service:
 
         if job.cancelled.is_set():
             raise Conflict(f"job {job.job_id} was cancelled", code="job_cancelled")
-        with self._slots, self._counted():
+        with self.slots.slot(job.owner):
             self._require_running(job)
             job.last_op, job.last_op_at = op, time.time()
             try:
-                return runner()
+                with cancellation.scope(job.stop):
+                    return runner()
             except ServiceError:
                 raise
+            except cancellation.OpCancelled as exc:
+                raise Conflict(f"{op} stopped: {exc.reason}", code="op_cancelled") from None
             except EngineInputError as exc:
                 raise BadRequest(f"{op}: {exc}", field=exc.field) from None
             except SamplerStateError as exc:
@@ -394,16 +452,6 @@ class Service:
                 self._log(job, reason + "\n" + traceback.format_exc(limit=8))
                 self._fail(job, reason)
                 raise EngineFailure(reason) from exc
-
-    @contextlib.contextmanager
-    def _counted(self):
-        with self._lock:
-            self._running_ops += 1
-        try:
-            yield
-        finally:
-            with self._lock:
-                self._running_ops -= 1
 
     # -- checkpoints ------------------------------------------------------------------------
 
@@ -440,9 +488,10 @@ class Service:
     def checkpoint_files(self, job_id: str, checkpoint_id: str, *, owner: str | None) -> list[dict]:
         """Files of a checkpoint: ``filename`` (relative), absolute ``path``, ``size_bytes``."""
         root = Path(self.checkpoint(job_id, checkpoint_id, owner=owner)["path"])
+        self.paths.readable(self.owner_of(job_id), str(root), field="checkpoint")
         return [
             {"filename": str(p.relative_to(root)), "path": str(p), "size_bytes": p.stat().st_size}
-            for p in sorted(root.rglob("*"))
+            for p in self.paths.within(root, sorted(root.rglob("*")))
             if p.is_file()
         ]
 
@@ -450,7 +499,8 @@ class Service:
         import shutil
 
         record = self.checkpoint(job_id, checkpoint_id, owner=owner)
-        shutil.rmtree(record["path"], ignore_errors=True)
+        path = self.paths.writable(owner, record["path"], field="checkpoint")
+        shutil.rmtree(path, ignore_errors=True)
         self.store.delete_checkpoint(job_id, checkpoint_id)
 
     def _source_checkpoint(self, spec: SubJobConfig, owner: str | None, *, field: str) -> dict:
@@ -475,26 +525,72 @@ class Service:
                 f"{field}.source_checkpoint_info: checkpoint {info.checkpoint_id!r} in {where} "
                 f"is {problem}"
             )
+        self.paths.readable(owner, found[0]["path"], field=f"{field}.source_checkpoint_info")
         return found[0]
 
     # -- lifecycle --------------------------------------------------------------------------
 
-    def close(self) -> None:
-        """Stop accepting work, let in-flight ops finish, release engines."""
+    def close(self, drain_timeout: float | None = None) -> None:
+        """Stop accepting work and let ops in flight finish, for at most ``drain_timeout`` seconds
+        (default ``settings.drain_timeout_s``); then the jobs still busy are failed with that
+        reason and their ops stopped at their next decode step or microbatch. Engines are
+        released either way."""
+        with self._lock:
+            closing, first = self._closing, self._closing is None
+            if first:
+                closing = self._closing = threading.Event()
+        if not first:
+            closing.wait()  # a close under way (the signal's drain, then the app's shutdown)
+            return
+        try:
+            self._drain(drain_timeout)
+        finally:
+            closing.set()
+
+    def _drain(self, drain_timeout: float | None) -> None:
+        timeout = self.settings.drain_timeout_s if drain_timeout is None else drain_timeout
+        deadline = time.monotonic() + timeout
         with self._lock:
             self._closed = True
             jobs = list(self._jobs.values())
-        self._builders.shutdown(wait=True, cancel_futures=True)
+            builders = list(self._builders)
+        for job in jobs:
+            if job.status in ("pending", "initializing"):
+                job.cancelled.set()  # a build under way stops before its next engine
+        for builder in builders:
+            builder.join(max(0.0, deadline - time.monotonic()))
         for job in jobs:
             for sub in job.sub_jobs:
                 if sub.queue is not None:
-                    sub.queue.shutdown(wait=True)
-            if job.status not in TERMINAL:
+                    sub.queue.shutdown(wait=False)  # queued ops still run, new ones are refused
+        with self._lock:
+            pending = [f for job in jobs for f in job.in_flight]
+        wait_futures(pending, timeout=max(0.0, deadline - time.monotonic()))
+        for job in jobs:
+            with self._lock:
+                busy = bool(job.in_flight)
+            if busy:
+                reason = f"server shut down with ops in flight after --drain-timeout {timeout:g}s"
+                job.stop.cancel(reason)  # its ops stop at their next step or microbatch
+                self._fail(job, reason)
+            elif job.status not in TERMINAL:
                 self._set_status(job, "terminated", "server shut down")
             self._release(job)
         self.store.close()
 
+    def busy(self) -> int:
+        """Ops submitted and not yet finished, across jobs."""
+        with self._lock:
+            return sum(len(j.in_flight) for j in self._jobs.values())
+
     def _build(self, job: Job) -> None:
+        try:
+            self._build_engines(job)
+        finally:
+            with self._lock:
+                self._builders.discard(threading.current_thread())
+
+    def _build_engines(self, job: Job) -> None:
         from arctic_platform.server.engines import build_engine
 
         if job.cancelled.is_set():
@@ -597,6 +693,15 @@ class Service:
                 self._set_status(job, "terminated", "server restarted")
                 for sub in subs:
                     sub.status = "terminated"
+
+    def _remove_stale_staging(self) -> None:
+        """Staging folders of saves killed with an earlier server process (they are otherwise
+        only removed by a later save into the same folder)."""
+        folders = set(self.paths.root.glob(f"*/{CHECKPOINTS_DIR}/*"))
+        for job_id in list(self._jobs):
+            folders.update(Path(c["path"]).parent for c in self.store.checkpoints(job_id))
+        for path in remove_stale(folders):
+            log.info("removed %s, left by a save that did not finish", path)
 
     def _job(self, job_id: str, owner: str | None, *, check_owner: bool = True) -> Job:
         with self._lock:

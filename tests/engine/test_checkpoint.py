@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import random
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -10,6 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from arctic_platform.engine import checkpoint as ckpt
+from arctic_platform.engine import checkpoint_staging as staging_files
 from arctic_platform.engine.config import LoraConfig, ModelConfig
 from arctic_platform.engine.errors import EngineInputError
 from arctic_platform.engine.trainer import TrainingEngine
@@ -83,6 +86,45 @@ def test_save_total_limit_keeps_the_newest(tmp_path):
     assert names == ["checkpoint-3", "checkpoint-4", "checkpoint-old", "latest", "notes.txt"]
     engine.save_checkpoint(step=9, save_total_limit=1)
     assert sorted(p.name for p in job.glob("checkpoint-*")) == ["checkpoint-9", "checkpoint-old"]
+
+
+def test_retention_is_refused_for_a_folder_that_is_not_the_jobs_own(tmp_path):
+    engine = TrainingEngine(engine_config(checkpoint_dir=str(tmp_path), save_total_limit=1))
+    elsewhere = tmp_path / "elsewhere"
+    (elsewhere / "checkpoint-1").mkdir(parents=True)
+    with pytest.raises(EngineInputError, match="save_total_limit"):
+        engine.save_checkpoint(elsewhere, step=5, save_total_limit=1)
+    engine.save_checkpoint(elsewhere, step=5)  # the config's limit is not applied there
+    names = sorted(p.name for p in elsewhere.glob("checkpoint-*"))
+    assert names == ["checkpoint-1", "checkpoint-5"]
+
+
+def test_checkpoint_files_and_folders_are_fsynced_before_the_publishing_rename(
+    tmp_path, monkeypatch
+):
+    engine = TrainingEngine(engine_config(checkpoint_dir=str(tmp_path)))
+    events: list[tuple[str, str]] = []
+    real_fsync, real_rename = staging_files.os.fsync, Path.rename
+
+    def fsync(fd):
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        return real_fsync(fd)
+
+    def rename(self, target):
+        events.append(("rename", str(target)))
+        return real_rename(self, target)
+
+    monkeypatch.setattr(staging_files.os, "fsync", fsync)
+    monkeypatch.setattr(Path, "rename", rename)
+    saved = engine.save_checkpoint(step=3)
+    final = Path(saved["path"])
+    publish = events.index(("rename", str(final)))
+    synced_before = {Path(path).name for kind, path in events[:publish] if kind == "fsync"}
+    written = {p.name for p in final.rglob("*")}
+    assert written and written <= synced_before  # every file, and the folder itself
+    assert any(name.startswith(".tmp-checkpoint-3-") for name in synced_before)
+    synced_after = [path for kind, path in events[publish:] if kind == "fsync"]
+    assert str(final.parent) in synced_after  # the rename itself is made durable
 
 
 def test_a_failed_save_leaves_the_previous_checkpoint_valid(tmp_path, monkeypatch):

@@ -119,7 +119,8 @@ def test_a_killed_worker_fails_its_job_and_nothing_else(client):
     }
 
     # An exception raised inside a worker fails that job the same way.
-    kind, error = ray.get(state.execute.remote(job_b, "save", {"path": "/dev/null/nowhere"}))
+    unwritable = {"path": "x" * 300}  # inside the tenant's folder, but too long a name to create
+    kind, error = ray.get(state.execute.remote(job_b, "save", unwritable))
     assert kind == "error" and error["status"] == 500
     assert "training actor arctic-platform/" in error["message"]
     reason = ask(state, "get_job", job_b)["reason"]

@@ -285,12 +285,27 @@ def test_a_tracker_that_cannot_start_is_an_error_naming_it(tmp_path, monkeypatch
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb-config"))  # no saved login
     monkeypatch.setenv("NETRC", str(tmp_path / "no-netrc"))
-    result = CliRunner().invoke(
-        app,
-        ["train", "--no-progress", "--output-dir", str(tmp_path / "run"), "--logger", "wandb"]
-        + [f"--set={s}" for s in TINY_RUN],
-    )
+    import wandb
+
+    wandb.teardown()  # wandb reads its environment once per process; earlier tests ran offline
+    try:
+        result = CliRunner().invoke(
+            app,
+            ["train", "--no-progress", "--output-dir", str(tmp_path / "run"), "--logger", "wandb"]
+            + [f"--set={s}" for s in TINY_RUN],
+        )
+    finally:
+        wandb.teardown()
     assert result.exit_code == 2, result.output
     assert "logging.backends: wandb could not open its run" in result.output
     assert "API key" in result.output
     assert not (tmp_path / "run" / "metrics.jsonl").read_text()  # no step ran
+
+
+def test_the_config_names_exactly_the_trackers_there_are():
+    from typing import get_args
+
+    from arctic_platform.recipes.config import TrackerName
+    from arctic_platform.recipes.trackers import TRACKERS
+
+    assert set(get_args(TrackerName)) == {"jsonl", *TRACKERS}

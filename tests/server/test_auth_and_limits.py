@@ -84,6 +84,26 @@ def test_token_env_must_be_set(monkeypatch):
     assert TokenAuth.from_env("ARCTIC_TEST_TOKEN").owner("Bearer b")
 
 
+@pytest.mark.parametrize("value", [" , ", ",", " ", ",,\t,"])
+def test_a_token_env_of_only_separators_is_refused(monkeypatch, value, tmp_path):
+    from arctic_platform.server.serve import serve
+
+    monkeypatch.setenv("ARCTIC_TEST_TOKEN", value)
+    with pytest.raises(ValueError, match="ARCTIC_TEST_TOKEN"):
+        TokenAuth.from_env("ARCTIC_TEST_TOKEN")
+    with pytest.raises(SystemExit, match="ARCTIC_TEST_TOKEN"):  # before anything listens
+        serve(
+            host="127.0.0.1",
+            port=1,
+            token_env="ARCTIC_TEST_TOKEN",
+            data_dir=tmp_path,
+            device="cpu",
+            max_body_mb=1,
+            max_concurrent_ops=1,
+        )
+    assert not any(tmp_path.iterdir())
+
+
 def test_bodies_above_the_limit_are_refused_with_413(service):
     with (
         serve_app(make_app(service, max_body_bytes=4096)) as url,

@@ -128,7 +128,9 @@ def test_logs_follow_prints_new_lines_until_the_job_ends(server, service, alice_
 
 
 def test_a_failed_job_shows_its_reason(server, service):
-    job_id = create_job(server, {"sub_job_configs": [sub_job("training", model_name="/no/model")]})
+    empty = service.paths.tenant_root(ALICE_OWNER) / "not-a-model"  # in Alice's space, no model
+    empty.mkdir()
+    job_id = create_job(server, {"sub_job_configs": [sub_job("training", model_name=str(empty))]})
     deadline = time.monotonic() + 120
     while service.get_job(job_id, owner=ALICE_OWNER)["status"] != "failed":
         assert time.monotonic() < deadline, "the job did not fail"

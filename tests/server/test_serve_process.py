@@ -138,7 +138,10 @@ def test_two_clients_on_two_jobs_at_once_then_restart(tmp_path):
 
 
 def test_sigterm_finishes_the_op_in_flight_then_exits(tmp_path):
-    with serve_process(tmp_path) as (process, url), httpx.Client(base_url=url, timeout=120) as http:
+    with (
+        serve_process(tmp_path, "--drain-timeout", "600") as (process, url),
+        httpx.Client(base_url=url, timeout=120) as http,
+    ):
         job = http.post("/initialize", json={"model_name": TINY, "job_type": "sampling"}).json()
         body = wire.dumps(
             {
@@ -200,3 +203,56 @@ def test_token_protected_server(tmp_path):
             httpx.get(f"{url}/status", headers={"authorization": "Bearer s3cret"}).status_code
             == 200
         )
+
+
+def test_sigterm_with_a_long_generate_in_flight_exits_after_the_drain_timeout(tmp_path):
+    with serve_process(tmp_path / "data", "--drain-timeout", "1") as (process, url):
+        http = httpx.Client(base_url=url, timeout=600)
+        job = http.post(CORTEX, json=job_request("sampling")).json()["job_id"]
+        deadline = time.monotonic() + 120
+        while http.get(f"{CORTEX}/{job}").json()["status"] != "running":
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        endless = {"n": 2048, "max_tokens": 1000, "ignore_eos": True}
+        request = http.post(
+            f"{CORTEX}/{job}/generate",
+            content=wire.dumps({"prompts": ["1+2="], "sampling_params": endless}),
+            headers=OCTET,
+        ).json()["request_id"]
+        while http.get(f"{CORTEX}/{job}/requests/{request}").json()["status"] != "running":
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        process.send_signal(signal.SIGTERM)
+        # Without the drain bound the server would wait for the whole generation (minutes).
+        assert process.wait(timeout=120) == 0
+        http.close()
+
+
+def test_a_stopped_server_is_reported_while_an_op_waits_on_it(tmp_path):
+    from arctic_platform.client import SyncArcticRLClient
+    from arctic_platform.client.config import load_config
+    from arctic_platform.client.transports.liveness import ServerUnresponsiveError
+
+    with serve_process(tmp_path / "data") as (process, url):
+        backend = {"type": "http", "url": url, "liveness_timeout": 2}
+        config = load_config({"model": TINY, "seed": 0, "backend": backend, "sampling": {}})
+        with SyncArcticRLClient(config) as client:
+            errors: list[BaseException] = []
+
+            def generate() -> None:
+                endless = {"n": 2048, "max_tokens": 1000, "ignore_eos": True}
+                try:
+                    client.generate(["1+2="], endless)
+                except Exception as exc:
+                    errors.append(exc)
+
+            waiting = threading.Thread(target=generate)
+            waiting.start()
+            process.send_signal(signal.SIGSTOP)
+            try:
+                waiting.join(timeout=120)
+                assert not waiting.is_alive(), "the client kept waiting on a stopped server"
+            finally:
+                process.send_signal(signal.SIGCONT)
+            assert len(errors) == 1 and isinstance(errors[0], ServerUnresponsiveError)
+            assert "has not answered /health for 2s" in str(errors[0])

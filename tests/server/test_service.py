@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 import threading
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -152,9 +156,9 @@ def test_wrong_job_type_and_unknown_ids(service, running_job):
 
 
 def test_initialization_failure_keeps_the_reason_and_the_server_alive(service):
-    info = service.create_job(
-        {"sub_job_configs": [sub_job("training", model_name="/no/such/model")]}
-    )
+    empty = service.paths.tenant_root(None) / "not-a-model"
+    empty.mkdir()
+    info = service.create_job({"sub_job_configs": [sub_job("training", model_name=str(empty))]})
     with pytest.raises(Conflict, match="initialization failed"):
         service.wait_until_running(info["job_id"], timeout=120)
     failed = service.get_job(info["job_id"])
@@ -295,3 +299,83 @@ def test_a_half_applied_weight_load_is_a_conflict_until_a_full_sync(service, run
         },
     )
     assert len(service.execute(running_job, "generate", body)["results"]) == 1
+
+
+def test_a_restarted_server_removes_staging_folders_of_killed_saves(tmp_path):
+    data = tmp_path / "data"
+    first = Service(ServiceSettings(data_dir=data, device="cpu"))
+    job_id = first.create_job(job_request("training"))["job_id"]
+    first.wait_until_running(job_id, timeout=120)
+    custom = first.execute(job_id, "save", {"path": "custom"})
+    default = first.execute(job_id, "save", {"step": 1})
+    first.close()
+    stale = [
+        Path(custom["path"]).parent / ".tmp-checkpoint-2-0123",
+        Path(default["path"]).parent / ".old-checkpoint-1-99",
+    ]
+    for folder in stale:
+        (folder / "model.safetensors").parent.mkdir(parents=True)
+        (folder / "model.safetensors").write_bytes(b"half")
+    kept = Path(default["path"]).parent / "notes"
+    kept.mkdir()
+    second = Service(ServiceSettings(data_dir=data, device="cpu"))
+    try:
+        assert not any(folder.exists() for folder in stale)
+        assert kept.is_dir() and Path(custom["path"]).is_dir() and Path(default["path"]).is_dir()
+    finally:
+        second.close()
+
+
+def test_a_job_whose_model_load_hangs_does_not_delay_other_jobs(service):
+    # A model folder whose config.json is a FIFO: reading it blocks until someone writes, a real
+    # hang in the model load (like a stalled network filesystem).
+    stuck = service.paths.tenant_root(None) / "stalled-model"
+    stuck.mkdir()
+    os.mkfifo(stuck / "config.json")
+    hung = service.create_job({"sub_job_configs": [sub_job("sampling", model_name=str(stuck))]})
+    try:
+        ok = service.create_job(job_request("training", "sampling"))
+        assert service.wait_until_running(ok["job_id"], timeout=120)["status"] == "running"
+        assert service.get_job(hung["job_id"])["status"] == "initializing"
+    finally:
+        release(stuck / "config.json", until=lambda: service.get_job(hung["job_id"])["status"])
+    with pytest.raises(Conflict, match="initialization failed"):
+        service.wait_until_running(hung["job_id"], timeout=120)
+
+
+def release(fifo: Path, *, until) -> None:
+    """Feed a FIFO's readers junk until ``until()`` reports the stuck job failed."""
+    deadline = time.monotonic() + 120
+    while until() != "failed":
+        assert time.monotonic() < deadline
+        try:
+            fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+        except OSError:  # no reader at this moment
+            time.sleep(0.05)
+            continue
+        with contextlib.suppress(BlockingIOError, BrokenPipeError):
+            os.write(fd, b"not json")
+        os.close(fd)
+
+
+def test_concurrently_built_engines_start_from_the_same_weights_as_alone(service):
+    spec = {
+        "sub_job_configs": [
+            sub_job(
+                "training",
+                training_config={
+                    "optimizer": {"name": "AdamW", "lr": 1e-3},
+                    "peft_config": {"peft_type": "LORA", "r": 4, "alpha": 8},
+                },
+            )
+        ]
+    }
+    ids = [service.create_job(spec)["job_id"] for _ in range(3)]
+    engines = [
+        service.resolve(
+            service.wait_until_running(i, timeout=120)["job_id"], owner=None, kind="training"
+        ).engine
+        for i in ids
+    ]
+    first = weights_of(engines[0])
+    assert all(same_weights(first, weights_of(e)) for e in engines[1:])

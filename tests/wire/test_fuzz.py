@@ -8,6 +8,7 @@ import random
 import struct
 
 import numpy as np
+import pytest
 
 from arctic_platform import wire
 
@@ -96,3 +97,45 @@ def test_mutated_chunk_groups_only_raise_wire_error():
             rng.shuffle(group)
         with contextlib.suppress(wire.WireError):
             assert wire.decode_byte_chunks(group) == frame
+
+
+def reshaped(frame: bytes, key: str, shape: list[int]) -> bytes:
+    """``frame`` with tensor ``key`` declared as ``shape`` (same bytes, same offsets)."""
+    size = struct.unpack("<Q", frame[:8])[0]
+    header = json.loads(frame[8 : 8 + size])
+    header[key]["shape"] = shape
+    encoded = json.dumps(header).encode()
+    return struct.pack("<Q", len(encoded)) + encoded + frame[8 + size :]
+
+
+def random_shape(rng: random.Random, count: int) -> list[int]:
+    """A shape of 0..70 dims whose element count is ``count``, or one with a huge zero-size dim."""
+    if count == 0:
+        dims = [
+            rng.choice([0, 1, 7, 2**31, 2**62, 2**63 - 1, 2**63]) for _ in range(rng.randint(1, 4))
+        ]
+        dims[rng.randrange(len(dims))] = 0
+        return dims + [1] * rng.choice([0, 0, 40, 70])
+    dims = [count] + [1] * rng.choice([0, 1, 5, 31, 32, 33, 63, 64, 65, 70])
+    rng.shuffle(dims)
+    return dims
+
+
+def test_frames_whose_shapes_change_but_not_their_byte_count_raise_wire_error():
+    rng = random.Random(7)
+    frame = wire.dumps({"w": np.arange(24, dtype=np.float32), "e": np.zeros((0, 3), np.float32)})
+    outcomes = {"decoded": 0, "rejected": 0}
+    for i in range(2_000):
+        key, count = ("w", 24) if i % 2 else ("e", 0)
+        mutated = reshaped(frame, key, random_shape(rng, count))
+        for tensor_type in ("numpy", "torch"):
+            try:
+                wire.loads(mutated, tensor_type=tensor_type)
+                outcomes["decoded"] += 1
+            except wire.WireError:
+                outcomes["rejected"] += 1
+    assert outcomes["decoded"] and outcomes["rejected"]  # both kinds of shape were generated
+    for shape in ([24] + [1] * 64, [2**63, 0], [0, 2**63], [2**62, 2**62, 0]):
+        key = "w" if shape[0] == 24 else "e"
+        with pytest.raises(wire.WireError, match="shape"):
+            wire.loads(reshaped(frame, key, shape))

@@ -112,6 +112,8 @@ class RetryPolicy:
 
 REPEATABLE = RetryPolicy(RETRY_STATUSES, after_send=True)
 NOT_REPEATABLE = RetryPolicy(frozenset({429}), after_send=False)
+# A poll's 404 is first checked against the job: a job that ended took its requests with it.
+POLL = RetryPolicy(RETRY_STATUSES - {404}, after_send=True)
 
 
 class CortexTransport(Transport):
@@ -366,7 +368,11 @@ class CortexTransport(Transport):
             params: dict[str, Any] = {"max_events": MAX_EVENTS}
             if cursor:
                 params["cursor"] = cursor
-            state = self._request("GET", url, op=op, policy=REPEATABLE, params=params)
+            try:
+                state = self._request("GET", url, op=op, policy=POLL, params=params)
+            except NotFoundError:
+                self._raise_if_job_ended(request_id, op)
+                state = self._request("GET", url, op=op, policy=REPEATABLE, params=params)
             for event in state.get("events") or []:
                 if isinstance(event, dict) and event.get("type") == "result_chunk":
                     chunks.append(_chunk_payload(event, op))
@@ -390,6 +396,22 @@ class CortexTransport(Transport):
                 )
             time.sleep(min(interval, remaining))
             interval = min(interval * backend.poll_backoff, backend.poll_max_interval)
+
+    def _raise_if_job_ended(self, request_id: str, op: str) -> None:
+        """A request the server does not know, in a job that ended (a server restart ends every
+        job it ran): say so at once instead of retrying the poll."""
+        info = self._request("GET", self._job_url, op="job status", policy=REPEATABLE)
+        if isinstance(info, dict) and isinstance(info.get("job"), dict):
+            info = info["job"]
+        status = _state(_field(info, "status", "job status"), "job_state_")
+        if status in ENDED_JOB:
+            raise server_error(
+                409,
+                f"job_{status}",
+                f"job {self.job_id} ended ({status}: {info.get('reason')}) and request "
+                f"{request_id} ended with it; the op's outcome is unknown",
+                op=op,
+            )
 
     def _result(self, state: dict, chunks: list[bytearray], op: str) -> Any:
         if chunks:

@@ -37,6 +37,7 @@ from arctic_platform.client.transports.http_common import (
     read_response,
     retry_wait,
 )
+from arctic_platform.client.transports.liveness import LivenessWatch
 
 log = logging.getLogger(__name__)
 CONNECT_ERRORS = (httpx.ConnectError, httpx.ConnectTimeout)
@@ -69,6 +70,7 @@ class HttpTransport(Transport):
         self._headers = headers
         self._client: httpx.Client | None = None
         self._http_transport = http_transport
+        self._watch: LivenessWatch | None = None
 
     # -- lifecycle --------------------------------------------------------------------------
 
@@ -90,6 +92,10 @@ class HttpTransport(Transport):
             timeout=httpx.Timeout(self.backend.request_timeout, connect=10.0),
             transport=self._http_transport,
         )
+        if self.backend.liveness_timeout is not None:
+            self._watch = LivenessWatch(
+                self._base_url, self._headers, self.backend.liveness_timeout
+            )
         self._get("/health", op="health")
         if self.config.reconnecting:
             return self._attach()
@@ -132,6 +138,9 @@ class HttpTransport(Transport):
                     log.warning("could not destroy job %s: %s", job_id, exc)
             self._client.close()
             self._client = None
+        if self._watch is not None:
+            self._watch.close()
+            self._watch = None
         if self._server is not None:
             self._server.stop()
             self._server = None
@@ -144,6 +153,11 @@ class HttpTransport(Transport):
     # -- ops --------------------------------------------------------------------------------
 
     def call(self, request: Request) -> Any:
+        if self._watch is None:
+            return self._call(request)
+        return self._watch.run(lambda: self._call(request), op=request.op)
+
+    def _call(self, request: Request) -> Any:
         params = {"job_id": request.job_id}
         path = f"/{request.op}"
         if request.binary:

@@ -44,6 +44,7 @@ class InProcessTransport(Transport):
                 data_dir=backend.data_dir,
                 device=backend.device,
                 max_concurrent_ops=backend.max_concurrent_ops,
+                confine_paths=False,  # the Service serves only this process's user
             )
             self.service = Service(settings)
             self._owns_service = True

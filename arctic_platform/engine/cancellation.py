@@ -1,0 +1,63 @@
+"""Stopping an op in flight: a token the engines check between decode steps and microbatches.
+
+A cancelled job (or a server draining on shutdown) must not wait for a long generation to end.
+The Service runs each op inside :func:`scope` with the op's :class:`CancelToken`; engine loops call
+:func:`check` at points where stopping leaves the engine consistent (between decode steps of a
+generation, between microbatches of a forward pass), which raises :class:`OpCancelled` once the
+token is set. Code that runs outside any scope (a training loop using an engine directly) never
+stops early. The token travels in a context variable so that engine signatures need not change.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import threading
+from collections.abc import Iterator
+
+
+class OpCancelled(Exception):
+    """The op was stopped before it finished; ``reason`` says why (job cancelled, shutdown)."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+class CancelToken:
+    """Set once, from any thread; checked by the thread running the op."""
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+        self.reason = "cancelled"
+
+    def cancel(self, reason: str) -> None:
+        if not self._event.is_set():
+            self.reason = reason
+            self._event.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._event.is_set()
+
+
+_current: contextvars.ContextVar[tuple[CancelToken, ...]] = contextvars.ContextVar(
+    "arctic_cancel_tokens", default=()
+)
+
+
+@contextlib.contextmanager
+def scope(*tokens: CancelToken) -> Iterator[None]:
+    """Run the body so that :func:`check` raises once any of ``tokens`` is cancelled."""
+    reset = _current.set(_current.get() + tokens)
+    try:
+        yield
+    finally:
+        _current.reset(reset)
+
+
+def check() -> None:
+    """Raise :class:`OpCancelled` if the op running on this thread was cancelled."""
+    for token in _current.get():
+        if token.cancelled:
+            raise OpCancelled(token.reason)

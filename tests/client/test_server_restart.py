@@ -1,0 +1,51 @@
+"""A Cortex client whose server restarts under a running op is told the job ended with it."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from arctic_platform.client import create_arctic_rl_client
+from arctic_platform.client.errors import ConflictError
+from tests.client.conftest import TINY, backend_config, make_app
+from tests.live_server import serve_app
+
+
+def test_an_op_whose_server_restarted_reports_that_the_job_ended(tmp_path):
+    from arctic_platform.server.service import Service, ServiceSettings
+
+    data = tmp_path / "server"
+    first = Service(ServiceSettings(data_dir=data, device="cpu"))
+    app = make_app(first)
+    with serve_app(app) as url:
+        # Retries as slow as a real client's: a 404 retried to exhaustion would take a minute.
+        backend = backend_config("cortex", url, tmp_path, retry_initial_wait=5, max_retries=8)
+        config = {"model": TINY, "seed": 0, "backend": backend, "sampling": {}}
+        client = create_arctic_rl_client(config, blocking_calls=True)
+        errors: list[BaseException] = []
+
+        def generate() -> None:
+            endless = {"n": 2048, "max_tokens": 1000, "ignore_eos": True}
+            try:
+                client.generate(["1+2="], endless)
+            except Exception as exc:
+                errors.append(exc)
+
+        waiting = threading.Thread(target=generate)
+        waiting.start()
+        deadline = time.monotonic() + 120
+        while not first.busy():  # the generate is submitted
+            assert time.monotonic() < deadline and waiting.is_alive()
+            time.sleep(0.02)
+        first.close(drain_timeout=0)  # the server goes down with the op in flight ...
+        second = Service(ServiceSettings(data_dir=data, device="cpu"))
+        app.state.service = second  # ... and comes back on the same address
+        try:
+            waiting.join(timeout=120)
+            assert not waiting.is_alive()
+            assert len(errors) == 1 and isinstance(errors[0], ConflictError), errors
+            # The job ended with the first server (its op was stopped by the shutdown).
+            assert "ended (failed: server shut down with ops in flight" in str(errors[0])
+        finally:
+            client.shutdown()
+            second.close()

@@ -1,0 +1,203 @@
+"""One tenant cannot stall the others: request limits, cancellation of ops in flight, per-tenant
+fairness in the op scheduler, and a bounded drain on shutdown."""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import Future
+
+import httpx
+import pytest
+
+from arctic_platform.server.errors import Conflict, PayloadTooLarge
+from arctic_platform.server.limits import ServerLimits
+from arctic_platform.server.scheduler import FairSlots
+from arctic_platform.server.service import Service, ServiceSettings
+from tests.live_server import serve_app
+from tests.server.conftest import CORTEX, job_request, make_app
+from tests.server.test_paths import running
+
+# A generation that runs for minutes on the tiny model: thousands of full-length samples.
+ENDLESS = {"n": 2048, "max_tokens": 1000, "ignore_eos": True, "temperature": 1.0}
+
+
+def started(service: Service, future: Future, job_id: str) -> None:
+    """Wait (with a deadline) until ``future``'s op is running on the engine."""
+    deadline = time.monotonic() + 120
+    while not future.running():
+        assert not future.done(), future.exception()
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+
+
+def endless_generate(service: Service, job_id: str, owner: str | None) -> Future:
+    sub = service.resolve(job_id, owner=owner, kind="sampling")
+    future = service.submit(sub, "generate", {"prompts": ["1+2="], "sampling_params": ENDLESS})
+    started(service, future, job_id)
+    return future
+
+
+def ended_by(future: Future, code: str) -> str:
+    """The message of the error ``future`` ended with (waiting with a deadline)."""
+    error = future.exception(timeout=120)
+    assert isinstance(error, Conflict) and error.code == code, error
+    return error.message
+
+
+@pytest.mark.parametrize(
+    ("op", "body", "limit"),
+    [
+        ("generate", {"prompts": ["a"], "sampling_params": {"n": 1_000_000}}, "samples_per"),
+        (
+            "generate",
+            {"prompts": ["a", "b"], "sampling_params": {"n": 4, "max_tokens": 100}},
+            "sample_tokens",
+        ),
+        ("generate", {"prompts": ["a"], "sampling_params": {"n": 4}}, "sample_tokens"),
+        ("log-probs", {"prompts": ["a"] * 9}, "batch_rows"),
+    ],
+)
+def test_requests_beyond_the_servers_limits_are_413s_naming_the_limit(tmp_path, op, body, limit):
+    limits = ServerLimits(
+        max_samples_per_request=16, max_sample_tokens=500, max_batch_rows=8, max_batch_tokens=64
+    )
+    service = Service(ServiceSettings(data_dir=tmp_path, device="cpu", limits=limits))
+    try:
+        job_id = service.create_job(job_request())["job_id"]
+        service.wait_until_running(job_id, timeout=120)
+        with serve_app(make_app(service)) as url, httpx.Client(base_url=url) as http:
+            route = f"/{op}?job_id={job_id}"
+            response = http.post(route, json=body)
+            assert response.status_code == 413, response.text
+            answer = response.json()
+            assert answer["code"] == "limit_exceeded" and limit in answer["limit"]
+            assert "--max-" in answer["message"]
+            if op == "log-probs":
+                cortex = http.post(f"{CORTEX}/{job_id}/log-probs", json=body)
+                assert cortex.status_code == 413 and cortex.json()["code"] == "limit_exceeded"
+    finally:
+        service.close()
+
+
+def test_training_batches_beyond_the_limits_are_refused_before_they_run(tmp_path):
+    import torch
+
+    limits = ServerLimits(max_batch_rows=4, max_batch_tokens=30)
+    service = Service(ServiceSettings(data_dir=tmp_path, device="cpu", limits=limits))
+    try:
+        job_id = running(service, None)
+        batch = {"input_ids": torch.ones(2, 16, dtype=torch.long)}  # 32 tokens
+        with pytest.raises(PayloadTooLarge, match="max-batch-tokens") as caught:
+            service.execute(job_id, "forward", {"batch": batch})
+        assert caught.value.code == "limit_exceeded"
+        rows = {"input_ids": torch.ones(5, 2, dtype=torch.long)}
+        with pytest.raises(PayloadTooLarge, match="max-batch-rows"):
+            service.execute(job_id, "forward-backward", {"batch": rows})
+    finally:
+        service.close()
+
+
+def test_cancelling_a_job_stops_its_running_generate(service):
+    job_id = running(service, None, "sampling")
+    future = endless_generate(service, job_id, None)
+    service.cancel_job(job_id)
+    assert "cancelled" in ended_by(future, "op_cancelled")
+    assert service.get_job(job_id)["status"] == "cancelled"
+
+
+def test_the_slot_scheduler_serves_waiting_tenants_in_turn():
+    slots = FairSlots(total=1)
+    order: list[str] = []
+    release = threading.Event()
+    holding = []
+
+    def hold(tenant: str) -> None:
+        with slots.slot(tenant):
+            order.append(tenant)
+            release.wait()
+
+    def take(tenant: str) -> None:
+        with slots.slot(tenant):
+            order.append(tenant)
+
+    # Tenant a holds the slot; then a queues three more ops and b two.
+    holding.append(threading.Thread(target=hold, args=("a",)))
+    holding[-1].start()
+    wait_for(lambda: slots.running() == 1)
+    waiters = []
+    for count, tenant in enumerate(("a", "a", "a", "b", "b"), start=1):
+        waiters.append(threading.Thread(target=take, args=(tenant,)))
+        waiters[-1].start()
+        wait_for(lambda n=count: sum(slots.queued().values()) == n)
+    release.set()
+    for thread in holding + waiters:
+        thread.join(timeout=60)
+    # b's ops are not queued behind all of a's: the tenants alternate, b first (a just ran).
+    assert order == ["a", "b", "a", "b", "a", "a"]
+
+
+def test_one_tenant_never_holds_more_than_its_share_of_slots():
+    slots = FairSlots(total=3, per_tenant=2)
+    release = threading.Event()
+    peak = []
+
+    def hold(tenant: str) -> None:
+        with slots.slot(tenant):
+            peak.append(slots.running())
+            release.wait()
+
+    threads = [threading.Thread(target=hold, args=("a",)) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    wait_for(lambda: slots.running() == 2 and slots.queued() == {"a": 2})
+    other = threading.Thread(target=hold, args=("b",))
+    other.start()
+    wait_for(lambda: slots.running() == 3)  # b gets the slot a may not take
+    release.set()
+    for thread in [*threads, other]:
+        thread.join(timeout=60)
+    assert max(peak) <= 3
+
+
+def wait_for(condition) -> None:
+    deadline = time.monotonic() + 60
+    while not condition():
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+
+
+def test_another_tenant_is_served_while_one_tenant_runs_long_generates(tmp_path):
+    # The starvation scenario: tenant a runs two long generates (two jobs), which on a server
+    # without per-tenant shares would hold both op slots.
+    service = Service(
+        ServiceSettings(data_dir=tmp_path, device="cpu", max_concurrent_ops=2, max_ops_per_tenant=1)
+    )
+    try:
+        a_jobs = [running(service, "a", "sampling") for _ in range(2)]
+        b_job = running(service, "b", "log_probability")
+        first = endless_generate(service, a_jobs[0], "a")
+        sub = service.resolve(a_jobs[1], owner="a", kind="sampling")
+        second = service.submit(sub, "generate", {"prompts": ["1"], "sampling_params": ENDLESS})
+        quick = service.execute(b_job, "log-probs", {"prompts": ["1+2="]}, owner="b")
+        assert quick["results"]
+        # b's op finished while a's first generate still ran and its second still waited: the
+        # bound on b's latency is one op of its own, not a's generations.
+        assert not first.done() and not second.done()
+        assert service.slots.queued() == {"a": 1}
+    finally:
+        service.close(drain_timeout=0)
+    assert "drain-timeout" in ended_by(first, "op_cancelled")
+
+
+def test_close_fails_busy_jobs_after_the_drain_timeout_and_stops_their_ops(tmp_path):
+    service = Service(ServiceSettings(data_dir=tmp_path, device="cpu"))
+    busy = running(service, None, "sampling")
+    idle = running(service, None, "training")
+    future = endless_generate(service, busy, None)
+    service.close(drain_timeout=0.2)
+    message = ended_by(future, "op_cancelled")
+    assert "--drain-timeout 0.2s" in message
+    jobs = {j["job_id"]: j for j in service.list_jobs()}
+    assert jobs[busy]["status"] == "failed" and "drain-timeout" in jobs[busy]["reason"]
+    assert jobs[idle]["status"] == "terminated"

@@ -1,0 +1,191 @@
+"""Client-supplied paths stay inside the caller's tenant folder (or the operator's read-only
+prefixes): absolute paths, ``..``, symlinks and other tenants' folders are 400s naming the field,
+and nothing outside is written, deleted or read."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from arctic_platform.engine.builtin import builtin_model_path
+from arctic_platform.server.errors import BadRequest
+from arctic_platform.server.service import Service, ServiceSettings
+from tests.server.conftest import TINY, job_request, sub_job
+
+ALICE, BOB = "alice", "bob"
+
+
+def running(service: Service, owner: str, *kinds: str, **extra) -> str:
+    spec = [sub_job(k, **extra) for k in kinds or ("training",)]
+    job_id = service.create_job({"sub_job_configs": spec}, owner=owner)["job_id"]
+    service.wait_until_running(job_id, owner=owner, timeout=120)
+    return job_id
+
+
+def victim_folder(tmp_path: Path) -> Path:
+    """A folder outside the data dir holding what a careless retention would delete."""
+    victim = tmp_path / "victim"
+    for name in ("checkpoint-1", "checkpoint-2", "other"):
+        (victim / name).mkdir(parents=True)
+        (victim / name / "keep.txt").write_text(name)
+    return victim
+
+
+def tree(folder: Path) -> list[str]:
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*"))
+
+
+def refused(call, field: str) -> BadRequest:
+    with pytest.raises(BadRequest) as caught:
+        call()
+    assert caught.value.status == 400 and field in caught.value.message
+    return caught.value
+
+
+def test_save_paths_outside_the_tenant_are_refused_and_nothing_outside_changes(service, tmp_path):
+    job = running(service, ALICE)
+    victim = victim_folder(tmp_path)
+    before = tree(victim)
+    escape = os.path.relpath(tmp_path / "outside", service.paths.tenant_root(ALICE))
+    for path in (str(victim), "../../outside", escape, "/etc"):
+        body = {"path": path, "save_total_limit": 1}
+        refused(lambda b=body: service.execute(job, "save", b, owner=ALICE), "save.path")
+    assert tree(victim) == before
+    assert not (tmp_path / "outside").exists()
+
+
+def test_a_symlink_out_of_the_tenant_folder_is_refused(service, tmp_path):
+    job = running(service, ALICE)
+    victim = victim_folder(tmp_path)
+    before = tree(victim)
+    link = service.paths.tenant_root(ALICE) / "link"
+    link.symlink_to(victim, target_is_directory=True)
+    refused(lambda: service.execute(job, "save", {"path": "link"}, owner=ALICE), "save.path")
+    refused(lambda: service.execute(job, "save", {"path": "link/sub"}, owner=ALICE), "save.path")
+    refused(
+        lambda: service.execute(job, "load-checkpoint", {"path": "link"}, owner=ALICE), "load.path"
+    )
+    assert tree(victim) == before
+
+
+def test_paths_inside_the_tenant_folder_save_and_load(service):
+    job = running(service, ALICE)
+    saved = service.execute(job, "save", {"path": "runs/a"}, owner=ALICE)
+    assert Path(saved["path"]) == service.paths.tenant_root(ALICE) / "runs" / "a" / "checkpoint-0"
+    loaded = service.execute(job, "load-checkpoint", {"path": "runs/a"}, owner=ALICE)
+    assert loaded["global_step"] == 0
+    default = service.execute(job, "save", {}, owner=ALICE)
+    assert Path(default["path"]).is_relative_to(service.paths.checkpoint_root(ALICE))
+
+
+def test_retention_applies_only_to_the_jobs_own_folder(service):
+    job = running(service, ALICE)
+    folder = service.paths.tenant_root(ALICE) / "shared"
+    (folder / "checkpoint-7").mkdir(parents=True)
+    refused(
+        lambda: service.execute(
+            job, "save", {"path": "shared", "save_total_limit": 1}, owner=ALICE
+        ),
+        "save_total_limit",
+    )
+    service.execute(job, "save", {"path": "shared"}, owner=ALICE)
+    assert (folder / "checkpoint-7").is_dir()  # a save elsewhere deletes nothing
+    for step in (1, 2, 3):
+        service.execute(job, "save", {"step": step, "save_total_limit": 2}, owner=ALICE)
+    own = service.paths.checkpoint_root(ALICE) / f"{job}-training-0"
+    assert sorted(p.name for p in own.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-3"]
+
+
+def test_one_tenant_cannot_write_read_or_load_another_tenants_checkpoints(service):
+    alice = running(service, ALICE)
+    saved = service.execute(alice, "save", {}, owner=ALICE)
+    alice_folder = Path(saved["path"]).parent
+    before = tree(alice_folder)
+    bob = running(service, BOB)
+    # B saves into A's job folder, by absolute path and by a relative escape.
+    escape = os.path.relpath(alice_folder, service.paths.tenant_root(BOB))
+    for path in (str(alice_folder), escape):
+        refused(lambda p=path: service.execute(bob, "save", {"path": p}, owner=BOB), "save.path")
+        refused(
+            lambda p=path: service.execute(bob, "load-checkpoint", {"path": p}, owner=BOB),
+            "load.path",
+        )
+    assert tree(alice_folder) == before
+    # B starts a job whose model is A's checkpoint folder.
+    spec = {"sub_job_configs": [sub_job("sampling", model_name=saved["path"])]}
+    refused(lambda: service.create_job(spec, owner=BOB), "sub_job_configs.0.model_name")
+    # B names A's checkpoint as its source: not found among B's jobs.
+    source = {
+        "sub_job_configs": [
+            sub_job(
+                "training",
+                source_checkpoint_info={
+                    "source_job_id": alice,
+                    "checkpoint_id": saved["checkpoint_id"],
+                },
+            )
+        ]
+    }
+    refused(lambda: service.create_job(source, owner=BOB), "source_checkpoint_info")
+    # A can start from its own checkpoint folder.
+    own = {"sub_job_configs": [sub_job("sampling", model_name=saved["path"])]}
+    job_id = service.create_job(own, owner=ALICE)["job_id"]
+    assert service.wait_until_running(job_id, owner=ALICE, timeout=120)["status"] == "running"
+
+
+def test_model_folders_outside_need_an_operator_allowed_prefix(tmp_path):
+    model = Path(builtin_model_path(TINY))
+    spec = {"sub_job_configs": [sub_job("sampling", model_name=str(model))]}
+    closed = Service(ServiceSettings(data_dir=tmp_path / "a", device="cpu"))
+    try:
+        refused(lambda: closed.create_job(spec, owner=ALICE), "sub_job_configs.0.model_name")
+        refused(
+            lambda: closed.create_job(
+                {"sub_job_configs": [sub_job("sampling", model_name="../../x")]}, owner=ALICE
+            ),
+            "model_name",
+        )
+    finally:
+        closed.close()
+    allowed = Service(
+        ServiceSettings(data_dir=tmp_path / "b", device="cpu", allowed_paths=(model.parent,))
+    )
+    try:
+        job_id = allowed.create_job(spec, owner=ALICE)["job_id"]
+        assert allowed.wait_until_running(job_id, owner=ALICE, timeout=120)["status"] == "running"
+        # Allowed prefixes are read-only: a save there is refused.
+        trainer = running(allowed, ALICE)
+        refused(
+            lambda: allowed.execute(trainer, "save", {"path": str(model.parent)}, owner=ALICE),
+            "save.path",
+        )
+    finally:
+        allowed.close()
+
+
+def test_exports_list_no_file_that_links_out_of_the_checkpoint(service, tmp_path):
+    job = running(service, ALICE)
+    saved = service.execute(job, "save", {}, owner=ALICE)
+    secret = tmp_path / "secret.txt"
+    secret.write_text("not yours")
+    (Path(saved["path"]) / "leak.txt").symlink_to(secret)
+    files = service.checkpoint_files(job, saved["checkpoint_id"], owner=ALICE)
+    names = {f["filename"] for f in files}
+    assert "leak.txt" not in names and "trainer_state.json" in names
+
+
+def test_an_unconfined_in_process_service_keeps_the_callers_paths(tmp_path):
+    service = Service(ServiceSettings(data_dir=tmp_path / "d", device="cpu", confine_paths=False))
+    try:
+        job = running(service, None)
+        saved = service.execute(job, "save", {"path": str(tmp_path / "mine")}, owner=None)
+        assert Path(saved["path"]) == tmp_path / "mine" / "checkpoint-0"
+    finally:
+        service.close()
+
+
+def test_default_job_requests_are_unaffected(service):
+    job_id = service.create_job(job_request("training"))["job_id"]
+    assert service.wait_until_running(job_id, timeout=120)["status"] == "running"
