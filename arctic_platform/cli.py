@@ -145,6 +145,20 @@ def serve(
     colocate: Annotated[
         bool, typer.Option(help="With --ray: put a job's trainer and samplers on shared devices.")
     ] = False,
+    sampling_engine: Annotated[
+        str,
+        typer.Option(
+            help="Engine of sampling jobs that do not choose one: torch (ours) or vllm "
+            "(vLLM in its own process; see --vllm-python)."
+        ),
+    ] = "torch",
+    vllm_python: Annotated[
+        Path | None,
+        typer.Option(
+            help="Python of the environment that has vLLM (default: $ARCTIC_VLLM_PYTHON, else "
+            "this interpreter if it imports vllm)."
+        ),
+    ] = None,
     allow_path: Annotated[
         list[Path] | None,
         typer.Option(
@@ -187,6 +201,14 @@ def serve(
     require("torch", "server", purpose="arctic-platform serve")
     if not ray and (ray_address is not None or colocate):
         raise typer.BadParameter("--ray-address and --colocate need --ray")
+    if sampling_engine not in ("torch", "vllm"):
+        raise typer.BadParameter(
+            f"--sampling-engine: expected torch or vllm, got {sampling_engine!r}"
+        )
+    if ray and (sampling_engine != "torch" or vllm_python is not None):
+        raise typer.BadParameter("--sampling-engine vllm and --vllm-python run without --ray")
+    if vllm_python is not None and not vllm_python.is_file():
+        raise typer.BadParameter(f"--vllm-python: {vllm_python} is not a file")
     if ray:
         require("ray", "ray", purpose="arctic-platform serve --ray")
     from arctic_platform.server.serve import serve as run_server
@@ -202,6 +224,8 @@ def serve(
         log_level=log_level,
         ray_address=(ray_address or "auto") if ray else None,
         colocate=colocate,
+        sampling_engine=sampling_engine,
+        vllm_python=None if vllm_python is None else str(vllm_python),
         allowed_paths=tuple(allow_path or ()),
         max_ops_per_tenant=max_ops_per_tenant,
         drain_timeout=drain_timeout,

@@ -13,6 +13,12 @@ Model ``builtin:small`` (~25 M parameters, float32 on CPU), same weights for bot
     and streamed over a pipe to a receiving process that loads them into its own SamplingEngine
     (timed from the first byte sent to the receiver's acknowledgement, after it was ready).
 
+(d) ``--vllm`` (needs ``$ARCTIC_VLLM_PYTHON``, see README "vLLM sampling engine"): the vLLM engine
+    beside ours and ``model.generate`` on the workloads of (a) and (b), startup to the first token
+    (engine construction plus a one-token generate) for both engines, and the time of one weight
+    sync into the vLLM engine by ``reload`` and by ``restart``. Written to
+    ``benchmarks/results/engine_sample_vllm.json``.
+
 Runs alternate baseline and engine so background load hits both alike; the ratios use the best
 of the alternating runs (medians are reported too), and sync speeds the best of three.
 Run: ``python -m benchmarks.engine_sample`` (writes ``benchmarks/results/engine_sample.json``).
@@ -212,6 +218,77 @@ def receive() -> None:
     print(json.dumps(report), flush=True)
 
 
+def bench_vllm() -> dict:
+    """(d): the vLLM engine against ours and ``model.generate`` (see the module docstring)."""
+    from arctic_platform.engine.vllm_backend.engine import VllmSamplingEngine
+
+    vllm_config = SamplingEngineConfig(
+        model=MODEL, engine="vllm", vllm={"env": {"VLLM_CPU_KVCACHE_SPACE": "2"}}
+    )
+    startup = {}
+    start = time.perf_counter()
+    ours = SamplingEngine(SamplingEngineConfig(model=MODEL))
+    ours.generate([[5, 6, 7]], {"max_tokens": 1})
+    startup["engine_s"] = time.perf_counter() - start
+    start = time.perf_counter()
+    vllm = VllmSamplingEngine(vllm_config)
+    vllm.generate([[5, 6, 7]], {"max_tokens": 1})
+    startup["vllm_s"] = time.perf_counter() - start
+    try:
+        workloads = {
+            "throughput": (torch.randint(5, 100, (32, 64), generator=_gen(1)), 1, 128),
+            "prefix_sharing": (torch.randint(5, 100, (2, 512), generator=_gen(2)), 8, 64),
+        }
+        result: dict = {"startup_to_first_token": startup}
+        for name, (prompts, n, new_tokens) in workloads.items():
+            repeated = prompts.repeat_interleave(n, dim=0)
+            runs = {
+                "generate": lambda r=repeated, k=new_tokens: _hf_generate(ours.model, r, k),
+                "engine": lambda p=prompts, n=n, k=new_tokens: _ours(ours, p.tolist(), n, k),
+                "vllm": lambda p=prompts, n=n, k=new_tokens: _ours(vllm, p.tolist(), n, k),
+            }
+            for run in runs.values():
+                run()  # warm up every path on the real shapes
+            times = {key: [] for key in runs}
+            for _ in range(REPEAT):
+                for key, run in runs.items():
+                    times[key].append(_timed(run))
+            best = {key: min(values) for key, values in times.items()}
+            tokens = len(prompts) * n * new_tokens
+            result[name] = {
+                "prompts": len(prompts),
+                "n": n,
+                "prompt_len": prompts.shape[1],
+                "new_tokens": new_tokens,
+                **{f"{key}_tokens_per_s": tokens / best[key] for key in runs},
+                "vllm_vs_generate": best["generate"] / best["vllm"],
+                "vllm_vs_engine": best["engine"] / best["vllm"],
+                "median_s": {key: statistics.median(values) for key, values in times.items()},
+            }
+        trainer = load_causal_lm(MODEL)
+        with torch.no_grad():
+            for param in trainer.parameters():
+                param.mul_(1.01)
+        sync = {}
+        for method in ("reload", "restart"):
+            vllm.weight_sync = method
+            sync[f"{method}_s"] = min(
+                _timed(lambda: sync_in_process(trainer, vllm)) for _ in range(REPEAT)
+            )
+        sync["in_process_ours_s"] = min(
+            _timed(lambda: sync_in_process(trainer, ours)) for _ in range(REPEAT)
+        )
+        result["weight_sync"] = sync
+        result["vllm"] = vllm.info
+        return result
+    finally:
+        vllm.close()
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
 def main() -> None:
     torch.manual_seed(0)
     engine = SamplingEngine(SamplingEngineConfig(model=MODEL))
@@ -229,5 +306,11 @@ def main() -> None:
 if __name__ == "__main__":
     if "--receive" in sys.argv:
         receive()
+    elif "--vllm" in sys.argv:
+        torch.manual_seed(0)
+        write_result(
+            "engine_sample_vllm",
+            {"model": MODEL.name, "torch_threads": torch.get_num_threads(), **bench_vllm()},
+        )
     else:
         main()

@@ -296,9 +296,12 @@ class InferenceJob(_Job, InferenceSettings):
     ``inference_config`` (:class:`~arctic_platform.contract.job_config.InferenceSettings`) plus
     the job's model, dtype and seed.
 
-    ``max_seq_len`` bounds prompt plus completion (default: the model's context length);
-    ``vllm_config`` is the vLLM engine dictionary frameworks pass (``max_num_seqs`` and
-    ``max_model_len`` are honoured, other keys are recorded by the server as ignored).
+    ``max_seq_len`` bounds prompt plus completion (default: the model's context length).
+    ``engine`` picks the sampler: ``torch`` (ours) or ``vllm`` (vLLM in its own process); unset,
+    the server's default (ours, unless ``serve --sampling-engine vllm``). ``vllm`` holds the vLLM
+    settings (``python``, ``weight_sync``, ``env``, ``startup_timeout_s``) and any vLLM engine
+    arguments; our sampler honours ``max_num_seqs`` and ``max_model_len`` from it and the server
+    records the rest as ignored. The legacy ``vllm_config`` is folded into ``vllm``.
     """
 
 

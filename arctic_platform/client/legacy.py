@@ -3,8 +3,9 @@
 SkyRL and verl build the client config with the field names of the earlier ``arctic_platform.rl``
 client (``model_name``, ``backend="local"``, ``comm_protocol``, ``training_gpus``, ``ds_config``,
 ``vllm_config``, ...), and the earlier unified client nested some of them (``backend: {type:
-onprem|remote, protocol}``, ``training: {ds_config, ...}``, ``sampling: {vllm, ...}``). Those
-configs keep working: this module rewrites them into the nested form before validation.
+onprem|remote, protocol}``, ``training: {ds_config, ...}``, ``sampling:
+{arctic_inference_config, ...}``). Those configs keep working: this module rewrites them into the
+nested form before validation.
 
 The rules, so a user can predict the result:
 
@@ -13,6 +14,7 @@ The rules, so a user can predict the result:
   ``launch_local_server``. ``"dss-platform"`` means attach to an existing server (no launch).
   ``backend="local"`` is remembered (``legacy_backend``) so the ``ARCTIC_RL_BACKEND`` environment
   override can still switch such a config to Cortex.
+* ``vllm_config`` (top level, or in a job's section) becomes that job's ``vllm`` settings.
 * ``training_gpus`` / ``sampling_gpus`` / ``log_prob_gpus`` decide which jobs exist (0: none);
   the count becomes the job's ``n_gpus``.
 * DeepSpeed and trainer dicts contribute what our engines have: the optimizer, gradient clipping,
@@ -98,7 +100,6 @@ REFERENCE_TRAINING_KEYS = {
     "low_memory": "low_memory",
 }
 REFERENCE_SAMPLING_KEYS = {
-    "vllm": "vllm_config",
     "arctic_inference_config": "arctic_inference_config",
     "log_prob_engine": "log_prob_engine",
     "log_prob_ds_config": "log_prob_ds_config",
@@ -277,7 +278,7 @@ class _Folder:
             vllm = self.flat.pop("vllm_config")
             if vllm is not None and not isinstance(vllm, Mapping):
                 raise ValueError("vllm_config: expected a mapping")
-            for section in inference:
+            for section in inference:  # InferenceJob folds it into vllm; vllm's keys win
                 section.setdefault("vllm_config", dict(vllm or {}))
             if not inference and vllm:
                 self.ignored["vllm_config"] = vllm

@@ -15,12 +15,15 @@ Only pydantic is needed: the client builds these objects without torch.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, ClassVar, Literal
 
 from pydantic import (
     AliasChoices,
     Field,
     PositiveInt,
+    ValidationError,
+    field_validator,
     model_serializer,
     model_validator,
 )
@@ -29,8 +32,10 @@ from arctic_platform.contract.ops import Role
 from arctic_platform.contract.settings import (
     LoraConfig,
     OptimizerConfig,
+    SamplingEngineName,
     SchedulerConfig,
     Settings,
+    VllmSettings,
 )
 
 # Sub-job types: this project's short names (the op table's roles, used in sub-job ids) and the
@@ -167,7 +172,42 @@ class InferenceSettings(_WithPassthrough):
     max_seq_len: PositiveInt | None = None  # None: the model's context length
     max_batch_size: PositiveInt = 256
     max_tokens_per_microbatch: PositiveInt = 16384
-    vllm_config: dict[str, Any] = Field(default_factory=dict)
+    # Which sampling engine: ours or vLLM (None: the server's default, fixed at job creation).
+    engine: SamplingEngineName | None = None
+    # The vLLM settings (:class:`VllmSettings`: ours, then vLLM engine arguments); the Cortex API
+    # and older configs call it ``vllm_config``, folded in (``vllm`` wins key by key).
+    vllm: dict[str, Any] = Field(default_factory=dict, serialization_alias="vllm_config")
+
+    @classmethod
+    def known_keys(cls) -> set[str]:
+        return super().known_keys() | {"vllm_config"}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _fold_vllm_config(cls, data: Any) -> Any:
+        if isinstance(data, Mapping) and "vllm_config" in data:
+            data = dict(data)
+            legacy = data.pop("vllm_config")
+            if legacy is not None and not isinstance(legacy, Mapping):
+                raise ValueError("vllm_config: expected a mapping (folded into vllm)")
+            vllm = data.get("vllm")
+            data["vllm"] = {**(legacy or {}), **(vllm if isinstance(vllm, Mapping) else {})}
+        return data
+
+    @field_validator("vllm")
+    @classmethod
+    def _check_vllm(cls, value: dict[str, Any]) -> dict[str, Any]:
+        try:
+            VllmSettings.model_validate(value)
+        except ValidationError as exc:
+            error = exc.errors()[0]
+            where = ".".join(str(p) for p in error["loc"])
+            raise ValueError(f"{where}: {error['msg']}") from None
+        return value
+
+    @property
+    def vllm_settings(self) -> VllmSettings:
+        return VllmSettings.model_validate(self.vllm)
 
 
 class SourceCheckpoint(_Spec):
@@ -204,6 +244,11 @@ class SubJobConfig(_Spec):
                 )
             if self.inference_config is None:
                 self.inference_config = InferenceSettings()
+            if self.kind == "log_prob" and self.inference_config.engine == "vllm":
+                raise ValueError(
+                    "inference_config.engine: vllm runs sampling sub-jobs; a log-prob sub-job "
+                    "scores with our engine"
+                )
         if self.post_init_hooks:
             raise ValueError(
                 "model_post_init: no model post-init hooks are available on this server"
@@ -220,11 +265,9 @@ class SubJobConfig(_Spec):
         """Foreign keys this server accepted but does not act on."""
         settings = self.training_config or self.inference_config
         ignored = dict(settings.ignored) if settings is not None else {}
-        if self.inference_config is not None:
-            unused = set(self.inference_config.vllm_config) - VLLM_KEYS_USED
-            ignored.update(
-                {f"vllm_config.{k}": self.inference_config.vllm_config[k] for k in unused}
-            )
+        if self.inference_config is not None and self.inference_config.engine != "vllm":
+            unused = set(self.inference_config.vllm) - VLLM_KEYS_USED
+            ignored.update({f"vllm_config.{k}": self.inference_config.vllm[k] for k in unused})
         return ignored
 
 

@@ -16,7 +16,15 @@ import difflib
 from collections.abc import Mapping
 from typing import Any, ClassVar, Literal
 
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field, PositiveInt, model_validator
+from pydantic import (
+    AliasChoices,
+    BaseModel,
+    ConfigDict,
+    Field,
+    PositiveFloat,
+    PositiveInt,
+    model_validator,
+)
 
 
 def did_you_mean(name: object, candidates: set[str]) -> str:
@@ -118,3 +126,38 @@ class SchedulerConfig(Settings):
         if self.name != "constant" and self.total_steps is None:
             raise ValueError(f"total_steps: the {self.name} schedule needs it")
         return self
+
+
+SamplingEngineName = Literal["torch", "vllm"]
+
+
+class VllmSettings(BaseModel):
+    """How the vLLM sampling engine runs (``sampling.vllm``; the legacy ``vllm_config``).
+
+    ``python`` is the interpreter of the environment that has vLLM (default:
+    ``$ARCTIC_VLLM_PYTHON``, else this interpreter when it can import vllm). ``weight_sync`` picks
+    how synced weights reach the running engine: ``restart`` builds a new vLLM engine on them,
+    ``reload`` loads them into the running one, ``auto`` restarts on CPU and reloads on GPU.
+    ``env`` adds environment variables for the vLLM process (``VLLM_CPU_KVCACHE_SPACE``, ...).
+    Every other key is a vLLM engine argument (``enforce_eager``, ``gpu_memory_utilization``, ...),
+    checked against the installed vLLM when the engine starts; ``max_num_seqs`` and
+    ``max_model_len`` also bound our own sampler.
+    """
+
+    model_config = ConfigDict(extra="allow", validate_default=True)
+
+    python: str | None = Field(None, min_length=1)
+    weight_sync: Literal["auto", "reload", "restart"] = "auto"
+    env: dict[str, str] = Field(default_factory=dict)
+    startup_timeout_s: PositiveFloat = 600.0
+
+    @model_validator(mode="after")
+    def _model_is_the_jobs(self) -> VllmSettings:
+        if "model" in self.engine_args:
+            raise ValueError("model: the job's model is what vLLM loads; set it there")
+        return self
+
+    @property
+    def engine_args(self) -> dict[str, Any]:
+        """The vLLM engine arguments: every key that is not one of ours."""
+        return dict(self.model_extra or {})

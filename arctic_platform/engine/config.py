@@ -13,15 +13,23 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt
 
-from arctic_platform.contract.settings import LoraConfig, OptimizerConfig, SchedulerConfig
+from arctic_platform.contract.settings import (
+    LoraConfig,
+    OptimizerConfig,
+    SamplingEngineName,
+    SchedulerConfig,
+    VllmSettings,
+)
 
 __all__ = [
     "LoraConfig",
     "ModelConfig",
     "OptimizerConfig",
     "SamplingEngineConfig",
+    "SamplingEngineName",
     "SchedulerConfig",
     "TrainingEngineConfig",
+    "VllmSettings",
 ]
 
 
@@ -74,7 +82,9 @@ class SamplingEngineConfig(_Strict):
     ``max_kv_cache_bytes`` bounds the key/value cache of one decoding wave (rows x (prompt +
     completion) x bytes per token), so a batch of long sequences decodes in several waves rather
     than exhausting memory. ``max_logprobs`` caps the ``logprobs`` a request may ask for, and
-    ``seed`` seeds the draws of requests that do not bring their own.
+    ``seed`` seeds the draws of requests that do not bring their own. ``engine`` picks the
+    engine: ours (``torch``, the default) or vLLM in its own process (``vllm``, set up by
+    ``vllm``).
     """
 
     model: ModelConfig
@@ -84,3 +94,5 @@ class SamplingEngineConfig(_Strict):
     max_kv_cache_bytes: PositiveInt = 4 * 1024**3
     max_logprobs: PositiveInt = 20
     seed: int = 42
+    engine: SamplingEngineName = "torch"
+    vllm: VllmSettings = VllmSettings()

@@ -54,30 +54,27 @@ from arctic_platform.engine.sampling_ops import (
     step_uniforms,
 )
 from arctic_platform.engine.sampling_params import SamplingParams
+from arctic_platform.engine.sampling_requests import (
+    RequestShaper,
+    SampleRequest,
+    checked_max_model_len,
+    model_context,
+)
+from arctic_platform.engine.wake_tags import checked_wake_tags
 from arctic_platform.engine.weights import WeightLoadError, load_into_model
 
 log = logging.getLogger(__name__)
 
 _STOP_ID, _STOP_STR, _LENGTH = 1, 2, 3
-_SLEEP_TAGS = ("weights", "kv_cache")
 # Tokens decoded around the newest one when looking for stop strings, beyond the string's length.
 _STOP_WINDOW_SLACK = 8
-
-
-@dataclass
-class _Request:
-    index: int
-    token_ids: list[int]
-    params: SamplingParams
-    max_new: int
-    seed: int = 0  # drawn only once the whole call has been validated
 
 
 @dataclass
 class _Slice:
     """Samples ``first .. first + count - 1`` of a request, decoded in one wave."""
 
-    request: _Request
+    request: SampleRequest
     first: int
     count: int
 
@@ -93,17 +90,15 @@ class SamplingEngine:
         self.model = load_causal_lm(model_config, self.device).eval().requires_grad_(False)
         self.tokenizer = load_tokenizer(model_config)
         self.vocab_size = self.model.get_input_embeddings().num_embeddings
-        context = self.model.config.get_text_config().max_position_embeddings
-        if config.max_model_len is not None and config.max_model_len > context:
-            raise EngineInputError(
-                "max_model_len",
-                f"{config.max_model_len} exceeds the model's context of {context} positions",
-            )
-        self.max_model_len = config.max_model_len or context
+        self.max_model_len = checked_max_model_len(
+            config.max_model_len, model_context(self.model.config)
+        )
         self.eos_token_ids = self._eos_ids()
         self.pad_token_id = self.tokenizer.pad_token_id or 0
         self._pool = KVBufferPool()
-        self._seed_rng = torch.Generator().manual_seed(config.seed)
+        self._shaper = RequestShaper(
+            self.tokenizer, config, vocab_size=self.vocab_size, max_model_len=self.max_model_len
+        )
         self._released: set[str] = set()
         self._weights_complete = True
 
@@ -125,11 +120,9 @@ class SamplingEngine:
         if self._released:
             log.warning("generate() on a sleeping sampler: waking it (%s)", sorted(self._released))
             self.wake()
-        for request in requests:  # only now, so a rejected call leaves the seed stream untouched
-            seed = request.params.seed
-            if seed is None:
-                seed = int(torch.randint(-(2**62), 2**62, (), generator=self._seed_rng))
-            request.seed = seed_to_int64(seed)
+        self._shaper.assign_seeds(requests)  # only now: a rejected call leaves the stream as is
+        for request in requests:
+            request.seed = seed_to_int64(request.seed)
         offsets, total = [], 0
         for request in requests:
             offsets.append(total)
@@ -141,98 +134,20 @@ class SamplingEngine:
                     outputs[offsets[piece.request.index] + sample] = output
         return outputs
 
-    def _validate(self, prompts, sampling_params) -> list[_Request]:
-        if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
-            raise EngineInputError("prompts", "expected a list of prompts (strings or token ids)")
-        if not prompts:
-            raise EngineInputError("prompts", "no prompts given")
-        if isinstance(sampling_params, Sequence):
-            if len(sampling_params) != len(prompts):
+    def _validate(self, prompts, sampling_params) -> list[SampleRequest]:
+        requests = self._shaper.validate(prompts, sampling_params)
+        per_token = self._kv_bytes_per_token()
+        for request in requests:
+            length = len(request.token_ids) + request.max_new
+            if length * per_token > self.config.max_kv_cache_bytes:
                 raise EngineInputError(
-                    "sampling_params",
-                    f"{len(sampling_params)} entries for {len(prompts)} prompts; give one "
-                    "dictionary for all prompts or one per prompt",
+                    f"prompts[{request.index}]",
+                    f"one sequence of {length} tokens needs more KV cache than "
+                    f"max_kv_cache_bytes={self.config.max_kv_cache_bytes}",
                 )
-            fields = [f"sampling_params[{i}]" for i in range(len(prompts))]
-            params = [
-                SamplingParams.from_request(p, f)
-                for p, f in zip(sampling_params, fields, strict=True)
-            ]
-        else:
-            fields = ["sampling_params"] * len(prompts)
-            params = [SamplingParams.from_request(sampling_params)] * len(prompts)
-        token_ids = self._tokenize(prompts)
-        return [
-            self._check_request(i, ids, p, f)
-            for i, (ids, p, f) in enumerate(zip(token_ids, params, fields, strict=True))
-        ]
+        return requests
 
-    def _tokenize(self, prompts: Sequence) -> list[list[int]]:
-        texts = [i for i, p in enumerate(prompts) if isinstance(p, str)]
-        encoded = (
-            self.tokenizer([prompts[i] for i in texts], add_special_tokens=False)["input_ids"]
-            if texts
-            else []
-        )
-        result: list[list[int]] = []
-        by_index = dict(zip(texts, encoded, strict=True))
-        for i, prompt in enumerate(prompts):
-            field = f"prompts[{i}]"
-            if i in by_index:
-                ids = list(by_index[i])
-            elif (
-                isinstance(prompt, torch.Tensor)
-                and prompt.ndim == 1
-                and not prompt.is_floating_point()
-            ):
-                ids = prompt.tolist()
-            elif isinstance(prompt, Sequence) and all(
-                isinstance(t, int) and not isinstance(t, bool) for t in prompt
-            ):
-                ids = list(prompt)
-            else:
-                raise EngineInputError(field, "expected a string or a list of integer token ids")
-            if not ids:
-                raise EngineInputError(field, "empty prompt")
-            bad = [t for t in ids if not 0 <= t < self.vocab_size]
-            if bad:
-                raise EngineInputError(
-                    field, f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})"
-                )
-            result.append(ids)
-        return result
-
-    def _check_request(self, index: int, ids: list[int], params: SamplingParams, field: str):
-        bad = [t for t in params.stop_token_ids if t >= self.vocab_size]
-        if bad:
-            raise EngineInputError(
-                f"{field}.stop_token_ids",
-                f"{bad[0]} is outside the vocabulary of {self.vocab_size}",
-            )
-        limit = min(self.config.max_logprobs, self.vocab_size)
-        if params.logprobs is not None and params.logprobs > limit:
-            raise EngineInputError(f"{field}.logprobs", f"at most {limit}, got {params.logprobs}")
-        length = len(ids)
-        max_new = params.max_tokens or self.max_model_len - length
-        if max_new < 1 or length + max_new > self.max_model_len:
-            raise EngineInputError(
-                f"prompts[{index}]",
-                f"prompt of {length} tokens plus max_tokens={max_new} exceeds the context of "
-                f"{self.max_model_len} tokens (max_model_len)",
-            )
-        if params.min_tokens > max_new:
-            raise EngineInputError(
-                f"{field}.min_tokens", f"{params.min_tokens} exceeds the {max_new} tokens left"
-            )
-        if (length + max_new) * self._kv_bytes_per_token() > self.config.max_kv_cache_bytes:
-            raise EngineInputError(
-                f"prompts[{index}]",
-                f"one sequence of {length + max_new} tokens needs more KV cache than "
-                f"max_kv_cache_bytes={self.config.max_kv_cache_bytes}",
-            )
-        return _Request(index, ids, params, max_new)
-
-    def _plan_waves(self, requests: list[_Request]) -> list[list[_Slice]]:
+    def _plan_waves(self, requests: list[SampleRequest]) -> list[list[_Slice]]:
         """Pack requests (longest prompts first) into waves within the batch and cache limits."""
         per_token = self._kv_bytes_per_token()
         waves: list[list[_Slice]] = []
@@ -536,13 +451,7 @@ class SamplingEngine:
 
     def wake(self, tags: Sequence[str] | None = None) -> dict:
         """Restore what sleep released: ``tags`` is a subset of ``["weights", "kv_cache"]``."""
-        if tags is None:
-            tags = list(_SLEEP_TAGS)
-        if isinstance(tags, str) or not isinstance(tags, Sequence):
-            raise EngineInputError("tags", f"expected a list of tags from {list(_SLEEP_TAGS)}")
-        unknown = [t for t in tags if t not in _SLEEP_TAGS]
-        if unknown:
-            raise EngineInputError("tags", f"unknown tag(s) {unknown}; known: {list(_SLEEP_TAGS)}")
+        tags = checked_wake_tags(tags)
         woke = []
         if "weights" in tags and "weights" in self._released:
             self.model.to(self.device)

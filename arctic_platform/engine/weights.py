@@ -240,10 +240,10 @@ def _adapted_layer_of(module_path: str, adapted: Mapping[str, torch.nn.Module]) 
 # Loading into a model
 
 
-def load_into_model(
-    model: torch.nn.Module,
-    weights: WeightSource | Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
-) -> dict:
+Weights = WeightSource | Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
+
+
+def load_into_model(model: torch.nn.Module, weights: Weights) -> dict:
     """Copy named tensors into ``model``'s parameters and buffers in place.
 
     Validation comes first wherever the input allows it: a :class:`WeightSource` (an export or a
@@ -254,7 +254,39 @@ def load_into_model(
     the parameter's dtype. Returns ``{"tensors", "bytes", "complete"}``, ``complete`` meaning that
     every tensor of the model was written.
     """
-    targets = model.state_dict(keep_vars=True)
+
+    def copy(name: str, target: torch.Tensor, tensor: torch.Tensor) -> None:
+        with torch.no_grad():
+            target.copy_(tensor)
+
+    return apply_weights(model.state_dict(keep_vars=True), weights, copy)
+
+
+def collect_weights(targets: Mapping[str, torch.Tensor], weights: Weights) -> tuple[dict, dict]:
+    """Validate ``weights`` against ``targets`` (a ``state_dict``, possibly of a model on the
+    ``meta`` device) exactly as :func:`load_into_model` does, and return ``(tensors, report)``:
+    CPU copies in the target dtypes under the first name of each tensor (tied aliases folded),
+    and the ``{"tensors", "bytes", "complete"}`` report."""
+    first_name = {}
+    for name, target in targets.items():
+        first_name.setdefault(id(target), name)
+    collected: dict[str, torch.Tensor] = {}
+
+    def keep(name: str, target: torch.Tensor, tensor: torch.Tensor) -> None:
+        copied = tensor.detach().to("cpu", dtype=target.dtype, copy=True).contiguous()
+        collected[first_name[id(target)]] = copied
+
+    report = apply_weights(targets, weights, keep)
+    return collected, report
+
+
+def apply_weights(
+    targets: Mapping[str, torch.Tensor],
+    weights: Weights,
+    write: Callable[[str, torch.Tensor, torch.Tensor], None],
+) -> dict:
+    """Check ``weights`` against ``targets`` (see :func:`load_into_model`) and ``write(name,
+    target, tensor)`` each one once its group passed; returns the load report."""
     written: set[int] = set()
     counts = {"tensors": 0, "bytes": 0}
 
@@ -264,12 +296,11 @@ def load_into_model(
             (_check_target(targets, name, tensor, counts["tensors"]), tensor)
             for name, tensor in items
         ]
-        with torch.no_grad():
-            for target, tensor in checked:
-                target.copy_(tensor)
-                written.add(id(target))
-                counts["tensors"] += 1
-                counts["bytes"] += tensor.numel() * tensor.element_size()
+        for (name, _), (target, tensor) in zip(items, checked, strict=True):
+            write(name, target, tensor)
+            written.add(id(target))
+            counts["tensors"] += 1
+            counts["bytes"] += tensor.numel() * tensor.element_size()
 
     try:
         if isinstance(weights, WeightSource):

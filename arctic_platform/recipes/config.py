@@ -188,8 +188,16 @@ def load_recipe(
     return RecipeConfig.model_validate(data)
 
 
+# The client's job sections, which ``--set`` also reaches without the ``client.`` prefix.
+CLIENT_JOB_SECTIONS = ("training", "sampling", "log_prob")
+
+
 def apply_override(data: dict, override: str) -> dict:
-    """``grpo.steps=20`` -> ``data["grpo"]["steps"] = 20`` (the value parsed as YAML)."""
+    """``grpo.steps=20`` -> ``data["grpo"]["steps"] = 20`` (the value parsed as YAML).
+
+    The client's job sections may be named directly: ``sampling.engine=vllm`` is
+    ``client.sampling.engine=vllm``.
+    """
     import yaml
 
     key, sep, raw = override.partition("=")
@@ -202,6 +210,8 @@ def apply_override(data: dict, override: str) -> dict:
     data = copy.deepcopy(data)
     node = data
     parts = key.strip().split(".")
+    if len(parts) > 1 and parts[0] in CLIENT_JOB_SECTIONS:
+        parts = ["client", *parts]
     for part in parts[:-1]:
         child = node.setdefault(part, {})
         if not isinstance(child, dict):

@@ -31,9 +31,9 @@ def build_engine(service, sub, source: dict | None) -> Any:
         return engine
     config = inference_config_for(service, sub, source, device=settings.device)
     if sub.kind == "sampling":
-        from arctic_platform.engine.sampler import SamplingEngine
+        from arctic_platform.engine.sampling_backends import build_sampling_engine
 
-        return SamplingEngine(config)
+        return build_sampling_engine(config)
     from arctic_platform.engine.logprob_engine import LogProbEngine
 
     return LogProbEngine(config)
@@ -64,6 +64,7 @@ def inference_config_for(service, sub, source: dict | None, *, device: str) -> S
         device=device,
         default_seed=service.settings.default_seed,
         model_name=_weights_dir(source) if source is not None else sub.model_path,
+        vllm_python=service.settings.vllm_python,
     )
 
 

@@ -53,16 +53,27 @@ def training_engine_config(
 
 
 def sampling_engine_config(
-    spec: SubJobConfig, *, device: str, default_seed: int = 42, model_name: str | None = None
+    spec: SubJobConfig,
+    *,
+    device: str,
+    default_seed: int = 42,
+    model_name: str | None = None,
+    vllm_python: str | None = None,
 ) -> SamplingEngineConfig:
-    """Map a sampling or log-probability sub-job onto :class:`SamplingEngineConfig`."""
+    """Map a sampling or log-probability sub-job onto :class:`SamplingEngineConfig`
+    (``vllm_python``: the server operator's vLLM interpreter, used unless the job names one)."""
     settings = spec.inference_config
     assert settings is not None
-    vllm = settings.vllm_config
+    vllm = settings.vllm_settings
+    engine_args = vllm.engine_args
+    if vllm.python is None and vllm_python is not None:
+        vllm = vllm.model_copy(update={"python": vllm_python})
     return SamplingEngineConfig(
         model=model_config_of(spec, model_name=model_name, device=device),
-        max_batch_size=vllm.get("max_num_seqs", settings.max_batch_size),
-        max_model_len=vllm.get("max_model_len", settings.max_seq_len),
+        max_batch_size=engine_args.get("max_num_seqs", settings.max_batch_size),
+        max_model_len=engine_args.get("max_model_len", settings.max_seq_len),
         max_tokens_per_microbatch=settings.max_tokens_per_microbatch,
         seed=default_seed if spec.seed is None else spec.seed,
+        engine=settings.engine or "torch",
+        vllm=vllm,
     )

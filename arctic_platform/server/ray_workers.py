@@ -147,9 +147,9 @@ class InferenceWorker:
     def start(self, config) -> Any:
         def build() -> dict:
             if self.kind == "sampling":
-                from arctic_platform.engine.sampler import SamplingEngine
+                from arctic_platform.engine.sampling_backends import build_sampling_engine
 
-                self.engine = SamplingEngine(config)
+                self.engine = build_sampling_engine(config)
             else:
                 from arctic_platform.engine.logprob_engine import LogProbEngine
 

@@ -36,6 +36,8 @@ def serve(
     log_level: str = "info",
     ray_address: str | None = None,
     colocate: bool = False,
+    sampling_engine: str = "torch",
+    vllm_python: str | None = None,
     allowed_paths: tuple[Path, ...] = (),
     max_ops_per_tenant: int | None = None,
     drain_timeout: float = 30.0,
@@ -46,6 +48,8 @@ def serve(
 
     With ``ray_address`` (``auto``, ``local`` or a cluster address) the engines run as Ray
     actors on that cluster (``colocate``: trainer and samplers share devices).
+    ``sampling_engine`` is the engine of sampling jobs that choose none; ``vllm_python`` the
+    interpreter that runs vLLM for them.
     """
     import uvicorn
 
@@ -79,6 +83,8 @@ def serve(
             max_concurrent_ops=max_concurrent_ops,
             engine_backend="local" if ray_address is None else "ray",
             colocate=colocate,
+            sampling_engine=sampling_engine,
+            vllm_python=vllm_python,
             allowed_paths=allowed_paths,
             limits=limits or ServerLimits(),
             max_ops_per_tenant=max_ops_per_tenant or default_share(max_concurrent_ops, auth),

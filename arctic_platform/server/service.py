@@ -72,10 +72,15 @@ class ServiceSettings:
     engine_backend: Literal["local", "ray"] = "local"
     colocate: bool = False
     # Client paths stay inside each tenant's folder, or (read-only) under these prefixes; an
-    # in-process Service, owned by the one user of its process, does not confine them.
+    # in-process Service, owned by the one user of its process, does not confine them (and only
+    # there may a job name the interpreter that runs its vLLM engine).
     allowed_paths: tuple[Path, ...] = ()
     confine_paths: bool = True
     limits: ServerLimits = field(default_factory=ServerLimits)
+    # The engine of sampling sub-jobs that do not choose one, and the interpreter that runs vLLM
+    # (None: $ARCTIC_VLLM_PYTHON, else this one if it has vllm).
+    sampling_engine: Literal["torch", "vllm"] = "torch"
+    vllm_python: str | None = None
     # At most this many of the ``max_concurrent_ops`` slots run one tenant's ops (None: all).
     max_ops_per_tenant: int | None = None
     # On close, how long ops in flight may take before their jobs are failed and stopped.
@@ -186,6 +191,7 @@ class Service:
         for i, spec in enumerate(parsed.sub_job_configs):
             if spec.source_checkpoint_info is not None:
                 self._source_checkpoint(spec, owner, field=f"sub_job_configs.{i}")
+            self._settle_sampling_engine(spec, field=f"sub_job_configs.{i}")
             model_paths.append(
                 self.paths.model_name(
                     owner, spec.model_name, field=f"sub_job_configs.{i}.model_name"
@@ -226,6 +232,20 @@ class Service:
             self._builders.add(builder)
         builder.start()
         return job.info()
+
+    def _settle_sampling_engine(self, spec: SubJobConfig, *, field: str) -> None:
+        """Record the server's default engine in a sampling sub-job that chose none, and refuse
+        a vLLM interpreter named by a job where only the operator may name one."""
+        settings = spec.inference_config
+        if settings is None:
+            return
+        if spec.kind == "sampling" and settings.engine is None:
+            settings.engine = self.settings.sampling_engine
+        if "python" in settings.vllm and self.settings.confine_paths:
+            raise BadRequest(
+                f"{field}.inference_config.vllm_config.python: this server runs vLLM with the "
+                "interpreter its operator chose (serve --vllm-python); a job cannot name one"
+            )
 
     def get_job(self, job_id: str, *, owner: str | None = None) -> dict:
         return self._job(job_id, owner).info()

@@ -241,7 +241,7 @@ def test_skyrl_config_folds_into_the_nested_form():
     assert training.schedule.name == "constant" and training.schedule.warmup_steps == 50
     assert training.gradient_checkpointing and training.max_tokens_per_microbatch == 4608
     assert training.checkpoint_dir == "/ckpt"
-    assert config.sampling.n_gpus == 1 and config.sampling.vllm_config["max_model_len"] == 1536
+    assert config.sampling.n_gpus == 1 and config.sampling.vllm["max_model_len"] == 1536
     assert config.log_prob is None
     assert config.ignored_settings == {
         "ds_config.bf16": {"enabled": True},
@@ -378,7 +378,7 @@ def test_skyrl_config_folds_into_the_nested_form():
             },
             lambda c: (
                 c.training.optimizer.lr == 3e-6
-                and c.sampling.vllm_config == {"max_num_seqs": 4}
+                and c.sampling.vllm == {"max_num_seqs": 4}
                 and c.ignored_settings == {"cuda_ipc": True}
             ),
         ),

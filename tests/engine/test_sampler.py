@@ -302,10 +302,10 @@ def test_bad_requests_name_the_field(small_engine, prompts, params, field):
 def test_rejected_request_changes_nothing(small_engine):
     params = {"n": 2, "max_tokens": 8}
     weights = {k: v.clone() for k, v in small_engine.model.state_dict().items()}
-    rng = small_engine._seed_rng.get_state()
+    rng = small_engine._shaper._seed_rng.get_state()
     with pytest.raises(EngineInputError):
         small_engine.generate(["a", "b"], [params, {"top_p": 5}])
-    assert torch.equal(small_engine._seed_rng.get_state(), rng)  # no seed was drawn
+    assert torch.equal(small_engine._shaper._seed_rng.get_state(), rng)  # no seed was drawn
     for k, v in small_engine.model.state_dict().items():
         assert torch.equal(v, weights[k])
 

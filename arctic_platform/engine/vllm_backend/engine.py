@@ -1,0 +1,236 @@
+"""``VllmSamplingEngine``: the sampling job's engine when ``sampling.engine`` is ``vllm``.
+
+It has the ops and result shapes of our :class:`~arctic_platform.engine.sampler.SamplingEngine`,
+and does in this process everything that does not need vLLM: requests are validated and tokenized
+by the shared :class:`~arctic_platform.engine.sampling_requests.RequestShaper` (same errors naming
+the same fields, same seed stream for requests without a seed), and synced weights are validated
+and staged by :class:`~.staging.WeightStaging`. The vLLM process (:mod:`.worker`) only generates
+from token ids and loads staged weights.
+
+Weight sync is correct before it is fast: every sync writes the full weights as a model directory
+and the worker either builds a new engine on it (``restart``) or loads it into the running engine
+(``reload``: vLLM's ``reload_weights``, then a re-pack of the CPU kernels reload leaves stale).
+Both are tested on CPU against a vLLM engine started fresh on the same weights. ``auto`` picks
+``restart`` on CPU, the conservative choice where vLLM repacks weights into CPU kernels at load
+time, and ``reload`` on GPU, vLLM's supported in-place path. vLLM's GPU-only transfers (NCCL
+broadcast, CUDA IPC handles through its weight-transfer engine) are not used: no GPU was
+available to test them (see the README).
+
+Sleep and wake map to vLLM's sleep mode where vLLM supports it (CUDA, with ``enable_sleep_mode``,
+which this engine turns on by default on GPU); on CPU vLLM has none, and the result says that
+nothing was released.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import shutil
+import tempfile
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from arctic_platform.engine.config import SamplingEngineConfig
+from arctic_platform.engine.models import (
+    load_tokenizer,
+    resolve_device,
+    resolve_dtype,
+    resolve_model_path,
+)
+from arctic_platform.engine.sampling_params import SamplingParams
+from arctic_platform.engine.sampling_requests import (
+    RequestShaper,
+    SampleRequest,
+    checked_max_model_len,
+    model_context,
+)
+from arctic_platform.engine.vllm_backend.environment import resolve_python, worker_env
+from arctic_platform.engine.vllm_backend.process import VllmWorkerError, WorkerProcess
+from arctic_platform.engine.vllm_backend.staging import WeightStaging
+from arctic_platform.engine.wake_tags import SLEEP_TAGS, checked_wake_tags
+from arctic_platform.engine.weights import Weights
+
+log = logging.getLogger(__name__)
+
+_SEED_MODULUS = 1 << 63  # vLLM seeds a torch.Generator: a non-negative 63-bit seed
+
+
+class VllmSamplingEngine:
+    """A sampling engine whose generation runs in a vLLM process (see the module docstring)."""
+
+    def __init__(self, config: SamplingEngineConfig) -> None:
+        from transformers import AutoConfig
+
+        self.config = config
+        model = config.model
+        self.device = resolve_device(model.device)
+        source = Path(resolve_model_path(model.name))
+        if not source.is_dir():
+            raise FileNotFoundError(
+                f"model {model.name!r}: the vLLM engine loads a local model directory "
+                f"({source} is not one)"
+            )
+        hf_config = AutoConfig.from_pretrained(source, trust_remote_code=model.trust_remote_code)
+        self.tokenizer = load_tokenizer(model)
+        self.vocab_size = hf_config.get_text_config().vocab_size
+        self.max_model_len = checked_max_model_len(config.max_model_len, model_context(hf_config))
+        self._shaper = RequestShaper(
+            self.tokenizer, config, vocab_size=self.vocab_size, max_model_len=self.max_model_len
+        )
+        dtype = resolve_dtype(model.dtype, self.device)
+        settings = config.vllm
+        self.weight_sync = settings.weight_sync
+        if self.weight_sync == "auto":
+            self.weight_sync = "restart" if self.device.type == "cpu" else "reload"
+        self.sleep_supported = self.device.type == "cuda"
+        self._dir = Path(tempfile.mkdtemp(prefix="arctic-vllm-"))
+        self._process: WorkerProcess | None = None
+        try:
+            self._staging = WeightStaging(source, self._dir / "weights", hf_config, dtype)
+            self.python = resolve_python(settings.python)
+            self._process = WorkerProcess(
+                self.python,
+                env=worker_env(settings.env, self.device),
+                log_path=self._dir / "worker.log",
+            )
+            args = self._engine_args(str(dtype).removeprefix("torch."))
+            self.info = self._process.call(
+                "start", timeout=settings.startup_timeout_s, model=str(source), engine_args=args
+            )
+        except BaseException:
+            self.close()
+            raise
+        self._asleep: set[str] = set()
+        log.info("vLLM engine ready: %s (pid %d)", self.info, self._process.pid)
+
+    def _engine_args(self, dtype: str) -> dict:
+        """vLLM engine arguments: what our config fixes, then the user's (which win)."""
+        config = self.config
+        args = {
+            "dtype": dtype,
+            "seed": config.seed,
+            "max_num_seqs": config.max_batch_size,
+            "max_model_len": self.max_model_len,
+            "max_logprobs": config.max_logprobs,
+            # Ours are the log-probs of the temperature-scaled distribution (sampling_ops).
+            "logprobs_mode": "processed_logprobs",
+        }
+        if self.device.type == "cpu":
+            args["enforce_eager"] = True  # compiling triples startup for little gain on CPU
+        else:
+            args["enable_sleep_mode"] = True
+        return {**args, **config.vllm.engine_args}
+
+    @property
+    def pid(self) -> int | None:
+        """The vLLM process id (for supervision and tests)."""
+        return None if self._process is None else self._process.pid
+
+    # ------------------------------------------------------------------------------------------
+    # generate
+
+    def generate(
+        self,
+        prompts: Sequence[str | Sequence[int]],
+        sampling_params: Mapping | SamplingParams | Sequence[Mapping | None] | None = None,
+    ) -> list[dict]:
+        """Complete every prompt ``n`` times; one output dict per prompt and sample, in order."""
+        requests = self._shaper.validate(prompts, sampling_params)
+        self._shaper.assign_seeds(requests)
+        if self._asleep:
+            log.warning("generate() on a sleeping sampler: waking it (%s)", sorted(self._asleep))
+            self.wake()
+        results = self._process.call(
+            "generate",
+            requests=[
+                {"prompt_token_ids": r.token_ids, "params": _vllm_params(r)} for r in requests
+            ],
+        )
+        outputs = []
+        for request, samples in zip(requests, results, strict=True):
+            if request.params.greedy and request.params.n > 1:  # vLLM decodes one, as we said
+                samples = [{**samples[0], "sample_index": i} for i in range(request.params.n)]
+            for sample in samples:
+                output = {
+                    "text": sample["text"],
+                    "token_ids": sample["token_ids"],
+                    "finish_reason": sample["finish_reason"],
+                    "stop_reason": sample["stop_reason"],
+                    "prompt_len": len(request.token_ids),
+                    "prompt_index": request.index,
+                    "sample_index": sample["sample_index"],
+                }
+                if "logprobs" in sample:
+                    output["logprobs"] = sample["logprobs"]
+                outputs.append(output)
+        return outputs
+
+    # ------------------------------------------------------------------------------------------
+    # weights, sleep and wake
+
+    def load_weights(self, named_tensors: Weights) -> dict:
+        """Validate and stage the weights, then have the vLLM process serve them.
+
+        Names, shapes and dtypes follow :func:`~arctic_platform.engine.weights.load_into_model`;
+        a partial sync keeps the other weights. Nothing changes on a failure: the previous weights
+        stay served. Returns ``{"tensors", "bytes", "complete", "method"}``.
+        """
+        version, report = self._staging.stage(named_tensors)
+        try:
+            self._process.call(self.weight_sync, model=str(version))
+        except VllmWorkerError:
+            self._staging.discard(version)
+            raise
+        self._staging.commit(version)
+        self._asleep.clear()  # a restarted engine is awake; a reloaded one was woken to load
+        return {**report, "method": self.weight_sync}
+
+    def sleep(self, level: int = 1) -> dict:
+        """vLLM's sleep mode (level 1 offloads the weights, 2 drops them; both drop the KV cache)
+        where vLLM has one; on CPU nothing is released and the result says so."""
+        if isinstance(level, bool) or level not in (1, 2):
+            from arctic_platform.engine.errors import EngineInputError
+
+            raise EngineInputError("level", f"must be 1 or 2, got {level!r}")
+        if not self.sleep_supported:
+            return {
+                "level": level,
+                "kv_cache_bytes_released": 0,
+                "asleep": [],
+                "note": f"vLLM has no sleep mode on {self.device.type}; nothing was released",
+            }
+        self._process.call("sleep", level=level)
+        self._asleep = set(SLEEP_TAGS)
+        return {"level": level, "asleep": sorted(self._asleep)}
+
+    def wake(self, tags: Sequence[str] | None = None) -> dict:
+        """Restore what sleep released: ``tags`` is a subset of ``["weights", "kv_cache"]``."""
+        tags = checked_wake_tags(tags)
+        woke = [t for t in tags if t in self._asleep]
+        if woke:
+            self._process.call("wake", tags=woke)
+            self._asleep -= set(woke)
+        return {"woke": woke, "asleep": sorted(self._asleep)}
+
+    def reset_prefix_cache(self) -> dict:
+        """Drop vLLM's cached prompt prefixes (its automatic prefix caching)."""
+        return self._process.call("reset_prefix_cache")
+
+    def close(self) -> None:
+        """Stop the vLLM process and delete the staged weights."""
+        process, self._process = self._process, None
+        if process is not None:
+            process.close()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+
+def _vllm_params(request: SampleRequest) -> dict:
+    """The request's validated settings as vLLM ``SamplingParams`` keyword arguments."""
+    params = dataclasses.asdict(request.params)
+    params["stop"] = list(params["stop"])
+    params["stop_token_ids"] = list(params["stop_token_ids"])
+    params["max_tokens"] = request.max_new
+    params["seed"] = request.seed % _SEED_MODULUS
+    if request.params.greedy:
+        params["n"] = 1  # vLLM refuses n > 1 when greedy: every sample would be the same one
+    return params

