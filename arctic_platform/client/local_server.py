@@ -93,6 +93,11 @@ class LocalServer:
                     )
                 time.sleep(0.2)
 
+    @property
+    def pid(self) -> int | None:
+        """The server process's id while it runs (for tools that watch its resources)."""
+        return None if self._process is None else self._process.pid
+
     def stop(self) -> None:
         """SIGTERM (the server finishes in-flight ops), then SIGKILL after 30 s."""
         process, self._process = self._process, None

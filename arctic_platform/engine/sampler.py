@@ -45,6 +45,7 @@ import torch
 from arctic_platform.engine import cancellation
 from arctic_platform.engine.config import SamplingEngineConfig
 from arctic_platform.engine.errors import EngineInputError, SamplerStateError
+from arctic_platform.engine.forward import forward_no_grad, prepare_request
 from arctic_platform.engine.kv_cache import KVBufferPool, KVCache
 from arctic_platform.engine.models import load_causal_lm, load_tokenizer, resolve_device
 from arctic_platform.engine.sampling_ops import (
@@ -462,6 +463,22 @@ class SamplingEngine:
             self._released.discard("kv_cache")
             woke.append("kv_cache")
         return {"woke": woke, "kv_cache_bytes": self._pool.nbytes, "asleep": sorted(self._released)}
+
+    def prompt_logprobs(self, token_ids: Sequence[int]) -> list[float | None]:
+        """Each prompt token's log-prob given the tokens before it (None for the first), as
+        vLLM's ``prompt_logprobs``; scored by the path the training engine scores with."""
+        ids = torch.tensor([list(token_ids)], dtype=torch.long)
+        request = prepare_request(
+            {"input_ids": ids, "attention_mask": torch.ones_like(ids)},
+            None,
+            None,
+            vocab_size=self.vocab_size,
+            max_tokens=self.config.max_tokens_per_microbatch,
+            packing=False,
+            default_loss=None,
+        )
+        scored = forward_no_grad(self.model, request, self.device)["logprobs"][0]
+        return [None, *(float(v) for v in scored[1:])]
 
     def reset_prefix_cache(self) -> dict:
         """No prompt cache outlives a call (a prompt's samples share its prefill within one call),

@@ -24,6 +24,7 @@ import gc
 import math
 import random
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -51,6 +52,17 @@ from arctic_platform.engine.models import (
 from arctic_platform.engine.schedule import build_scheduler, lr_factor
 
 SLEEP_MODES = ("all",)
+
+
+@dataclass(frozen=True)
+class AdamSettings:
+    """Per-step AdamW settings (Tinker's ``AdamParams`` minus the learning rate); ``grad_clip``
+    0 means no clipping."""
+
+    betas: tuple[float, float]
+    eps: float
+    weight_decay: float
+    grad_clip: float
 
 
 def seed_everything(seed: int) -> None:
@@ -92,9 +104,16 @@ class TrainingEngine:
     # -- compute --------------------------------------------------------------------------
 
     def forward_backward(
-        self, batch: Mapping, meta: Mapping | None = None, processing: Mapping | None = None
+        self,
+        batch: Mapping,
+        meta: Mapping | None = None,
+        processing: Mapping | None = None,
+        *,
+        with_logprobs: bool = False,
     ) -> dict:
-        """Add the gradient of the batch's loss; ``{"avg_loss", "loss", "metrics", "metric_sums"}``.
+        """Add the gradient of the batch's loss; ``{"avg_loss", "loss", "metrics", "metric_sums"}``
+        (and, ``with_logprobs``, the position-indexed ``[B, S]`` float32 ``logprobs`` the loss saw,
+        as Tinker's ``forward_backward`` returns them).
 
         The loss defaults to ``verl_grpo`` (``cross_entropy`` for a batch with ``labels`` and no
         ``advantages``). ``metrics`` are global token means; ``metric_sums`` are the raw
@@ -106,9 +125,15 @@ class TrainingEngine:
         self._wake_if_offloaded()
         self.model.train()
         sums = MetricSums()
-        for _, outputs, rows in scored_microbatches(self.model, request, self.device):
+        logprobs = torch.zeros(request.batch.input_ids.shape) if with_logprobs else None
+        for mb, outputs, rows in scored_microbatches(self.model, request, self.device):
             self._backward(request, outputs, rows, sums)
-        return self._backward_answer(sums)
+            if logprobs is not None:
+                logprobs[mb.rows] = outputs["logprobs"].detach().float().cpu()
+        answer = self._backward_answer(sums)
+        if logprobs is not None:
+            answer["logprobs"] = logprobs
+        return answer
 
     def forward(
         self, batch: Mapping, meta: Mapping | None = None, processing: Mapping | None = None
@@ -124,12 +149,14 @@ class TrainingEngine:
         self._wake_if_offloaded()
         return forward_no_grad(self.model, request, self.device)
 
-    def step(self, learning_rate: float | None = None) -> dict:
+    def step(self, learning_rate: float | None = None, *, adam: AdamSettings | None = None) -> dict:
         """One optimizer update from the accumulated gradients (see module doc).
 
         ``learning_rate`` replaces the peak learning rate for this and later steps (the schedule
-        still scales it). Returns ``grad_norm`` (before clipping), ``last_lr`` (the rate this update
-        used), ``global_steps`` and ``metrics`` with the same plus ``skipped``.
+        still scales it). ``adam`` replaces the AdamW betas, eps and weight decay for this and
+        later steps, and the clipping norm for this step (Tinker sends them with every step).
+        Returns ``grad_norm`` (before clipping), ``last_lr`` (the rate this update used),
+        ``global_steps`` and ``metrics`` with the same plus ``skipped``.
         """
         if learning_rate is not None:
             learning_rate = to_float("learning_rate", learning_rate)
@@ -138,13 +165,17 @@ class TrainingEngine:
         self._wake_if_offloaded()
         if learning_rate is not None:
             self._set_peak_lr(learning_rate)
+        clip = self.config.optimizer.grad_clip
+        if adam is not None:
+            for group in self.optimizer.param_groups:
+                group.update(betas=adam.betas, eps=adam.eps, weight_decay=adam.weight_decay)
+            clip = adam.grad_clip
         lr = float(self.optimizer.param_groups[0]["lr"])
         norm = self._grad_norm()
         grad_norm = float(norm)
         if not math.isfinite(grad_norm):
             self.optimizer.zero_grad(set_to_none=True)
             return self._step_result(grad_norm, lr, skipped=True)
-        clip = self.config.optimizer.grad_clip
         if clip > 0:
             self._clip_grads(clip, norm)
         self.optimizer.step()
@@ -179,11 +210,15 @@ class TrainingEngine:
             save_total_limit=save_total_limit,
         )
 
-    def load_checkpoint(self, path: str | Path | None = None, *, step: int | None = None) -> dict:
+    def load_checkpoint(
+        self, path: str | Path | None = None, *, step: int | None = None, optimizer: bool = True
+    ) -> dict:
         """Restore a checkpoint: ``path`` is a checkpoint folder or a job folder (default
         ``<checkpoint_dir>/<job_name>``), where ``step`` or else ``latest`` picks one.
 
-        Accumulated gradients are dropped. Returns ``{"path", "global_step", "checkpoint_id"}``.
+        Accumulated gradients are dropped; with ``optimizer=False`` the AdamW moments start afresh
+        (weights only, as Tinker's ``load_state``). Returns ``{"path", "global_step",
+        "checkpoint_id"}``.
         """
         if step is not None:
             step = to_int("step", step, minimum=0)
@@ -191,6 +226,8 @@ class TrainingEngine:
         state = ckpt.load_checkpoint(
             directory, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler
         )
+        if not optimizer:
+            self.optimizer.state.clear()
         return self._loaded(directory, state)
 
     # -- colocation -----------------------------------------------------------------------

@@ -10,13 +10,17 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from arctic_platform.server import cortex, jobs_api, onprem
+from arctic_platform.server.access_log import AccessLog
 from arctic_platform.server.auth import TokenAuth
 from arctic_platform.server.errors import ServiceError
-from arctic_platform.server.http_common import service_error_response
+from arctic_platform.server.http_common import owner_of, service_error_response
 from arctic_platform.server.service import Service
+from arctic_platform.server.tinker import routes as tinker_routes
+from arctic_platform.server.tinker.operations import TinkerOps
 
 DEFAULT_MAX_BODY_BYTES = 256 * 1024 * 1024
 
@@ -28,12 +32,14 @@ def create_app(
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     close_service_on_shutdown: bool = True,
 ) -> FastAPI:
-    """An app serving ``service`` with the on-prem (ops and ``/jobs``) and Cortex-compatible
-    routers."""
+    """An app serving ``service`` with the on-prem (ops and ``/jobs``), Cortex-compatible and
+    Tinker routers."""
+    tinker = TinkerOps(service)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         yield
+        tinker.close()
         if close_service_on_shutdown:
             service.close()
 
@@ -41,12 +47,23 @@ def create_app(
     app.state.service = service
     app.state.auth = auth or TokenAuth([])
     app.state.max_body_bytes = max_body_bytes
+    app.state.tinker = tinker
     app.add_exception_handler(ServiceError, service_error_response)
     app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_api_route("/metrics", _metrics, methods=["GET"], include_in_schema=False)
     app.include_router(cortex.router)
     app.include_router(jobs_api.router)
     app.include_router(onprem.router)
+    app.include_router(tinker_routes.router)
+    app.add_middleware(AccessLog)
     return app
+
+
+async def _metrics(request: Request) -> Response:
+    """Prometheus metrics of the Service (see server/metrics.py); needs a token like any route."""
+    owner_of(request)
+    body = request.app.state.service.metrics.exposition()
+    return Response(content=body, media_type=CONTENT_TYPE_LATEST)
 
 
 async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:

@@ -38,15 +38,17 @@ class ServerLimits:
         self._bound(op, "samples", samples, "max_samples_per_request")
         self._bound(op, "sample tokens (n x max_tokens)", tokens, "max_sample_tokens")
 
-    def check_batch(self, op: str, batch: Mapping) -> None:
-        """Rows and tokens of a training/forward batch (from its largest 2-d tensor)."""
+    def check_batch(self, op: str, batch: Mapping) -> int:
+        """Rows and tokens of a training/forward batch (from its largest 2-d tensor); returns the
+        batch's token count."""
         shapes = [tuple(getattr(v, "shape", ())) for v in batch.values()]
         two_d = [s for s in shapes if len(s) == 2]
         if not two_d:
-            return
+            return 0
         rows, width = max(two_d, key=lambda s: s[0] * s[1])
         self._bound(op, "batch rows", rows, "max_batch_rows")
         self._bound(op, "batch tokens", rows * width, "max_batch_tokens")
+        return rows * width
 
     def check_rows(self, op: str, rows: int) -> None:
         self._bound(op, "rows", rows, "max_batch_rows")

@@ -39,20 +39,24 @@ def prepare_op(service, sub, op: str, body: Any) -> Callable[[], Any]:
 
 def _forward_backward(service, sub, engine, job_id, body):
     batch, meta, processing, _ = train_envelope(body, op="forward-backward")
-    service.limits.check_batch("forward-backward", batch)
+    tokens = service.limits.check_batch("forward-backward", batch)
 
     def run():
-        return results.fwd_bwd_result(job_id, engine.forward_backward(batch, meta, processing))
+        out = engine.forward_backward(batch, meta, processing)
+        service.metrics.add_tokens("forward-backward", tokens)
+        return results.fwd_bwd_result(job_id, out)
 
     return run
 
 
 def _forward(service, sub, engine, job_id, body):
     batch, meta, processing, _ = train_envelope(body, op="forward")
-    service.limits.check_batch("forward", batch)
+    tokens = service.limits.check_batch("forward", batch)
 
     def run():
-        return results.forward_result(job_id, engine.forward(batch, meta, processing))
+        out = engine.forward(batch, meta, processing)
+        service.metrics.add_tokens("forward", tokens)
+        return results.forward_result(job_id, out)
 
     return run
 
@@ -162,7 +166,9 @@ def _generate(service, sub, engine, job_id, body):
     _check_generate(service, engine, "generate", body)
 
     def run():
-        return {"job_id": job_id, "results": engine.generate(body.prompts, body.sampling_params)}
+        samples = engine.generate(body.prompts, body.sampling_params)
+        service.metrics.add_tokens("generate", sum(len(r["token_ids"]) for r in samples))
+        return {"job_id": job_id, "results": samples}
 
     return run
 

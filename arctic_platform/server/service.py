@@ -22,6 +22,7 @@ import threading
 import time
 import traceback
 import uuid
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
@@ -49,6 +50,7 @@ from arctic_platform.server.errors import (
     ServiceError,
 )
 from arctic_platform.server.limits import ServerLimits
+from arctic_platform.server.metrics import ServiceMetrics
 from arctic_platform.server.op_bodies import describe
 from arctic_platform.server.paths import CHECKPOINTS_DIR, PathPolicy
 from arctic_platform.server.scheduler import FairSlots
@@ -163,6 +165,7 @@ class Service:
         self.settings = settings
         settings.data_dir.mkdir(parents=True, exist_ok=True)
         self.limits = settings.limits
+        self.metrics = ServiceMetrics(self._job_gauges)
         self.paths = PathPolicy(
             settings.data_dir, settings.allowed_paths, confine=settings.confine_paths
         )
@@ -422,9 +425,15 @@ class Service:
         """
         from arctic_platform.server.ops import prepare_op
 
+        self.require_running(sub)
+        return self.submit_runner(sub, op, prepare_op(self, sub, op, body))
+
+    def submit_runner(self, sub: SubJob, op: str, runner: Callable[[], Any]) -> Future:
+        """Queue ``runner`` (already validated) on ``sub`` under the name ``op``, with the same
+        guards as :meth:`submit`: queue order, the concurrency slots and failure handling. Other
+        APIs (Tinker) build their own runners over the engines this way."""
         job = self._job(sub.job_id, None, check_owner=False)
         self._require_running(job)
-        runner = prepare_op(self, sub, op, body)
         if sub.queue is None:
             raise Conflict(f"sub-job {sub.sub_job_id} has no engine", code="job_not_running")
         future = sub.queue.submit(self._guarded, job, sub, op, runner)
@@ -452,7 +461,7 @@ class Service:
 
         if job.cancelled.is_set():
             raise Conflict(f"job {job.job_id} was cancelled", code="job_cancelled")
-        with self.slots.slot(job.owner):
+        with self.slots.slot(job.owner), self.metrics.op(op):
             self._require_running(job)
             job.last_op, job.last_op_at = op, time.time()
             try:
@@ -597,6 +606,10 @@ class Service:
                 self._set_status(job, "terminated", "server shut down")
             self._release(job)
         self.store.close()
+
+    def _job_gauges(self) -> list[tuple[str, str, int]]:
+        with self._lock:
+            return [(j.job_id, j.status, len(j.in_flight)) for j in self._jobs.values()]
 
     def busy(self) -> int:
         """Ops submitted and not yet finished, across jobs."""

@@ -379,6 +379,37 @@ def test_tinker_default_thresholds():
         assert result.loss.item() == pytest.approx(want, rel=1e-5)
 
 
+def test_dro_matches_its_formula_and_needs_beta():
+    batch, outputs = make_batch(seed=9)
+    beta = 0.3
+    result = run_loss("dro", batch, {"logprobs": outputs["logprobs"]}, {}, {"beta": beta})
+    mask = batch["response_mask"].tolist()
+    lp = outputs["logprobs"].detach().tolist()
+    old, adv = batch["old_log_probs"].tolist(), batch["advantages"].tolist()
+    want, grad = 0.0, torch.zeros(3, S)
+    for b in range(3):
+        for t in range(S):
+            if mask[b][t]:
+                # loss = -(logp A - beta/2 (logp - q)^2); d/dlogp = -(A - beta (logp - q))
+                want += -(lp[b][t] * adv[b][t] - 0.5 * beta * (lp[b][t] - old[b][t]) ** 2)
+                grad[b, t] = -(adv[b][t] - beta * (lp[b][t] - old[b][t]))
+    assert result.loss.item() == pytest.approx(want, rel=1e-5)
+    torch.testing.assert_close(outputs["logprobs"].grad, grad, rtol=1e-5, atol=1e-6)
+    with pytest.raises(EngineInputError) as info:
+        run_loss("dro", batch, {"logprobs": outputs["logprobs"]}, {}, {})
+    assert info.value.field == "processing.config.beta"
+
+
+def test_policy_losses_score_the_labels_when_given():
+    batch, _ = make_batch(seed=4)
+    labels = torch.full_like(batch["input_ids"], -100)
+    labels[batch["response_mask"] > 0] = 7
+    parsed = validate_batch({**batch, "labels": labels})
+    loss = get_loss("importance_sampling")(parsed, parse_meta({}), {})
+    want = torch.where(labels != -100, labels, batch["input_ids"])
+    assert torch.equal(loss.targets, want)
+
+
 # -- cross entropy --------------------------------------------------------------------------
 
 
@@ -441,8 +472,31 @@ def test_cross_entropy_without_labels_uses_the_loss_mask():
 # -- registry and metrics ---------------------------------------------------------------------
 
 
+def test_cross_entropy_loss_weights_scale_each_target():
+    batch, outputs = make_batch(seed=3)
+    labels = batch["input_ids"].clone()
+    labels[batch["response_mask"] == 0] = -100
+    g = torch.Generator().manual_seed(1)
+    weights = torch.randn(3, S, generator=g) * batch["response_mask"]
+    data = {
+        "input_ids": batch["input_ids"],
+        "attention_mask": batch["attention_mask"],
+        "labels": labels,
+        "loss_weights": weights,
+    }
+    lp = outputs["logprobs"]
+    result = run_loss("cross_entropy", data, {"logprobs": lp}, {}, {"loss_agg_mode": "token-sum"})
+    used = labels != -100
+    want = -(lp.detach() * weights)[used].sum().item()  # Tinker: sum(-logp * weights)
+    assert result.loss.item() == pytest.approx(want, rel=1e-6)
+    assert result.metrics["loss.sum"].item() == pytest.approx(want, rel=1e-6)
+    torch.testing.assert_close(lp.grad, torch.where(used, -weights, torch.zeros(())))
+
+
 def test_registry_knows_every_builtin_and_names_unknown_ones():
-    assert {"verl_grpo", "ppo", "importance_sampling", "cispo", "cross_entropy"} <= set(LOSSES)
+    assert {"verl_grpo", "ppo", "importance_sampling", "cispo", "dro", "cross_entropy"} <= set(
+        LOSSES
+    )
     with pytest.raises(EngineInputError) as info:
         get_loss("grpo_typo")
     assert info.value.field == "processing.loss_fn"

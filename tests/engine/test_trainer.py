@@ -144,6 +144,28 @@ def test_grad_norm_is_the_pre_clip_norm_and_clipping_applies(batch):
     assert clipped.step()["grad_norm"] == pytest.approx(float(norm), rel=1e-6)
 
 
+def test_step_adam_settings_match_torch_adamw(batch):
+    """Tinker's per-step AdamParams: betas, eps, decay and clipping as torch's AdamW."""
+    from arctic_platform.engine.trainer import AdamSettings
+
+    engine = TrainingEngine(engine_config())
+    reference = load_causal_lm(TINY)
+    reference.load_state_dict(engine.model.state_dict())
+    adam = AdamSettings(betas=(0.5, 0.7), eps=1e-3, weight_decay=0.1, grad_clip=0.05)
+    ref_opt = torch.optim.AdamW(
+        reference.parameters(), lr=2e-3, betas=(0.5, 0.7), eps=1e-3, weight_decay=0.1
+    )
+    for _ in range(2):
+        engine.forward_backward(batch)
+        for name, param in reference.named_parameters():
+            param.grad = dict(engine.model.named_parameters())[name].grad.clone()
+        torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.05)
+        engine.step(2e-3, adam=adam)
+        ref_opt.step()
+    want = {n: p.detach() for n, p in reference.named_parameters()}
+    assert_all_close(weights(engine), want, rtol=1e-5, atol=1e-7)
+
+
 def test_same_seed_same_calls_bitwise_equal_weights(batch):
     lora = ModelConfig(name="builtin:tiny", lora=LoraConfig(r=4, dropout=0.1))
     for model in (TINY, lora):

@@ -64,6 +64,7 @@ from arctic_platform.client.transports.http_common import (
     connection_error,
     decode_body,
     error_from_response,
+    log_failed,
     octet_request,
     retry_wait,
 )
@@ -460,6 +461,7 @@ class CortexTransport(Transport):
                 with attempt:
                     response = client.request(method, url, **kwargs)
                     if response.status_code >= 400:
+                        log_failed(response, op)
                         raise error_from_response(response.status_code, response.content, op=op)
         except httpx.HTTPError as exc:
             raise connection_error(exc, url, op=op) from None

@@ -33,6 +33,7 @@ from arctic_platform.client.transports.http_common import (
     connection_error,
     decode_body,
     error_from_response,
+    log_failed,
     octet_request,
     read_response,
     retry_wait,
@@ -202,6 +203,7 @@ class HttpTransport(Transport):
         except httpx.HTTPError as exc:
             raise connection_error(exc, f"{self._base_url}{path}", op=op) from None
         if response.status_code >= 400:
+            log_failed(response, op)
             raise error_from_response(response.status_code, body, op=op)
         content_type = response.headers.get("content-type", "")
         return decode_body(body, content_type, self._tensor_type, op=op)

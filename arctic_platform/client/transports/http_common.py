@@ -10,6 +10,7 @@ again. Responses are read into one ``bytearray``, so decoded tensors are writabl
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Sequence
 from typing import Any
 
@@ -21,6 +22,7 @@ from arctic_platform.client.errors import ServerError, TransportError, server_er
 
 OCTET = "application/octet-stream"
 PIECE_BYTES = 1 << 20
+log = logging.getLogger("arctic_platform.client")
 
 
 def body_pieces(
@@ -84,6 +86,18 @@ def decode_body(body: bytearray, content_type: str, tensor_type: str, *, op: str
         raise ServerError(
             f"malformed JSON response: {exc}", status=None, code="bad_response", op=op
         ) from None
+
+
+def log_failed(response: httpx.Response, op: str) -> None:
+    """Log a failed request with the server's request id, which its access log also records."""
+    log.warning(
+        "%s: %s %s answered %d (server request id %s)",
+        op,
+        response.request.method,
+        response.request.url.path,
+        response.status_code,
+        response.headers.get("x-request-id", "none"),
+    )
 
 
 def error_from_response(status: int, body: bytes | bytearray, *, op: str) -> ServerError:

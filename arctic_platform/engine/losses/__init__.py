@@ -4,7 +4,7 @@ Look a loss up by name with :func:`get_loss`; add one with :func:`register_loss`
 
 * ``verl_grpo``: verl's PPO-clip actor loss with every knob from ``meta.actor_config``
   (:mod:`.verl_grpo`);
-* ``ppo``, ``importance_sampling``, ``cispo``: Tinker's policy losses (:mod:`.ppo`);
+* ``ppo``, ``importance_sampling``, ``cispo``, ``dro``: Tinker's policy losses (:mod:`.ppo`);
 * ``cross_entropy``: supervised fine-tuning (:mod:`.cross_entropy`).
 """
 

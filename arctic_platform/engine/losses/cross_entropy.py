@@ -3,7 +3,9 @@
 Targets follow the HF convention: ``labels[:, i]`` is the token at position ``i``, predicted from
 the tokens before it; ``-100`` marks positions without a target. A label on a sequence's first token
 is ignored (nothing precedes it), as HF does for column 0. Without ``labels``, the targets are the
-``input_ids`` where ``loss_mask`` (or ``response_mask``) is 1.
+``input_ids`` where ``loss_mask`` (or ``response_mask``) is 1. With ``loss_weights`` (``[B, S]``
+float), each target's term is ``-log p(target) * weight`` (Tinker's weighted cross-entropy; a
+custom loss's gradient arrives as such weights).
 
 The default aggregation is ``token-mean`` over the global target count (``meta.batch_num_tokens``
 when several workers share a batch); ``processing.config`` ``loss_agg_mode`` picks another. Metric:
@@ -47,6 +49,9 @@ class CrossEntropyLoss:
             batch.check_loss_mask(name, mask)
             self.targets = None
         self.tensors = {"mask": mask}
+        if batch.has("loss_weights"):
+            batch.check_finite("loss_weights", mask)
+            self.tensors["weights"] = batch.get("loss_weights")
         self.agg = config_aggregation(config, "token-mean", meta=meta, batch=batch, mask=mask)
 
     def __call__(
@@ -54,5 +59,7 @@ class CrossEntropyLoss:
     ) -> LossOutput:
         mask = rows["mask"]
         nll = -outputs["logprobs"]
+        if "weights" in rows:
+            nll = nll * rows["weights"]
         metrics = {"loss.sum": masked_sum(nll, mask), "loss.tokens": mask.sum().float()}
         return LossOutput(loss=self.agg(nll, mask), metrics=metrics)

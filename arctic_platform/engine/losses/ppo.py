@@ -1,4 +1,4 @@
-"""Tinker's policy losses: ``importance_sampling``, ``ppo`` and ``cispo``.
+"""Tinker's policy losses: ``importance_sampling``, ``ppo``, ``cispo`` and ``dro``.
 
 With ``r = exp(clamp(logp - old, -20, 20))`` (``old`` is the sampler's ``old_log_probs``) and
 ``A`` the advantages, per token:
@@ -7,6 +7,11 @@ With ``r = exp(clamp(logp - old, -20, 20))`` (``old`` is the sampler's ``old_log
 * ``ppo``: ``-min(r A, clamp(r, lo, hi) A)``; ``lo``/``hi`` are ``processing.config``
   ``clip_low_threshold``/``clip_high_threshold`` (default 0.8 / 1.2)
 * ``cispo``: ``-sg(clamp(r, lo, hi)) logp A`` (default thresholds 0.0 / 4.0)
+* ``dro``: ``-(logp A - beta/2 (logp - old)^2)``; ``processing.config`` ``beta`` is required
+  (Tinker documents no default)
+
+The scored token at each position is ``labels`` where the batch has them (``-100`` elsewhere),
+else ``input_ids``.
 
 Tinker sums over tokens, so the default aggregation is ``token-sum``; ``processing.config``
 ``loss_agg_mode`` picks another (:mod:`.aggregation`). The log-ratio clamp, not in Tinker's
@@ -21,12 +26,13 @@ from typing import Any
 
 import torch
 
-from arctic_platform.engine.batching import Batch
+from arctic_platform.engine.batching import IGNORE_INDEX, Batch
 from arctic_platform.engine.errors import EngineInputError
 from arctic_platform.engine.losses.aggregation import config_aggregation
 from arctic_platform.engine.losses.base import (
     LossOutput,
     add_token_counts,
+    masked,
     masked_sum,
     policy_ratio,
     register_loss,
@@ -40,7 +46,6 @@ _THRESHOLDS = {"ppo": (0.8, 1.2), "cispo": (0.0, 4.0)}
 class RatioLoss:
     """One of the Tinker policy losses bound to a request (see module doc)."""
 
-    targets = None
     needs_entropy = False
 
     def __init__(self, kind: str, batch: Batch, meta: Meta, config: Mapping[str, Any]) -> None:
@@ -54,7 +59,12 @@ class RatioLoss:
             "advantages": batch.get("advantages"),
             "old_log_probs": batch.get("old_log_probs"),
         }
+        self.targets = None
+        if batch.has("labels"):
+            labels = batch.get("labels")
+            self.targets = torch.where(labels != IGNORE_INDEX, labels, batch.input_ids)
         self.low, self.high = _thresholds(kind, config)
+        self.beta = _beta(config) if kind == "dro" else 0.0
         self.agg = config_aggregation(config, "token-sum", meta=meta, batch=batch, mask=mask)
 
     def __call__(
@@ -66,6 +76,9 @@ class RatioLoss:
         metrics = {}
         if self.kind == "importance_sampling":
             per_token = -ratio * adv
+        elif self.kind == "dro":
+            old = masked(rows["old_log_probs"], mask)
+            per_token = -(logp * adv - 0.5 * self.beta * (logp - old) ** 2)
         else:
             bounded = torch.clamp(ratio, self.low, self.high)
             metrics["actor/pg_clipfrac.sum"] = masked_sum((bounded != ratio).float(), mask)
@@ -96,6 +109,15 @@ def _thresholds(kind: str, config: Mapping[str, Any]) -> tuple[float, float]:
     return low, high
 
 
+def _beta(config: Mapping[str, Any]) -> float:
+    if config.get("beta") is None:
+        raise EngineInputError("processing.config.beta", "the dro loss needs beta (e.g. 0.05)")
+    beta = to_float("processing.config.beta", config["beta"])
+    if beta < 0:
+        raise EngineInputError("processing.config.beta", f"must be >= 0, got {beta}")
+    return beta
+
+
 def _factory(kind: str):
     def build(batch: Batch, meta: Meta, config: Mapping[str, Any]) -> RatioLoss:
         return RatioLoss(kind, batch, meta, config)
@@ -105,5 +127,5 @@ def _factory(kind: str):
     return build
 
 
-for _kind in ("importance_sampling", "ppo", "cispo"):
+for _kind in ("importance_sampling", "ppo", "cispo", "dro"):
     register_loss(_kind)(_factory(_kind))

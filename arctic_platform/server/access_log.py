@@ -1,0 +1,57 @@
+"""Structured access logs, one JSON line per request, tied together by a request id.
+
+Every response carries ``X-Request-ID`` (the caller's, when it sent one, else a new one); the
+``arctic_platform.access`` logger records ``{request_id, method, path, status, duration_ms}``.
+Clients log the id of a failed request, so an operator can find the server's side of it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import time
+import uuid
+
+REQUEST_ID_HEADER = "x-request-id"
+_SAFE_ID = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
+log = logging.getLogger("arctic_platform.access")
+
+
+class AccessLog:
+    """ASGI middleware: assigns the request id, sets the header, logs the request when done."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        given = dict(scope["headers"]).get(REQUEST_ID_HEADER.encode(), b"").decode("latin-1")
+        request_id = given if _SAFE_ID.match(given) else uuid.uuid4().hex
+        start = time.perf_counter()
+        status = 500
+
+        async def send_with_id(message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                headers = [h for h in message.get("headers", []) if h[0] != b"x-request-id"]
+                message = {**message, "headers": [*headers, (b"x-request-id", request_id.encode())]}
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_with_id)
+        finally:
+            log.info(
+                json.dumps(
+                    {
+                        "request_id": request_id,
+                        "method": scope["method"],
+                        "path": scope["path"],
+                        "status": status,
+                        "duration_ms": round((time.perf_counter() - start) * 1000, 1),
+                    }
+                )
+            )

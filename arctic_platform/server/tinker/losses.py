@@ -1,0 +1,135 @@
+"""Tinker's built-in losses on our engine: datums -> a position-indexed batch, and back.
+
+A Tinker datum holds ``model_input`` tokens ``x[0..N)`` and per-target inputs of length ``N``:
+``target_tokens[j]`` is scored given ``x[0..j]``. Our engines index per-token fields by the
+position of the scored token, so a datum becomes one row of ``N + 1`` tokens (``x`` followed by the
+last target) with ``labels[j + 1] = target_tokens[j]``, and every other per-target input shifted by
+one the same way. Rows are right-padded to the longest datum.
+
+Each Tinker loss maps onto the engine loss of the same math (all token sums, as Tinker computes
+them; ``r = exp(logp - logprobs)``, ``A = advantages``):
+
+* ``cross_entropy``: ``sum(-logp * weights)`` (engine ``cross_entropy`` with ``loss_weights``)
+* ``importance_sampling``: ``-sum(r A)``
+* ``ppo``: ``-sum(min(r A, clip(r, clip_low_threshold, clip_high_threshold) A))``
+* ``cispo``: ``-sum(sg(clip(r, lo, hi)) logp A)``
+* ``dro``: ``-sum(logp A - beta/2 (logp - logprobs)^2)``
+
+Every target position is scored, prompt positions included (their advantages are 0 in the
+cookbook's datums), as Tinker does. The ``loss:sum`` metric is the summed loss.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from arctic_platform.engine.batching import IGNORE_INDEX
+from arctic_platform.server.errors import BadRequest
+from arctic_platform.server.tinker.codec import Datum
+
+_RL_INPUTS = ("target_tokens", "logprobs", "advantages")
+_CLIP_KEYS = ("clip_low_threshold", "clip_high_threshold")
+
+
+@dataclass(frozen=True)
+class TinkerLoss:
+    """The ``loss_fn_inputs`` a Tinker loss needs and the ``loss_fn_config`` keys it accepts."""
+
+    inputs: tuple[str, ...]
+    config_keys: tuple[str, ...] = ()
+
+
+LOSSES: dict[str, TinkerLoss] = {
+    "cross_entropy": TinkerLoss(("target_tokens", "weights")),
+    "importance_sampling": TinkerLoss(_RL_INPUTS),
+    "ppo": TinkerLoss(_RL_INPUTS, _CLIP_KEYS),
+    "cispo": TinkerLoss(_RL_INPUTS, _CLIP_KEYS),
+    "dro": TinkerLoss(_RL_INPUTS, ("beta",)),
+}
+# loss_fn_inputs -> engine batch field (position-indexed); target_tokens become labels.
+_FIELDS = {
+    "weights": "loss_weights",
+    "logprobs": "old_log_probs",
+    "advantages": "advantages",
+}
+
+
+def check_loss(loss_fn: str, config: dict) -> TinkerLoss:
+    """The loss ``loss_fn`` names, with ``config`` holding only keys it accepts (400 otherwise)."""
+    spec = LOSSES.get(loss_fn)
+    if spec is None:
+        raise BadRequest(f"loss_fn: unknown loss {loss_fn!r}; known: {', '.join(sorted(LOSSES))}")
+    for key, value in config.items():
+        if key not in spec.config_keys:
+            accepted = ", ".join(spec.config_keys) or "none"
+            raise BadRequest(
+                f"loss_fn_config.{key}: not a {loss_fn} setting (accepted: {accepted})"
+            )
+        if isinstance(value, str):
+            raise BadRequest(f"loss_fn_config.{key}: expected a number, got {value!r}")
+    return spec
+
+
+def processing_for(loss_fn: str, config: dict) -> dict:
+    """The engine ``processing`` of a Tinker loss: the same-named engine loss, token-summed."""
+    return {"loss_fn": loss_fn, "config": {"loss_agg_mode": "token-sum", **config}}
+
+
+def build_batch(data: list[Datum], spec: TinkerLoss) -> dict[str, torch.Tensor]:
+    """The engine batch of ``data`` (see module doc); a datum missing an input is a 400."""
+    if not data:
+        raise BadRequest("data: no datums given")
+    lengths = []
+    for i, datum in enumerate(data):
+        n = datum.tokens.size
+        if n == 0:
+            raise BadRequest(f"data[{i}].model_input: empty")
+        for name in spec.inputs:
+            value = datum.inputs.get(name)
+            if value is None:
+                raise BadRequest(f"data[{i}].loss_fn_inputs.{name}: missing; the loss needs it")
+            if value.shape != (n,):
+                raise BadRequest(
+                    f"data[{i}].loss_fn_inputs.{name}: expected shape [{n}] (one per model_input "
+                    f"token), got {list(value.shape)}"
+                )
+        lengths.append(n)
+    rows, width = len(data), max(lengths) + 1
+    input_ids = torch.zeros((rows, width), dtype=torch.long)
+    attention_mask = torch.zeros((rows, width), dtype=torch.long)
+    labels = torch.full((rows, width), IGNORE_INDEX, dtype=torch.long)
+    fields = {
+        _FIELDS[name]: torch.zeros((rows, width), dtype=torch.float32)
+        for name in spec.inputs
+        if name in _FIELDS
+    }
+    for i, (datum, n) in enumerate(zip(data, lengths, strict=True)):
+        targets = torch.from_numpy(datum.inputs["target_tokens"].astype(np.int64))
+        input_ids[i, :n] = torch.from_numpy(datum.tokens)
+        input_ids[i, n] = targets[-1]
+        attention_mask[i, : n + 1] = 1
+        labels[i, 1 : n + 1] = targets
+        for name, field in _FIELDS.items():
+            if field in fields:
+                fields[field][i, 1 : n + 1] = torch.from_numpy(
+                    datum.inputs[name].astype(np.float32)
+                )
+    batch = {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels, **fields}
+    if "loss_weights" not in fields:
+        batch["loss_mask"] = labels != IGNORE_INDEX
+    return batch
+
+
+def per_datum(logprobs: torch.Tensor, data: list[Datum]) -> list[dict[str, np.ndarray]]:
+    """Each datum's target log-probs (``[N]``) from the engine's position-indexed ``[B, S]``."""
+    return [
+        {"logprobs": logprobs[i, 1 : d.tokens.size + 1].float().numpy()} for i, d in enumerate(data)
+    ]
+
+
+def loss_metrics(raw: dict[str, float]) -> dict[str, float]:
+    """Tinker's metrics (``name:reduction``) from the engine's raw metric sums."""
+    return {"loss:sum": float(raw.get("loss.sum", 0.0))}

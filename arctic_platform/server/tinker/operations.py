@@ -1,0 +1,503 @@
+"""The Tinker ops on our Service: each call validates at once and returns a request id, whose
+future runs on the Service sub-job queues (so Tinker ops and native ops share order, the
+concurrency slots and failure handling).
+
+Validation that can happen before queueing (unknown model, malformed datums, unknown loss keys)
+raises :class:`BadRequest`/:class:`NotFound`, which the routes answer as HTTP errors; failures
+found while running come back through the future as ``{"error", "category"}``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+from arctic_platform.engine.models import resolve_model_path
+from arctic_platform.server.errors import BadRequest, Conflict, ServiceError
+from arctic_platform.server.service import Service
+from arctic_platform.server.tinker import bodies, codec, losses
+from arctic_platform.server.tinker.checkpoints import (
+    CheckpointStore,
+    TinkerPath,
+    check_name,
+    check_ttl,
+)
+from arctic_platform.server.tinker.downloads import DownloadSigner
+from arctic_platform.server.tinker.futures import FutureStore, OpResult
+from arctic_platform.server.tinker.sample_batcher import SampleBatcher
+from arctic_platform.server.tinker.state import Sampler, TinkerState, TrainingRun
+
+# How long create_model (and sampling on a fresh sampler) waits for the engines to load.
+STARTUP_TIMEOUT_S = 1800.0
+# LoRA target modules by Tinker's train_attn / train_mlp switches (Llama/Qwen layer names);
+# both together are peft's "all-linear" (every linear layer but the output head).
+ATTN_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj"]
+MLP_MODULES = ["gate_proj", "up_proj", "down_proj"]
+
+
+class TinkerOps:
+    """Every Tinker op over one Service (see module doc)."""
+
+    def __init__(self, service: Service) -> None:
+        self.service = service
+        self.state = TinkerState()
+        self.futures = FutureStore()
+        self.checkpoints = CheckpointStore(
+            lambda owner: service.paths.tenant_root(owner) / "tinker"
+        )
+        self.downloads = DownloadSigner()
+        # Waits that are not engine work (engines loading, chained ops) run here.
+        self._waiters = ThreadPoolExecutor(max_workers=8, thread_name_prefix="tinker-wait")
+        self._shared_lock = threading.Lock()
+        self._batcher = SampleBatcher()
+
+    def close(self) -> None:
+        self._waiters.shutdown(wait=False, cancel_futures=True)
+
+    # -- sessions ---------------------------------------------------------------------------
+
+    def finish_session(self, session_id: str, owner: str | None) -> None:
+        """Finish a session (idempotent) and cancel the jobs it created."""
+        session = self.state.session(session_id, owner, active=False)
+        if session.finished:
+            return
+        session.finished = True
+        for job_id in session.job_ids:
+            # a job that already ended on its own (failed, shut down) has nothing to cancel
+            with contextlib.suppress(ServiceError):
+                self.service.cancel_job(job_id, owner=owner)
+
+    # -- training runs ----------------------------------------------------------------------
+
+    def create_model(self, body: bodies.CreateModelBody, owner: str | None) -> str:
+        session = self.state.session(body.session_id, owner)
+        if body.optimizer_config.type != "adamw":
+            raise BadRequest(
+                f"optimizer_config.type: {body.optimizer_config.type!r} is not supported; adamw"
+            )
+        lora = body.lora_config or bodies.LoraConfig(rank=32)
+        model_id = f"{session.session_id}:train:{body.model_seq_id}"
+        run = self._start_run(model_id, session, owner, body.base_model, lora)
+        return self._wait_for_run(run, owner, lambda: {"model_id": model_id})
+
+    def _start_run(self, model_id, session, owner, base_model: str, lora) -> TrainingRun:
+        modules: Any = "all-linear"
+        if not (lora.train_attn and lora.train_mlp):
+            modules = (ATTN_MODULES if lora.train_attn else []) + (
+                MLP_MODULES if lora.train_mlp else []
+            )
+            if not modules:
+                raise BadRequest("lora_config: train_attn or train_mlp must be true")
+        training = {
+            "job_type": "training",
+            "model_name": base_model,
+            "training_config": {
+                # Tinker's AdamParams carry lr, betas, eps, decay and clipping with every step.
+                "gradient_clipping": 0.0,
+                "peft_config": {"r": lora.rank, "alpha": lora.rank, "target_modules": modules},
+            },
+        }
+        if lora.seed is not None:
+            training["seed"] = lora.seed
+        request = {
+            "experiment_name": f"tinker {model_id}",
+            "sub_job_configs": [training, {"job_type": "sampling", "model_name": base_model}],
+        }
+        info = self.service.create_job(request, owner=owner)
+        session.job_ids.append(info["job_id"])
+        run = TrainingRun(
+            model_id=model_id,
+            owner=owner,
+            session_id=session.session_id,
+            base_model=base_model,
+            lora_rank=lora.rank,
+            job_id=info["job_id"],
+        )
+        self.state.add_run(run)
+        self.checkpoints.record_run(model_id, owner=owner, base_model=base_model, rank=lora.rank)
+        return run
+
+    def _wait_for_run(self, run: TrainingRun, owner, answer) -> str:
+        def wait() -> OpResult:
+            self.service.wait_until_running(run.job_id, owner=owner, timeout=STARTUP_TIMEOUT_S)
+            return OpResult(json=answer())
+
+        return self.futures.add(owner, self._waiters.submit(wait))
+
+    def get_info(self, model_id: str, owner: str | None) -> dict:
+        run = self.state.run(model_id, owner)
+        return {
+            "type": "get_info",
+            "model_id": model_id,
+            "model_data": {
+                "arch": "lora",
+                "model_name": run.base_model,
+                # The SDK loads it with AutoTokenizer.from_pretrained: a local folder for builtins.
+                "tokenizer_id": resolve_model_path(run.base_model),
+            },
+            "is_lora": True,
+            "lora_rank": run.lora_rank,
+            "model_name": run.base_model,
+        }
+
+    def forward_backward(self, request: codec.ForwardBackwardRequest, owner: str | None) -> str:
+        run = self.state.run(request.model_id, owner)
+
+        def prepare():
+            spec = losses.check_loss(request.loss_fn, request.loss_fn_config)
+            batch = losses.build_batch(request.data, spec)
+            processing = losses.processing_for(request.loss_fn, request.loss_fn_config)
+
+            def runner(engine) -> OpResult:
+                if request.forward_only:
+                    out = engine.forward(batch, None, processing)
+                else:
+                    out = engine.forward_backward(batch, None, processing, with_logprobs=True)
+                body = codec.encode_forward_backward_output(
+                    losses.per_datum(out["logprobs"], request.data),
+                    losses.loss_metrics(out["metric_sums"]),
+                )
+                return OpResult(protobuf=body)
+
+            return runner
+
+        op = "forward" if request.forward_only else "forward-backward"
+        return self._sequenced(run, request.seq_id, owner, op, prepare)
+
+    def optim_step(self, body: bodies.OptimStepBody, owner: str | None) -> str:
+        from arctic_platform.engine.trainer import AdamSettings
+
+        run = self.state.run(body.model_id, owner)
+
+        def prepare():
+            p = body.adam_params
+            if p is None:
+                raise BadRequest("adam_params: required (only the Adam optimizer is supported)")
+            if p.learning_rate <= 0:
+                raise BadRequest("adam_params.learning_rate: must be > 0")
+            adam = AdamSettings(
+                betas=(p.beta1, p.beta2),
+                eps=p.eps,
+                weight_decay=p.weight_decay,
+                grad_clip=p.grad_clip_norm,
+            )
+
+            def runner(engine) -> OpResult:
+                out = engine.step(p.learning_rate, adam=adam)
+                lr = p.learning_rate
+                return OpResult(
+                    json={"metrics": {"grad_norm:mean": out["grad_norm"], "learning_rate:mean": lr}}
+                )
+
+            return runner
+
+        return self._sequenced(run, body.seq_id, owner, "step", prepare)
+
+    def save_state(self, body: bodies.SaveWeightsBody, owner: str | None) -> str:
+        run = self.state.run(body.model_id, owner)
+
+        def prepare():
+            check_ttl(body.ttl_seconds)
+            path = TinkerPath(run.model_id, "weights", check_name(body.path or None))
+
+            def runner(engine) -> OpResult:
+                engine.save_checkpoint(
+                    self.checkpoints.target(path, owner, overwrite=body.overwrite)
+                )
+                self._expire(path, owner, body.ttl_seconds)
+                return OpResult(json={"path": str(path), "type": "save_weights"})
+
+            return runner
+
+        return self._sequenced(run, body.seq_id, owner, "save", prepare)
+
+    def save_for_sampler(self, body: bodies.SaveForSamplerBody, owner: str | None) -> str:
+        run = self.state.run(body.model_id, owner)
+        if body.path is None:
+            return self._sequenced(
+                run, body.seq_id, owner, "weight-sync", lambda: self._sync_to_sampler(run, owner)
+            )
+
+        def prepare():
+            check_ttl(body.ttl_seconds)
+            path = TinkerPath(run.model_id, "sampler_weights", check_name(body.path))
+
+            def runner(engine) -> OpResult:
+                target = self.checkpoints.target(path, owner, overwrite=True)
+                engine.save_checkpoint(target, export_hf=True)
+                self._expire(path, owner, body.ttl_seconds)
+                return OpResult(json={"path": str(path), "type": "save_weights_for_sampler"})
+
+            return runner
+
+        return self._sequenced(run, body.seq_id, owner, "save", prepare)
+
+    def save_external(self, body: bodies.SaveWeightsBody, owner: str | None) -> str:
+        """``save_weights_external``: merged HF weights under ``external_weights/<name>``."""
+        run = self.state.run(body.model_id, owner)
+
+        def prepare():
+            check_ttl(body.ttl_seconds)
+            path = TinkerPath(run.model_id, "external_weights", check_name(body.path))
+
+            def runner(engine) -> OpResult:
+                target = self.checkpoints.target(path, owner, overwrite=True)
+                engine.save_checkpoint(target, export_hf=True)
+                self._expire(path, owner, body.ttl_seconds)
+                size = sum(
+                    p.stat().st_size for p in self.checkpoints.exported_files(path, owner).values()
+                )
+                return OpResult(
+                    json={"path": str(path), "size_bytes": size, "type": "save_weights_external"}
+                )
+
+            return runner
+
+        return self._sequenced(run, body.seq_id, owner, "save", prepare)
+
+    def _expire(self, path: TinkerPath, owner, ttl_seconds: int | None) -> None:
+        if ttl_seconds is not None:
+            self.checkpoints.set_ttl(path, owner, ttl_seconds)
+
+    def _sync_to_sampler(self, run: TrainingRun, owner):
+        """``save_weights_and_get_sampling_client``: the run's sampler gets the trainer's merged
+        weights; the new sampling session names it."""
+        from arctic_platform.server.ops import prepare_op
+
+        def runner(engine) -> OpResult:
+            sub = self.service.resolve(run.training_sub_job, owner=owner)
+            sync = prepare_op(
+                self.service, sub, "weight-sync", {"target_sub_job_ids": [run.sampling_sub_job]}
+            )
+            sync()
+            sampler = self.state.add_sampler(
+                Sampler(uuid.uuid4().hex, owner, run.base_model, run.sampling_sub_job)
+            )
+            return OpResult(json={"sampling_session_id": sampler.sampler_id})
+
+        return runner
+
+    def load_weights(self, body: bodies.LoadWeightsBody, owner: str | None) -> str:
+        def checked_path():
+            path = TinkerPath.parse(body.path)
+            if path.kind != "weights":
+                raise BadRequest(
+                    f"path: {path} holds sampler weights; load a weights/ (state) path"
+                )
+            return path, self.checkpoints.resolve(path, owner)
+
+        def load(engine, path, directory) -> dict:
+            engine.load_checkpoint(directory, optimizer=body.optimizer)
+            return {"path": str(path), "type": "load_weights"}
+
+        if body.model_id is not None:
+            run = self.state.run(body.model_id, owner)
+
+            def prepare():
+                path, directory = checked_path()
+                return lambda engine: OpResult(json=load(engine, path, directory))
+
+            return self._sequenced(run, body.seq_id, owner, "load-checkpoint", prepare)
+        path, directory = checked_path()
+        if body.session_id is None or body.model_seq_id is None:
+            raise BadRequest("load_weights: give model_id, or session_id and model_seq_id")
+        session = self.state.session(body.session_id, owner)
+        record = self.checkpoints.run_record(path.model_id, owner)
+        base_model = body.base_model or record["base_model"]
+        model_id = f"{session.session_id}:train:{body.model_seq_id}"
+        lora = bodies.LoraConfig(rank=record["lora_rank"])
+        run = self._start_run(model_id, session, owner, base_model, lora)
+
+        def start_and_load() -> OpResult:
+            self.service.wait_until_running(run.job_id, owner=owner, timeout=STARTUP_TIMEOUT_S)
+            sub = self.service.resolve(run.training_sub_job, owner=owner)
+            answer = self.service.submit_runner(
+                sub, "load-checkpoint", lambda: load(sub.engine, path, directory)
+            )
+            return OpResult(json={**answer.result(), "model_id": model_id})
+
+        return self.futures.add(owner, self._waiters.submit(start_and_load))
+
+    # -- sampling ---------------------------------------------------------------------------
+
+    def create_sampling_session(self, body: bodies.CreateSamplingSessionBody, owner) -> str:
+        session = self.state.session(body.session_id, owner)
+        sampler = self._sampler_for(session, owner, body.base_model, body.model_path)
+        return sampler.sampler_id
+
+    def _sampler_for(self, session, owner, base_model: str | None, model_path: str | None):
+        if model_path is not None:
+            path = TinkerPath.parse(model_path, field="model_path")
+            model_dir = self.checkpoints.sampler_model_dir(path, owner)
+            base = self.checkpoints.run_record(path.model_id, owner)["base_model"]
+            sub_job = self._shared_sampling_job(session, owner, str(model_dir))
+            return self.state.add_sampler(
+                Sampler(uuid.uuid4().hex, owner, base, sub_job, model_path=model_path)
+            )
+        if not base_model:
+            raise BadRequest("give model_path or base_model")
+        sub_job = self._shared_sampling_job(session, owner, base_model)
+        return self.state.add_sampler(Sampler(uuid.uuid4().hex, owner, base_model, sub_job))
+
+    def _shared_sampling_job(self, session, owner, model_name: str) -> str:
+        """One sampling job per (owner, model) serves every sampler of that model."""
+        key = (owner, model_name)
+        with self._shared_lock:
+            job_id = self.state.shared_sampling_jobs.get(key)
+            if job_id is not None and self._alive(job_id, owner):
+                return f"{job_id}:sampling:0"
+            info = self.service.create_job(
+                {
+                    "experiment_name": f"tinker sampler {Path(model_name).name}",
+                    "sub_job_configs": [{"job_type": "sampling", "model_name": model_name}],
+                },
+                owner=owner,
+            )
+            self.state.shared_sampling_jobs[key] = info["job_id"]
+            session.job_ids.append(info["job_id"])
+            return f"{info['job_id']}:sampling:0"
+
+    def _alive(self, job_id: str, owner) -> bool:
+        return self.service.get_job(job_id, owner=owner)["status"] in (
+            "pending",
+            "initializing",
+            "running",
+        )
+
+    def sample(self, body: bodies.SampleBody, owner: str | None) -> tuple[str, list[str]]:
+        """Queue a sample; returns the request id and one sequence id per sample."""
+        if body.sampling_session_id is not None:
+            sampler = self.state.sampler(body.sampling_session_id, owner)
+        else:
+            raise BadRequest("sampling_session_id: required (create a sampling session first)")
+        prompt = _prompt_tokens(body.prompt)
+        params = _sampling_params(body)
+        want_prompt_logprobs = bool(body.prompt_logprobs)
+        if body.topk_prompt_logprobs or body.topk_sample_logprobs:
+            raise BadRequest("topk_prompt_logprobs/topk_sample_logprobs: not supported here")
+        job_id = sampler.sub_job_id.split(":", 1)[0]
+        outer: Future = Future()
+
+        def attach() -> None:
+            sub = self.service.resolve(sampler.sub_job_id, owner=owner)
+            submit = partial(self.service.submit_runner, sub, "generate")
+            done = self._batcher.add(sub, prompt, params, want_prompt_logprobs, submit)
+            done.add_done_callback(lambda f: _sample_result(f, outer))
+
+        if self.service.get_job(job_id, owner=owner)["status"] == "running":
+            attach()  # a bad request is refused here, before it gets a request id
+        else:
+
+            def wait_then_attach() -> None:
+                try:
+                    self.service.wait_until_running(job_id, owner=owner, timeout=STARTUP_TIMEOUT_S)
+                    attach()
+                except Exception as exc:
+                    outer.set_exception(exc)
+
+            self._waiters.submit(wait_then_attach)
+        request_id = self.futures.add(owner, outer)
+        return request_id, [f"{request_id}:{i}" for i in range(body.num_samples)]
+
+    # -- ordering ---------------------------------------------------------------------------
+
+    def _sequenced(self, run: TrainingRun, seq_id: int | None, owner, op: str, prepare) -> str:
+        """Validate with ``prepare()`` (which returns ``runner(engine)``), then queue the runner
+        on the run's trainer in ``seq_id`` order; returns its request id. A request refused by
+        validation still uses up its ``seq_id``, so the client's later requests do not wait on
+        it forever."""
+        if seq_id is not None:
+            known = run.sequencer.known(seq_id)
+            if known is not None:
+                return known
+        try:
+            runner = prepare()
+        except ServiceError:
+            if seq_id is not None:
+                run.sequencer.skip(seq_id)
+            raise
+        outer: Future = Future()
+        request_id = self.futures.add(owner, outer)
+
+        def start() -> None:
+            try:
+                sub = self.service.resolve(run.training_sub_job, owner=owner)
+                inner = self.service.submit_runner(sub, op, lambda: runner(sub.engine))
+            except Exception as exc:
+                outer.set_exception(exc)
+                return
+            inner.add_done_callback(lambda f: _copy_outcome(f, outer))
+
+        if seq_id is None:
+            start()
+        else:
+            try:
+                run.sequencer.admit(seq_id, request_id, start)
+            except Conflict as exc:
+                outer.set_exception(exc)
+        return request_id
+
+
+def _sample_result(done: Future, outer: Future) -> None:
+    """The ``SampleResponse`` of a finished batched request (or its error)."""
+    exc = done.exception()
+    if exc is not None:
+        outer.set_exception(exc)
+        return
+    outputs, scored = done.result()
+    sequences = [
+        codec.SampledSequence(
+            tokens=o["token_ids"],
+            logprobs=[t["logprob"] for t in o["logprobs"]],
+            stop_reason="stop" if o["finish_reason"] == "stop" else "length",
+        )
+        for o in outputs
+    ]
+    outer.set_result(OpResult(protobuf=codec.encode_sample_response(sequences, scored)))
+
+
+def _copy_outcome(source: Future, target: Future) -> None:
+    exc = source.exception()
+    if exc is not None:
+        target.set_exception(exc)
+    else:
+        target.set_result(source.result())
+
+
+def _prompt_tokens(model_input: bodies.ModelInput) -> list[int]:
+    tokens: list[int] = []
+    for i, chunk in enumerate(model_input.chunks):
+        if chunk.type != "encoded_text":
+            raise BadRequest(f"prompt.chunks[{i}]: {chunk.type} chunks are not supported")
+        tokens.extend(chunk.tokens)
+    if not tokens:
+        raise BadRequest("prompt: no tokens")
+    return tokens
+
+
+def _sampling_params(body: bodies.SampleBody) -> dict:
+    """Tinker ``SamplingParams`` as the sampler's vLLM-style dictionary (sampled-token
+    log-probs always on: Tinker returns them with every sequence)."""
+    p = body.sampling_params
+    params: dict[str, Any] = {
+        "n": body.num_samples,
+        "max_tokens": p.max_tokens,
+        "temperature": p.temperature,
+        "top_k": p.top_k,
+        "top_p": p.top_p,
+        "seed": p.seed,
+        "logprobs": 0,
+    }
+    stop = p.stop
+    if isinstance(stop, str):
+        params["stop"] = [stop]
+    elif stop and all(isinstance(s, int) for s in stop):
+        params["stop_token_ids"] = list(stop)
+    elif stop:
+        params["stop"] = list(stop)
+    return params

@@ -1,0 +1,341 @@
+"""The Tinker HTTP API (``/api/v1/...``) that the ``tinker`` SDK and tinker-cookbook call.
+
+Auth: the SDK sends its API key as ``X-API-Key`` and refuses keys without the ``tml-`` prefix, so
+tenants give it their server token in that form (``serve --token-env`` tokens such as
+``tml-team-a``); the owner id is the same as for ``Authorization: Bearer`` with that token.
+
+Every op answers ``{"request_id"}`` (the ``UntypedAPIFuture`` shape) and is polled with
+``retrieve_future`` (:mod:`.futures`). Hosted-only features answer as the SDK expects: the client
+config turns off JWT exchange and server-side custom losses, the catalogue lists the built-in
+models, telemetry is accepted and dropped.
+"""
+
+from __future__ import annotations
+
+import time
+from datetime import datetime, timezone
+from typing import Any, TypeVar
+
+from fastapi import APIRouter, Request
+from fastapi.concurrency import run_in_threadpool
+from fastapi.responses import FileResponse, JSONResponse, Response
+from pydantic import BaseModel, ValidationError
+
+from arctic_platform.engine.builtin import BUILTIN_MODELS, BUILTIN_PREFIX, BuiltinSpec
+from arctic_platform.server.errors import BadRequest, NotFound, Unauthorized
+from arctic_platform.server.http_common import decode_json, read_body
+from arctic_platform.server.op_bodies import describe
+from arctic_platform.server.tinker import bodies, codec, proto
+from arctic_platform.server.tinker.checkpoints import TinkerPath
+from arctic_platform.server.tinker.futures import OpResult
+from arctic_platform.server.tinker.operations import TinkerOps
+
+API_KEY_HEADER = "x-api-key"
+API_KEY_PREFIX = "tml-"
+
+router = APIRouter(prefix="/api/v1")
+Body = TypeVar("Body", bound=BaseModel)
+
+
+def _ops(request: Request) -> TinkerOps:
+    return request.app.state.tinker
+
+
+def _owner(request: Request) -> str | None:
+    """The caller's owner id from ``X-API-Key`` (see module doc); None when auth is off."""
+    auth = request.app.state.auth
+    if not auth.enabled:
+        return None
+    key = request.headers.get(API_KEY_HEADER)
+    if not key:
+        raise Unauthorized(f"missing API key (X-API-Key: {API_KEY_PREFIX}...)")
+    return auth.owner(f"Bearer {key}")
+
+
+async def _parse(request: Request, model: type[Body], what: str) -> Body:
+    raw = decode_json(await read_body(request), what=what)
+    try:
+        return model.model_validate(raw if raw is not None else {})
+    except ValidationError as exc:
+        raise BadRequest(f"{what}: {describe(exc)}") from None
+
+
+def _future(request_id: str, **extra: Any) -> dict:
+    return {"request_id": request_id, **extra}
+
+
+# -- handshake ------------------------------------------------------------------------------
+
+
+@router.post("/client/config")
+async def client_config(request: Request) -> dict:
+    _owner(request)
+    return {
+        "pjwt_auth_enabled": False,
+        "custom_loss_server_side": False,
+        "sample_use_retrieve_futures": False,
+        "sample_join_sampling_session": False,
+        "use_pyqwest_transport": False,
+    }
+
+
+@router.post("/client/dynamic_config")
+async def client_dynamic_config(request: Request) -> dict:
+    _owner(request)
+    return {"sample_cancel_enabled": False}
+
+
+@router.get("/healthz")
+async def healthz() -> dict:
+    return {"status": "ok"}
+
+
+@router.get("/get_server_capabilities")
+async def capabilities(request: Request) -> dict:
+    _owner(request)
+    return {"supported_models": [_catalogue_entry(n, s) for n, s in BUILTIN_MODELS.items()]}
+
+
+def _catalogue_entry(name: str, spec: BuiltinSpec) -> dict:
+    return {
+        "model_name": BUILTIN_PREFIX + name,
+        "max_context_length": spec.max_position_embeddings,
+        "trainable": True,
+        "sampleable": True,
+    }
+
+
+@router.post("/telemetry")
+async def telemetry(request: Request) -> dict:
+    _owner(request)
+    await read_body(request)
+    return {"status": "accepted"}
+
+
+# -- sessions -------------------------------------------------------------------------------
+
+
+@router.post("/create_session")
+async def create_session(request: Request) -> dict:
+    owner = _owner(request)
+    await read_body(request)
+    session = _ops(request).state.new_session(owner)
+    return {"type": "create_session", "session_id": session.session_id}
+
+
+@router.post("/session_heartbeat")
+async def session_heartbeat(request: Request) -> dict:
+    owner = _owner(request)
+    body = await _parse(request, bodies.SessionBody, "session_heartbeat")
+    session = _ops(request).state.session(body.session_id, owner)
+    session.last_heartbeat = time.time()
+    return {"type": "session_heartbeat"}
+
+
+@router.post("/sessions/{session_id}/finish")
+async def finish_session(session_id: str, request: Request) -> Response:
+    owner = _owner(request)
+    await _parse(request, bodies.FinishBody, "finish")
+    await run_in_threadpool(_ops(request).finish_session, session_id, owner)
+    return Response(status_code=204)
+
+
+# -- training -------------------------------------------------------------------------------
+
+
+@router.post("/create_model")
+async def create_model(request: Request) -> dict:
+    owner = _owner(request)
+    body = await _parse(request, bodies.CreateModelBody, "create_model")
+    request_id = await run_in_threadpool(_ops(request).create_model, body, owner)
+    return _future(request_id)
+
+
+@router.post("/get_info")
+async def get_info(request: Request) -> dict:
+    owner = _owner(request)
+    body = await _parse(request, bodies.ModelBody, "get_info")
+    return _ops(request).get_info(body.model_id, owner)
+
+
+@router.post("/forward_backward")
+async def forward_backward(request: Request) -> dict:
+    owner = _owner(request)
+    if proto.CONTENT_TYPE not in request.headers.get("content-type", ""):
+        raise BadRequest(f"forward_backward: expected a protobuf body ({proto.CONTENT_TYPE})")
+    if request.headers.get("content-encoding", "identity") != "identity":
+        raise BadRequest("forward_backward: compressed bodies are not accepted")
+    parsed = codec.decode_forward_backward(await read_body(request))
+    request_id = await run_in_threadpool(_ops(request).forward_backward, parsed, owner)
+    return _future(request_id, model_id=parsed.model_id)
+
+
+@router.post("/optim_step")
+async def optim_step(request: Request) -> dict:
+    owner = _owner(request)
+    body = await _parse(request, bodies.OptimStepBody, "optim_step")
+    return _future(_ops(request).optim_step(body, owner), model_id=body.model_id)
+
+
+@router.post("/save_weights")
+async def save_weights(request: Request) -> dict:
+    owner = _owner(request)
+    body = await _parse(request, bodies.SaveWeightsBody, "save_weights")
+    return _future(_ops(request).save_state(body, owner), model_id=body.model_id)
+
+
+@router.post("/save_weights_for_sampler")
+async def save_weights_for_sampler(request: Request) -> dict:
+    owner = _owner(request)
+    body = await _parse(request, bodies.SaveForSamplerBody, "save_weights_for_sampler")
+    return _future(_ops(request).save_for_sampler(body, owner), model_id=body.model_id)
+
+
+@router.post("/save_weights_external")
+async def save_weights_external(request: Request) -> dict:
+    owner = _owner(request)
+    body = await _parse(request, bodies.SaveWeightsBody, "save_weights_external")
+    return _future(_ops(request).save_external(body, owner), model_id=body.model_id)
+
+
+@router.post("/load_weights")
+async def load_weights(request: Request) -> dict:
+    owner = _owner(request)
+    body = await _parse(request, bodies.LoadWeightsBody, "load_weights")
+    return _future(await run_in_threadpool(_ops(request).load_weights, body, owner))
+
+
+# -- sampling -------------------------------------------------------------------------------
+
+
+@router.post("/create_sampling_session")
+async def create_sampling_session(request: Request) -> dict:
+    owner = _owner(request)
+    body = await _parse(request, bodies.CreateSamplingSessionBody, "create_sampling_session")
+    sampler_id = await run_in_threadpool(_ops(request).create_sampling_session, body, owner)
+    return {"type": "create_sampling_session", "sampling_session_id": sampler_id}
+
+
+@router.get("/samplers/{sampler_id}")
+async def get_sampler(sampler_id: str, request: Request) -> dict:
+    sampler = _ops(request).state.sampler(sampler_id, _owner(request))
+    return {
+        "sampler_id": sampler.sampler_id,
+        "base_model": sampler.base_model,
+        "model_path": sampler.model_path,
+    }
+
+
+@router.post("/asample")
+async def asample(request: Request) -> dict:
+    owner = _owner(request)
+    body = await _parse(request, bodies.SampleBody, "asample")
+    request_id, sequence_ids = _ops(request).sample(body, owner)
+    return _future(request_id, sample_sequence_ids=sequence_ids)
+
+
+# -- futures --------------------------------------------------------------------------------
+
+
+@router.post("/retrieve_future")
+async def retrieve_future(request: Request) -> Response:
+    owner = _owner(request)
+    body = await _parse(request, bodies.RetrieveBody, "retrieve_future")
+    outcome = await _ops(request).futures.retrieve(body.request_id, owner)
+    if outcome is None:
+        return JSONResponse(
+            status_code=408,
+            content={"type": "try_again", "request_id": body.request_id, "queue_state": "active"},
+        )
+    if isinstance(outcome, OpResult):
+        if outcome.protobuf is not None:
+            return Response(content=outcome.protobuf, media_type=proto.CONTENT_TYPE)
+        return JSONResponse(codec.json_value(outcome.json))
+    return JSONResponse(outcome)
+
+
+# -- checkpoints and runs (RestClient) ------------------------------------------------------
+
+
+@router.get("/training_runs/{model_id}/checkpoints")
+async def list_checkpoints(model_id: str, request: Request) -> dict:
+    owner = _owner(request)
+    return {"checkpoints": _ops(request).checkpoints.list(model_id, owner)}
+
+
+@router.delete("/training_runs/{model_id}/checkpoints/{kind}/{name}")
+async def delete_checkpoint(model_id: str, kind: str, name: str, request: Request) -> Response:
+    path = TinkerPath.parse(f"tinker://{model_id}/{kind}/{name}", field="checkpoint")
+    _ops(request).checkpoints.delete(path, _owner(request))
+    return Response(status_code=204)
+
+
+@router.get("/training_runs/{model_id}/checkpoints/{kind}/{name}/external_weights_urls")
+async def external_weights_urls(model_id: str, kind: str, name: str, request: Request) -> dict:
+    ops, owner = _ops(request), _owner(request)
+    path = TinkerPath.parse(f"tinker://{model_id}/{kind}/{name}", field="checkpoint")
+    urls, expires = {}, 0.0
+    for relative in ops.checkpoints.exported_files(path, owner):
+        token, expires = ops.downloads.sign([owner, str(path), relative])
+        urls[relative] = str(request.url_for("download", token=token))
+    return {"urls": urls, "expires": datetime.fromtimestamp(expires, tz=timezone.utc).isoformat()}
+
+
+@router.put("/training_runs/{model_id}/checkpoints/{kind}/{name}/ttl")
+async def set_checkpoint_ttl(model_id: str, kind: str, name: str, request: Request) -> Response:
+    owner = _owner(request)
+    body = await _parse(request, bodies.TtlBody, "ttl")
+    path = TinkerPath.parse(f"tinker://{model_id}/{kind}/{name}", field="checkpoint")
+    _ops(request).checkpoints.set_ttl(path, owner, body.ttl_seconds)
+    return Response(status_code=204)
+
+
+@router.get("/downloads/{token}", name="download")
+async def download(token: str, request: Request) -> FileResponse:
+    """A checkpoint file behind a signed link (no credentials: the link is the capability)."""
+    ops = _ops(request)
+    owner, tinker_path, relative = ops.downloads.verify(token)
+    files = ops.checkpoints.exported_files(TinkerPath.parse(tinker_path), owner)
+    if relative not in files:
+        raise NotFound("download link not found")
+    return FileResponse(files[relative])
+
+
+@router.get("/training_runs/{model_id}")
+async def get_training_run(model_id: str, request: Request) -> dict:
+    ops = _ops(request)
+    record = ops.checkpoints.run_record(model_id, _owner(request))
+    return _training_run(ops, record)
+
+
+@router.get("/training_runs")
+async def list_training_runs(request: Request) -> dict:
+    ops, owner = _ops(request), _owner(request)
+    runs = [_training_run(ops, r) for r in ops.checkpoints.runs(owner)]
+    cursor = {"offset": 0, "limit": len(runs), "total_count": len(runs)}
+    return {"training_runs": runs, "cursor": cursor}
+
+
+def _training_run(ops: TinkerOps, record: dict) -> dict:
+    checkpoints = ops.checkpoints.list(record["model_id"], record["owner"])
+    last = {c["checkpoint_type"]: c for c in checkpoints}
+    return {
+        "training_run_id": record["model_id"],
+        "base_model": record["base_model"],
+        "model_owner": record["owner"] or "local",
+        "is_lora": True,
+        "lora_rank": record["lora_rank"],
+        "last_request_time": last.get("training", {}).get("time")
+        or datetime.fromtimestamp(record["created_at"], tz=timezone.utc).isoformat(),
+        "last_checkpoint": last.get("training"),
+        "last_sampler_checkpoint": last.get("sampler"),
+    }
+
+
+@router.post("/weights_info")
+async def weights_info(request: Request) -> dict:
+    owner = _owner(request)
+    body = await _parse(request, bodies.WeightsInfoBody, "weights_info")
+    path = TinkerPath.parse(body.tinker_path, field="tinker_path")
+    record = _ops(request).checkpoints.run_record(path.model_id, owner)
+    return {"base_model": record["base_model"], "is_lora": True, "lora_rank": record["lora_rank"]}

@@ -1,0 +1,158 @@
+"""What the Tinker API keeps beside the Service: sessions, training runs, samplers, op order.
+
+* A **session** (``create_session``) belongs to the caller's owner id; the SDK heartbeats it every
+  10 s and finishes it (``/sessions/{id}/finish``) when the script ends, which cancels the Service
+  jobs it created so their engines are freed. A finished session answers 410, as the SDK expects.
+* A **training run** (Tinker's model id ``<session>:train:<n>``) is one Service job with a LoRA
+  training sub-job and a sampling sub-job on the same base model; the sampling sub-job receives
+  the trainer's merged weights for ``save_weights_and_get_sampling_client``.
+* A **sampler** (``sampling_session_id``) names the sampling sub-job a ``SamplingClient`` uses: a
+  run's own, one per base model, or one per saved ``sampler_weights`` checkpoint.
+* :class:`Sequencer` starts a training client's requests in ``seq_id`` order whatever order they
+  arrive in (the SDK sends the chunks of one ``forward_backward`` concurrently), and maps a
+  retried ``seq_id`` to the request id it already has.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from arctic_platform.server.errors import Conflict, NotFound, ServiceError
+
+
+class SessionGone(ServiceError):
+    """The session was finished (410: the SDK stops heartbeating it)."""
+
+    status = 410
+    code = "session_finished"
+
+
+@dataclass
+class Session:
+    session_id: str
+    owner: str | None
+    last_heartbeat: float = field(default_factory=time.time)
+    finished: bool = False
+    job_ids: list[str] = field(default_factory=list)
+
+
+class Sequencer:
+    """Starts requests numbered 1, 2, 3, ... in that order (see module doc)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._next = 1
+        self._parked: dict[int, Callable[[], None]] = {}
+        self._request_ids: dict[int, str] = {}
+
+    def known(self, seq_id: int) -> str | None:
+        """The request id already given to ``seq_id`` (a retried request), if any."""
+        with self._lock:
+            return self._request_ids.get(seq_id)
+
+    def admit(self, seq_id: int, request_id: str, start: Callable[[], None]) -> None:
+        """Run ``start`` once every lower ``seq_id`` has started. ``start`` must not raise (it
+        reports failures through its future) and should be quick: it runs under the lock, which
+        is what keeps starts in order."""
+        with self._lock:
+            if seq_id < self._next or seq_id in self._parked:
+                raise Conflict(f"seq_id {seq_id} was already used by this training client")
+            self._request_ids[seq_id] = request_id
+            self._parked[seq_id] = start
+            while self._next in self._parked:
+                self._parked.pop(self._next)()
+                self._next += 1
+
+    def skip(self, seq_id: int) -> None:
+        """Mark ``seq_id`` used without running anything (its request was refused)."""
+        with contextlib.suppress(Conflict):
+            self.admit(seq_id, "", lambda: None)
+
+
+@dataclass
+class TrainingRun:
+    """A Tinker training client's run (see module doc)."""
+
+    model_id: str
+    owner: str | None
+    session_id: str
+    base_model: str
+    lora_rank: int
+    job_id: str
+    sequencer: Sequencer = field(default_factory=Sequencer)
+    last_request_time: float = field(default_factory=time.time)
+
+    @property
+    def training_sub_job(self) -> str:
+        return f"{self.job_id}:training:0"
+
+    @property
+    def sampling_sub_job(self) -> str:
+        return f"{self.job_id}:sampling:0"
+
+
+@dataclass(frozen=True)
+class Sampler:
+    sampler_id: str
+    owner: str | None
+    base_model: str
+    sub_job_id: str
+    model_path: str | None = None
+
+
+class TinkerState:
+    """Registries of sessions, runs and samplers; thread-safe; owner-scoped lookups."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.sessions: dict[str, Session] = {}
+        self.runs: dict[str, TrainingRun] = {}
+        self.samplers: dict[str, Sampler] = {}
+        # (owner, base model or checkpoint dir) -> sampling job shared by every sampler on it
+        self.shared_sampling_jobs: dict[tuple[str | None, str], str] = {}
+
+    def new_session(self, owner: str | None) -> Session:
+        session = Session(session_id=uuid.uuid4().hex, owner=owner)
+        with self._lock:
+            self.sessions[session.session_id] = session
+        return session
+
+    def session(self, session_id: str, owner: str | None, *, active: bool = True) -> Session:
+        """The caller's session; 404 if unknown, 410 if finished (when ``active``)."""
+        with self._lock:
+            session = self.sessions.get(session_id)
+        if session is None or session.owner != owner:
+            raise NotFound(f"session {session_id!r} not found")
+        if active and session.finished:
+            raise SessionGone(f"session {session_id} was finished")
+        return session
+
+    def add_run(self, run: TrainingRun) -> None:
+        with self._lock:
+            if run.model_id in self.runs:
+                raise Conflict(f"model {run.model_id} already exists in this session")
+            self.runs[run.model_id] = run
+
+    def run(self, model_id: str, owner: str | None) -> TrainingRun:
+        with self._lock:
+            run = self.runs.get(model_id)
+        if run is None or run.owner != owner:
+            raise NotFound(f"model_id {model_id!r} not found")
+        return run
+
+    def add_sampler(self, sampler: Sampler) -> Sampler:
+        with self._lock:
+            self.samplers[sampler.sampler_id] = sampler
+        return sampler
+
+    def sampler(self, sampler_id: str, owner: str | None) -> Sampler:
+        with self._lock:
+            sampler = self.samplers.get(sampler_id)
+        if sampler is None or sampler.owner != owner:
+            raise NotFound(f"sampling_session_id {sampler_id!r} not found")
+        return sampler

@@ -1,0 +1,82 @@
+"""What an operator sees: Prometheus metrics and structured access logs with request ids that the
+client logs too."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from arctic_platform import wire
+from tests.server.conftest import CORTEX, OCTET, job_request
+
+
+def scrape(http) -> dict[tuple[str, tuple], float]:
+    response = http.get("/metrics")
+    assert response.status_code == 200
+    assert response.headers["content-type"].startswith("text/plain")
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(response.text)
+        for sample in family.samples
+    }
+
+
+def test_metrics_count_ops_tokens_queue_depth_and_jobs(http, service):
+    job_id = service.create_job(job_request("sampling"))["job_id"]
+    service.wait_until_running(job_id, timeout=120)
+    body = {"prompts": ["1+2=", "3+4="], "sampling_params": {"n": 2, "max_tokens": 3}}
+    answer = http.post(f"/generate?job_id={job_id}", content=wire.dumps(body), headers=OCTET)
+    assert answer.status_code == 200
+    generated = sum(len(r["token_ids"]) for r in wire.loads(answer.content)["results"])
+    bad = http.post(f"/generate?job_id={job_id}", json={"prompts": []})
+    assert bad.status_code == 400  # refused before it ran: not an op
+    metrics = scrape(http)
+    assert metrics[("arctic_ops_total", (("op", "generate"), ("status", "ok")))] == 1
+    assert metrics[("arctic_op_seconds_count", (("op", "generate"),))] == 1
+    assert metrics[("arctic_tokens_processed_total", (("op", "generate"),))] == generated
+    assert metrics[("arctic_queue_depth", (("job_id", job_id),))] == 0
+    assert metrics[("arctic_jobs", (("state", "running"),))] == 1
+    service.cancel_job(job_id)
+    assert scrape(http)[("arctic_jobs", (("state", "cancelled"),))] == 1
+
+
+def test_every_response_has_a_request_id_and_one_access_log_line(http, caplog):
+    caplog.set_level(logging.INFO, logger="arctic_platform.access")
+    given = http.get("/health", headers={"x-request-id": "trace-123"})
+    assert given.headers["x-request-id"] == "trace-123"
+    missing = http.get(f"{CORTEX}/nope")
+    assert missing.status_code == 404 and len(missing.headers["x-request-id"]) == 32
+    hostile = http.get("/health", headers={"x-request-id": "a\tb" + "x" * 100})
+    assert hostile.headers["x-request-id"] != "a\tb" + "x" * 100  # replaced, not echoed
+    lines = [json.loads(r.getMessage()) for r in caplog.records if r.name.endswith("access")]
+    by_id = {line["request_id"]: line for line in lines}
+    assert by_id["trace-123"]["path"] == "/health" and by_id["trace-123"]["status"] == 200
+    assert by_id[missing.headers["x-request-id"]]["status"] == 404
+    assert all(line["duration_ms"] >= 0 and line["method"] == "GET" for line in lines)
+
+
+@pytest.mark.parametrize("backend", ["http", "cortex"])
+def test_the_client_logs_the_request_id_of_a_failed_request(http, service, caplog, backend):
+    from arctic_platform.client.config import load_config
+    from arctic_platform.client.errors import InvalidRequestError
+    from arctic_platform.client.transport import Request
+    from arctic_platform.client.transports import make_transport
+
+    url = str(http.base_url).rstrip("/")
+    section = {"type": "http", "url": url}
+    if backend == "cortex":
+        section = {"type": "cortex", "base_url": url, "database": "DB", "schema": "RL"}
+    config = load_config({"model": "builtin:tiny", "seed": 0, "backend": section, "sampling": {}})
+    transport = make_transport(config)
+    jobs = transport.initialize()
+    caplog.set_level(logging.WARNING, logger="arctic_platform.client")
+    try:
+        with pytest.raises(InvalidRequestError):
+            transport.call(Request("log-probs", jobs.sampling, {"prompts": []}, binary=False))
+    finally:
+        transport.shutdown()
+    logged = [r.getMessage() for r in caplog.records if "server request id" in r.getMessage()]
+    assert logged and all("none" not in line for line in logged)

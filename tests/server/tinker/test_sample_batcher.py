@@ -1,0 +1,84 @@
+"""Concurrent sample requests on one sampler decode together and get what each would alone."""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from types import SimpleNamespace
+
+import pytest
+
+from arctic_platform.engine.config import ModelConfig, SamplingEngineConfig
+from arctic_platform.engine.sampler import SamplingEngine
+from arctic_platform.server.errors import BadRequest
+from arctic_platform.server.tinker.sample_batcher import SampleBatcher
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return SamplingEngine(
+        SamplingEngineConfig(model=ModelConfig(name="builtin:tiny", device="cpu"))
+    )
+
+
+def test_requests_queued_together_run_in_one_generate_call(engine):
+    calls = []
+    original = engine.generate
+
+    def counting_generate(prompts, params):
+        calls.append(len(prompts))
+        return original(prompts, params)
+
+    sub = SimpleNamespace(
+        sub_job_id="j:sampling:0",
+        engine=SimpleNamespace(
+            generate=counting_generate,
+            prompt_logprobs=engine.prompt_logprobs,
+            vocab_size=engine.vocab_size,
+        ),
+    )
+    held: list = []
+
+    def submit(runner) -> Future:  # the sub-job queue, held until every request is in
+        future: Future = Future()
+        held.append((runner, future))
+        return future
+
+    batcher = SampleBatcher()
+    requests = [
+        ([20, 21, 22], {"n": 2, "max_tokens": 5, "seed": 1, "logprobs": 0}, False),
+        ([30, 31], {"n": 1, "max_tokens": 4, "seed": 2, "logprobs": 0}, True),
+        ([40], {"n": 3, "max_tokens": 3, "seed": 3, "logprobs": 0}, False),
+    ]
+    futures = [batcher.add(sub, p, params, pl, submit) for p, params, pl in requests]
+    assert len(held) == 1  # one drain queued for all three
+    runner, drained = held[0]
+    runner()
+    drained.set_result(None)
+    assert calls == [3]
+    for (prompt, params, want_pl), future in zip(requests, futures, strict=True):
+        outputs, scored = future.result()
+        alone = original([prompt], params)
+        assert [o["token_ids"] for o in outputs] == [o["token_ids"] for o in alone]
+        assert (scored is not None) == want_pl
+    with pytest.raises(BadRequest, match="sampling_params"):
+        batcher.add(sub, [1], {"n": 0}, False, submit)
+    with pytest.raises(BadRequest, match="prompt: token ids"):
+        batcher.add(sub, [10**6], {"n": 1}, False, submit)
+
+
+def test_a_failed_drain_fails_the_requests_it_held(engine):
+    sub = SimpleNamespace(sub_job_id="j:sampling:1", engine=engine)
+    held: list = []
+
+    def submit(runner) -> Future:
+        future: Future = Future()
+        held.append(future)
+        return future
+
+    batcher = SampleBatcher()
+    first = batcher.add(sub, [5, 6], {"n": 1, "max_tokens": 2}, False, submit)
+    second = batcher.add(sub, [7], {"n": 1, "max_tokens": 2}, False, submit)
+    held[0].set_exception(BadRequest("stopped"))
+    for future in (first, second):
+        with pytest.raises(BadRequest, match="stopped"):
+            future.result()

@@ -1,0 +1,288 @@
+"""The tinker SDK, unmodified, trains and samples on our server (see conftest)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from tests.server.tinker.conftest import ALICE, BOB, TINY, encode, reference_logprobs, tinker
+
+types = tinker.types
+pytestmark = pytest.mark.slow
+
+
+def sft_datum(text: str, prompt_len: int):
+    ids = encode(text)
+    weights = [0.0] * (prompt_len - 1) + [1.0] * (len(ids) - prompt_len)
+    return ids, types.Datum(
+        model_input=types.ModelInput.from_ints(ids[:-1]),
+        loss_fn_inputs={"target_tokens": ids[1:], "weights": weights},
+    )
+
+
+def logprobs_of(result, i: int) -> list[float]:
+    return result.loss_fn_outputs[i]["logprobs"].tolist()
+
+
+@pytest.fixture(scope="module")
+def trainer(service_client):
+    """A training client for the RL tests (their steps change its weights)."""
+    return service_client.create_lora_training_client(base_model=TINY, rank=8, seed=3).result()
+
+
+def test_supervised_step_matches_the_base_model_and_lowers_the_loss(service_client):
+    client = service_client.create_lora_training_client(base_model=TINY, rank=4, seed=0).result()
+    info = client.get_info()
+    assert info.is_lora and info.lora_rank == 4 and info.model_data.model_name == TINY
+    assert client.get_tokenizer().encode("7+8=15", add_special_tokens=False) == encode("7+8=15")
+    data = [sft_datum("12+34=46", 6), sft_datum("7+8=15", 4)]
+    result = client.forward_backward([d for _, d in data], "cross_entropy").result()
+    want_sum = 0.0
+    for i, (ids, datum) in enumerate(data):
+        want = reference_logprobs(ids[:-1], ids[1:])
+        np.testing.assert_allclose(logprobs_of(result, i), want, rtol=1e-4, atol=1e-5)
+        weights = datum.loss_fn_inputs["weights"].tolist()
+        want_sum += -sum(lp * w for lp, w in zip(want, weights, strict=True))
+    assert result.metrics["loss:sum"] == pytest.approx(want_sum, rel=1e-4)
+    step = client.optim_step(types.AdamParams(learning_rate=5e-2)).result()
+    assert step.metrics["grad_norm:mean"] > 0
+    for _ in range(3):
+        client.forward_backward([d for _, d in data], "cross_entropy")
+        client.optim_step(types.AdamParams(learning_rate=5e-2))
+    after = client.forward([d for _, d in data], "cross_entropy").result()
+    assert after.metrics["loss:sum"] < 0.9 * want_sum
+
+
+def grpo_group(trainer, prompt_text: str, n: int = 4):
+    """A cookbook-style group: samples of one prompt with the sampler's log-probs."""
+    sampler = trainer.save_weights_and_get_sampling_client().result()
+    prompt = encode(prompt_text)
+    params = types.SamplingParams(max_tokens=6, temperature=1.0, seed=7)
+    response = sampler.sample(types.ModelInput.from_ints(prompt), n, params).result()
+    assert len(response.sequences) == n
+    return prompt, response.sequences
+
+
+def rl_datum(prompt, seq, advantage):
+    sampled, sampled_lp = list(seq.tokens), list(seq.logprobs)
+    pad = len(prompt) - 1
+    return types.Datum(
+        model_input=types.ModelInput.from_ints(prompt + sampled[:-1]),
+        loss_fn_inputs={
+            "target_tokens": prompt[1:] + sampled,
+            "logprobs": [0.0] * pad + sampled_lp,
+            "advantages": [0.0] * pad + [advantage] * len(sampled),
+        },
+    )
+
+
+def tinker_loss(kind, lp, old, adv, config):
+    """Tinker's documented per-token formulas, summed."""
+    total = 0.0
+    for p, q, a in zip(lp, old, adv, strict=True):
+        r = math.exp(p - q)
+        if kind == "importance_sampling":
+            total += -r * a
+        elif kind == "ppo":
+            clipped = min(max(r, config["clip_low_threshold"]), config["clip_high_threshold"])
+            total += -min(r * a, clipped * a)
+        elif kind == "cispo":
+            clipped = min(max(r, config["clip_low_threshold"]), config["clip_high_threshold"])
+            total += -clipped * p * a
+        else:
+            total += -(p * a - 0.5 * config["beta"] * (p - q) ** 2)
+    return total
+
+
+LOSS_CONFIGS = {
+    "importance_sampling": None,
+    "ppo": {"clip_low_threshold": 0.9, "clip_high_threshold": 1.1},
+    "cispo": {"clip_low_threshold": 0.5, "clip_high_threshold": 2.0},
+    "dro": {"beta": 0.1},
+}
+
+
+@pytest.mark.parametrize("kind", list(LOSS_CONFIGS))
+def test_grpo_step_with_each_policy_loss(trainer, kind):
+    config = LOSS_CONFIGS[kind]
+    prompt, sequences = grpo_group(trainer, "3+4=")
+    rewards = [1.0, 0.0, 0.0, 1.0]
+    mean = sum(rewards) / len(rewards)
+    data = [rl_datum(prompt, s, r - mean) for s, r in zip(sequences, rewards, strict=True)]
+    result = trainer.forward_backward(data, kind, config).result()
+    total = 0.0
+    for i, datum in enumerate(data):
+        lp = logprobs_of(result, i)
+        old = datum.loss_fn_inputs["logprobs"].tolist()
+        # the sampler (merged weights) and the trainer (LoRA) score sampled tokens alike
+        n = len(sequences[i].tokens)
+        np.testing.assert_allclose(lp[-n:], old[-n:], rtol=1e-3, atol=1e-4)
+        total += tinker_loss(kind, lp, old, datum.loss_fn_inputs["advantages"].tolist(), config)
+    assert result.metrics["loss:sum"] == pytest.approx(total, rel=1e-4, abs=1e-5)
+    trainer.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    after = trainer.forward(data, "importance_sampling").result()
+    gained = [  # the step favours the rewarded samples over the others
+        sum(logprobs_of(after, i)) - sum(logprobs_of(result, i)) for i in range(len(data))
+    ]
+    assert gained[0] + gained[3] > gained[1] + gained[2]
+
+
+def test_sampling_with_logprobs_prompt_logprobs_and_stop(service_client):
+    sampler = service_client.create_sampling_client(base_model=TINY).result()
+    assert sampler.get_base_model() == TINY
+    prompt = encode("12+30=")
+    params = types.SamplingParams(max_tokens=8, temperature=1.0, seed=1)
+    response = sampler.sample(
+        types.ModelInput.from_ints(prompt), 3, params, include_prompt_logprobs=True
+    ).result()
+    assert len(response.sequences) == 3
+    assert len({s.sequence_id for s in response.sequences}) == 3
+    for seq in response.sequences:
+        # log p(token | prompt + earlier tokens) at each sampled position
+        want = reference_logprobs(prompt + seq.tokens[:-1], prompt[1:] + seq.tokens)
+        np.testing.assert_allclose(seq.logprobs, want[-len(seq.tokens) :], rtol=1e-4, atol=1e-4)
+    assert response.prompt_logprobs[0] is None
+    np.testing.assert_allclose(
+        response.prompt_logprobs[1:], reference_logprobs(prompt[:-1], prompt[1:]), rtol=1e-4
+    )
+    first = response.sequences[0].tokens[0]
+    stopped = sampler.sample(
+        types.ModelInput.from_ints(prompt),
+        1,
+        types.SamplingParams(max_tokens=8, temperature=1.0, seed=1, stop=[first]),
+    ).result()
+    assert stopped.sequences[0].tokens == [first]
+    assert stopped.sequences[0].stop_reason == "stop"
+    assert response.sequences[0].stop_reason in ("stop", "length")
+    scored = sampler.compute_logprobs(types.ModelInput.from_ints(prompt)).result()
+    assert scored[0] is None
+    np.testing.assert_allclose(scored[1:], response.prompt_logprobs[1:], rtol=1e-6)
+
+
+def test_save_load_and_sample_from_saved_weights(service_client, server_url):
+    client = service_client.create_lora_training_client(base_model=TINY, rank=4, seed=1).result()
+    ids, datum = sft_datum("40+2=42", 5)
+    client.forward_backward([datum], "cross_entropy")
+    client.optim_step(types.AdamParams(learning_rate=5e-2)).result()
+    state = client.save_state("step1").result()
+    assert state.path == f"tinker://{client.model_id}/weights/step1"
+    sampler_path = client.save_weights_for_sampler("step1").result().path
+    assert sampler_path == f"tinker://{client.model_id}/sampler_weights/step1"
+
+    resumed = service_client.create_training_client_from_state_with_optimizer(state.path).result()
+    assert resumed.model_id != client.model_id
+    for trained in (client, resumed):  # the same next step from the same state
+        trained.forward_backward([datum], "cross_entropy")
+        trained.optim_step(types.AdamParams(learning_rate=5e-2)).result()
+    mine = client.forward([datum], "cross_entropy").result()
+    theirs = resumed.forward([datum], "cross_entropy").result()
+    np.testing.assert_allclose(logprobs_of(theirs, 0), logprobs_of(mine, 0), rtol=1e-5)
+
+    prompt = types.ModelInput.from_ints(ids[:5])
+    greedy = types.SamplingParams(max_tokens=4, temperature=0.0)
+    saved = service_client.create_sampling_client(model_path=sampler_path).result()
+    live = client.create_sampling_client(sampler_path).result()
+    assert saved.sample(prompt, 1, greedy).result().sequences[0].tokens == (
+        live.sample(prompt, 1, greedy).result().sequences[0].tokens
+    )
+
+    rest = tinker.RestClient(base_url=server_url, api_key=ALICE)
+    listed = rest.list_checkpoints(client.model_id).result().checkpoints
+    assert {(c.checkpoint_type, c.tinker_path) for c in listed} == {
+        ("training", state.path),
+        ("sampler", sampler_path),
+    }
+    run = rest.get_training_run(client.model_id).result()
+    assert run.base_model == TINY and run.lora_rank == 4
+    other = tinker.RestClient(base_url=server_url, api_key=BOB)
+    with pytest.raises(tinker.NotFoundError):
+        other.list_checkpoints(client.model_id).result()
+
+
+def test_futures_resolve_out_of_order_and_keep_the_client_order(service_client):
+    data = [sft_datum("9+9=18", 4)[1]]
+    queued = service_client.create_lora_training_client(base_model=TINY, rank=4, seed=5).result()
+    stepwise = service_client.create_lora_training_client(base_model=TINY, rank=4, seed=5).result()
+    futures = []
+    for lr in (3e-2, 1e-2):
+        futures.append(queued.forward_backward(data, "cross_entropy"))
+        futures.append(queued.optim_step(types.AdamParams(learning_rate=lr)))
+    last = queued.forward(data, "cross_entropy")
+    final = last.result()  # retrieved first, yet it ran after every earlier op
+    for future in reversed(futures):
+        future.result()
+    for lr in (3e-2, 1e-2):
+        stepwise.forward_backward(data, "cross_entropy").result()
+        stepwise.optim_step(types.AdamParams(learning_rate=lr)).result()
+    want = stepwise.forward(data, "cross_entropy").result()
+    assert logprobs_of(final, 0) == logprobs_of(want, 0)
+
+
+def test_bad_requests_name_the_field_and_leave_the_model_alone(service_client):
+    client = service_client.create_lora_training_client(base_model=TINY, rank=4, seed=2).result()
+    _, datum = sft_datum("5+5=10", 4)
+    before = client.forward([datum], "cross_entropy").result()
+    with pytest.raises(tinker.BadRequestError, match="loss_fn: unknown loss 'sft'"):
+        client.forward_backward([datum], "sft").result()
+    with pytest.raises(tinker.BadRequestError, match=r"loss_fn_config\.eps: not a ppo setting"):
+        client.forward_backward([datum], "ppo", {"eps": 0.2}).result()
+    short = types.Datum(
+        model_input=datum.model_input,
+        loss_fn_inputs={"target_tokens": datum.loss_fn_inputs["target_tokens"], "weights": [1.0]},
+    )
+    with pytest.raises(tinker.BadRequestError, match=r"data\[0\]\.loss_fn_inputs\.weights"):
+        client.forward_backward([short], "cross_entropy").result()
+    with pytest.raises(tinker.BadRequestError, match=r"loss_fn_inputs\.logprobs: missing"):
+        client.forward_backward([datum], "importance_sampling").result()
+    # the refused requests used up their seq_ids; the client goes on, weights untouched
+    client.optim_step(types.AdamParams(learning_rate=1e-1)).result()
+    after = client.forward([datum], "cross_entropy").result()
+    assert logprobs_of(after, 0) == logprobs_of(before, 0)
+
+
+def test_wrong_api_key_is_refused(server_url):
+    with pytest.raises(tinker.AuthenticationError):
+        tinker.ServiceClient(base_url=server_url, api_key="tml-mallory").create_sampling_client(
+            base_model=TINY
+        ).result()
+
+
+def test_download_ttl_and_delete(service_client, server_url, tmp_path):
+    import urllib.request
+
+    from transformers import AutoModelForCausalLM
+
+    client = service_client.create_lora_training_client(base_model=TINY, rank=4, seed=4).result()
+    _, datum = sft_datum("1+1=2", 3)
+    client.forward_backward([datum], "cross_entropy")
+    client.optim_step(types.AdamParams(learning_rate=5e-2)).result()
+    path = client.save_weights_external("export").result().path
+    assert path == f"tinker://{client.model_id}/external_weights/export"
+    rest = tinker.RestClient(base_url=server_url, api_key=ALICE)
+    links = rest.get_external_weights_urls(path).result()
+    assert "config.json" in links.urls
+    for name, url in links.urls.items():  # plain GETs, no credentials, as the SDK's CLI does
+        target = tmp_path / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with urllib.request.urlopen(url) as response:
+            target.write_bytes(response.read())
+    model = AutoModelForCausalLM.from_pretrained(tmp_path)  # merged weights, plain HF
+    trained = client.forward([datum], "cross_entropy").result()
+    with torch.no_grad():
+        ids = datum.model_input.to_ints()
+        logits = model(input_ids=torch.tensor([ids])).logits[0].float()
+    targets = datum.loss_fn_inputs["target_tokens"].tolist()
+    want = logits.log_softmax(-1)[range(len(ids)), targets].tolist()
+    np.testing.assert_allclose(logprobs_of(trained, 0), want, rtol=1e-4, atol=1e-4)
+
+    rest.set_checkpoint_ttl_from_tinker_path(path, 7200).result()
+    listed = {c.tinker_path: c for c in rest.list_checkpoints(client.model_id).result().checkpoints}
+    assert listed[path].expires_at is not None
+    with pytest.raises(tinker.BadRequestError, match="ttl_seconds"):
+        rest.set_checkpoint_ttl_from_tinker_path(path, 5).result()
+    rest.delete_checkpoint_from_tinker_path(path).result()
+    remaining = rest.list_checkpoints(client.model_id).result().checkpoints
+    assert path not in {c.tinker_path for c in remaining}
