@@ -17,6 +17,7 @@ from fastapi import APIRouter, Request
 from fastapi.concurrency import run_in_threadpool
 
 from arctic_platform.contract.generate_columns import as_columns, wants_columns
+from arctic_platform.contract.job_config import SHORT_JOB_TYPE
 from arctic_platform.contract.ops import BINARY_RESULTS, ONPREM_OPS
 from arctic_platform.server.errors import BadRequest, NotFound
 from arctic_platform.server.http_common import (
@@ -65,7 +66,8 @@ async def health(request: Request) -> dict:
 async def status(request: Request) -> dict:
     jobs = _service(request).list_jobs(owner=owner_of(request))
     subs = {s["sub_job_id"]: _onprem_info(j, s) for j in jobs for s in j["sub_jobs"]}
-    return {"device": request.app.state.service.settings.device, "jobs": subs}
+    service = _service(request)
+    return {"device": service.settings.device, "jobs": subs, "running_ops": service.running_ops}
 
 
 @router.post("/initialize")
@@ -134,7 +136,7 @@ def _onprem_info(job: dict, sub: dict) -> dict:
     return {
         "job_id": sub["sub_job_id"],
         "parent_job_id": job["job_id"],
-        "job_type": "log_prob" if sub["job_type"] == "log_probability" else sub["job_type"],
+        "job_type": SHORT_JOB_TYPE[sub["job_type"]],
         "model_name": sub["model_name"],
         "status": job["status"].upper(),
         "reason": job["reason"],

@@ -86,6 +86,7 @@ def test_jobs_map_onto_the_servers_job_spec():
     assert engine.max_tokens_per_microbatch == 2048 and engine.packing is False
     assert engine.save_total_limit == 2
     assert engine.model.lora.model_dump() == {
+        "peft_type": "Lora",
         "r": 4,
         "alpha": 8.0,
         "dropout": 0.0,
@@ -123,7 +124,7 @@ def test_model_is_required_unless_every_job_names_one():
         ),
         (
             {"model": "m", "training": {"optimizer": {"lrr": 1}}},
-            "unknown field 'lrr' in OptimizerSettings (did you mean 'lr'?)",
+            "unknown field 'lrr' in OptimizerConfig (did you mean 'lr'?)",
         ),
         (
             {"model": "m", "training": {"max_tokens_per_micro_batch": 1}},

@@ -48,7 +48,9 @@ CONNECT_ERRORS = (httpx.ConnectError, httpx.ConnectTimeout)
 class HttpTransport(Transport):
     """Talks to one on-prem server (see module doc)."""
 
-    def __init__(self, config: ArcticRLClientConfig) -> None:
+    def __init__(
+        self, config: ArcticRLClientConfig, *, http_transport: httpx.BaseTransport | None = None
+    ) -> None:
         backend = config.backend
         assert isinstance(backend, HttpBackend)
         self.config = config
@@ -69,6 +71,7 @@ class HttpTransport(Transport):
             headers["Authorization"] = f"Bearer {token}"
         self._headers = headers
         self._client: httpx.Client | None = None
+        self._http_transport = http_transport
         self._watch: LivenessWatch | None = None
 
     # -- lifecycle --------------------------------------------------------------------------
@@ -89,6 +92,7 @@ class HttpTransport(Transport):
             base_url=self._base_url,
             headers=self._headers,
             timeout=httpx.Timeout(self.backend.request_timeout, connect=10.0),
+            transport=self._http_transport,
         )
         if self.backend.liveness_timeout is not None:
             self._watch = LivenessWatch(

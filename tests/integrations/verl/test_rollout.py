@@ -108,12 +108,21 @@ def test_generate_takes_the_keywords_verls_server_manager_passes(server):
     assert out.stop_reason == "completed" and out.token_ids
 
 
-def test_paused_generation_waits_for_resume_or_is_rejected(server):
+def test_paused_generation_waits_for_resume_or_is_rejected(server, monkeypatch):
+    sent = []
+    send = server.backend.generate
+
+    async def recording(*args, **kwargs):
+        sent.append(args)
+        return await send(*args, **kwargs)
+
+    monkeypatch.setattr(server.backend, "generate", recording)
+
     async def scenario():
         await server.abort_all_requests()
         waiting = asyncio.create_task(server.generate([40, 41], dict(VERL_PARAMS), "held"))
-        await asyncio.sleep(0.2)
-        held = not waiting.done()
+        await asyncio.sleep(0)  # the task runs until it waits: up to the send, if not held
+        held = not sent and not waiting.done()
         await server.resume_generation()
         out = await asyncio.wait_for(waiting, timeout=60)
         await server.abort_all_requests(reject_request=True)
