@@ -35,6 +35,22 @@ def version() -> None:
     typer.echo(arctic_platform.__version__)
 
 
+@app.command("export-model")
+def export_model(
+    name: Annotated[str, typer.Argument(help="A built-in model: builtin:tiny or builtin:small.")],
+    destination: Annotated[Path, typer.Argument(help="A new folder to write the HF model into.")],
+) -> None:
+    """Write a built-in model as an ordinary Hugging Face folder (config, weights, tokenizer),
+    for frameworks that need a model path (verl's actor_rollout_ref.model.path)."""
+    from arctic_platform.engine.builtin import export_builtin_model
+
+    try:
+        path = export_builtin_model(name, destination)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
+    typer.echo(str(path))
+
+
 @app.command()
 def train(
     config: Annotated[
@@ -145,6 +161,12 @@ def serve(
     colocate: Annotated[
         bool, typer.Option(help="With --ray: put a job's trainer and samplers on shared devices.")
     ] = False,
+    instance_id: Annotated[
+        str | None, typer.Option(help="The id /health reports (launchers set it).", hidden=True)
+    ] = None,
+    parent_pid: Annotated[
+        int | None, typer.Option(help="Stop when this process (the launcher) dies.", hidden=True)
+    ] = None,
     sampling_engine: Annotated[
         str,
         typer.Option(
@@ -224,6 +246,8 @@ def serve(
         log_level=log_level,
         ray_address=(ray_address or "auto") if ray else None,
         colocate=colocate,
+        instance=instance_id,
+        parent_pid=parent_pid,
         sampling_engine=sampling_engine,
         vllm_python=None if vllm_python is None else str(vllm_python),
         allowed_paths=tuple(allow_path or ()),

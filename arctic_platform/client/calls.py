@@ -7,9 +7,9 @@ cannot drift between them.
 
 Arguments are checked here, before anything is sent: a wrong type or an unknown key is a
 ``TypeError``/``ValueError`` naming the argument. Responses get the compatibility aliases
-frameworks read (DESIGN.md §3): ``loss`` and ``avg_loss`` both present; ``grad_norm`` and
-``last_lr`` at the top level and in ``metrics``; ``batch`` and ``model_outputs`` naming the same
-outputs; ``generate`` returns the list of results with tensors as Python lists.
+frameworks read (:mod:`arctic_platform.contract.results`): ``loss`` and ``avg_loss`` both present;
+``grad_norm`` and ``last_lr`` at the top level and in ``metrics``; ``batch`` and ``model_outputs``
+naming the same outputs; ``generate`` returns the list of results with tensors as Python lists.
 """
 
 from __future__ import annotations
@@ -25,6 +25,8 @@ from arctic_platform.client.tensors import is_tensor, to_python
 from arctic_platform.client.transport import JobHandles, Request
 from arctic_platform.contract.bodies import SNOWAPI_ENVELOPE_KEYS, TRAIN_ENVELOPE_KEYS
 from arctic_platform.contract.generate_columns import COLUMNS_KEY, request_columns, results_of
+from arctic_platform.contract.ops import default_role
+from arctic_platform.contract.results import shape_step_result, shape_train_result
 
 SYNCHRONOUS_SAVES = {
     "pending_saves": 0,
@@ -74,7 +76,7 @@ class OpCalls:
             body["processing"] = folded
         if router_replay is not None:
             body["router_replay"] = router_replay
-        request = Request("forward-backward", self.jobs.require("training"), body, binary=True)
+        request = self._request("forward-backward", body)
         return Call([request], _only(shape_train_result))
 
     def fwd_no_grad(
@@ -90,8 +92,7 @@ class OpCalls:
             )
         body = train_body("fwd_no_grad", batch, meta=meta, processing=processing)
         body["reference_model"] = reference_model
-        role = "log_prob" if reference_model else "training"
-        request = Request("forward", self.jobs.require(role), body, binary=True)
+        request = self._request("forward", body, reference_model=reference_model)
         return Call([request], _only(shape_train_result))
 
     def step(self, learning_rate: float | None) -> Call:
@@ -102,7 +103,7 @@ class OpCalls:
             if not math.isfinite(learning_rate) or learning_rate <= 0:
                 raise ValueError(f"step: learning_rate must be > 0, got {learning_rate!r}")
             body["learning_rate"] = float(learning_rate)
-        request = Request("step", self.jobs.require("training"), body)
+        request = self._request("step", body)
         return Call([request], _only(shape_step_result))
 
     def save_checkpoint(
@@ -126,7 +127,7 @@ class OpCalls:
             "stage_info": stage_info,
         }
         body.update({k: v for k, v in optional.items() if v is not None})
-        request = Request("save", self.jobs.require("training"), body)
+        request = self._request("save", body)
         return Call([request], _only(dict))
 
     def load_checkpoint(
@@ -147,18 +148,18 @@ class OpCalls:
             "source_job_id": source_job_id,
         }
         body = {k: v for k, v in optional.items() if v is not None}
-        request = Request("load-checkpoint", self.jobs.require("training"), body)
+        request = self._request("load-checkpoint", body)
         return Call([request], _only(dict))
 
     def sleep_training(self, mode: str) -> Call:
         body = {"mode": _str("sleep_training", "mode", mode)}
-        return self._simple("sleep-training", "training", body)
+        return self._simple("sleep-training", body)
 
     def wake_training(self) -> Call:
-        return self._simple("wake-training", "training", {})
+        return self._simple("wake-training", {})
 
     def empty_training_cache(self) -> Call:
-        return self._simple("empty-training-cache", "training", {})
+        return self._simple("empty-training-cache", {})
 
     # -- inference --------------------------------------------------------------------------
 
@@ -184,13 +185,7 @@ class OpCalls:
         if not isinstance(strict, bool):
             raise TypeError(f"generate: strict must be True or False, got {strict!r}")
         body["strict"] = strict
-        request = Request(
-            "generate",
-            self.jobs.require("sampling"),
-            body,
-            binary=True,
-            frame_metadata=request_columns(),
-        )
+        request = self._request("generate", body, frame_metadata=request_columns())
         return Call([request], _only(shape_generate_result))
 
     def log_probs(self, prompts: Sequence, completions: Sequence | None, top_k: int) -> Call:
@@ -205,7 +200,7 @@ class OpCalls:
         if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
             raise ValueError(f"log_probs: top_k must be an integer >= 0, got {top_k!r}")
         body["top_k"] = top_k
-        request = Request("log-probs", self.jobs.require("log_prob"), body)
+        request = self._request("log-probs", body)
         return Call([request], _only(to_python))
 
     def sync_weights(self, cuda_ipc: bool | None, low_memory: bool | None) -> Call:
@@ -238,14 +233,14 @@ class OpCalls:
     def sleep_inference(self, level: int) -> Call:
         if isinstance(level, bool) or level not in (1, 2):
             raise ValueError(f"sleep_inference: level must be 1 or 2, got {level!r}")
-        return self._simple("sleep-inference", "sampling", {"level": level})
+        return self._simple("sleep-inference", {"level": level})
 
     def wake_inference(self, tags: Sequence[str] | None) -> Call:
         if tags is not None:
             if isinstance(tags, str) or not all(isinstance(t, str) for t in tags):
                 raise TypeError(f"wake_inference: tags must be a list of strings, got {tags!r}")
             tags = list(tags)
-        return self._simple("wake-inference", "sampling", tags)
+        return self._simple("wake-inference", tags)
 
     def _reset_prefix_cache_request(
         self, drain: bool, timeout_s: float, retry_interval_s: float
@@ -261,8 +256,16 @@ class OpCalls:
         }
         return Request("operation", self.jobs.require("sampling"), envelope)
 
-    def _simple(self, op: str, role: str, body: Any) -> Call:
-        return Call([Request(op, self.jobs.require(role), body)], _only(dict))  # type: ignore[arg-type]
+    def _request(
+        self, op: str, body: Any, *, reference_model: bool = False, frame_metadata=None
+    ) -> Request:
+        """``op`` for the sub-job the op table runs it on (whether its body is a DSSST1 frame
+        comes from the table too)."""
+        role = default_role(op, reference_model=reference_model)
+        return Request(op, self.jobs.require(role), body, frame_metadata=frame_metadata)
+
+    def _simple(self, op: str, body: Any) -> Call:
+        return Call([self._request(op, body)], _only(dict))
 
 
 # -- bodies -----------------------------------------------------------------------------------
@@ -391,37 +394,6 @@ def _str(what: str, name: str, value: Any) -> str:
 
 
 # -- responses --------------------------------------------------------------------------------
-
-
-def shape_train_result(result: Mapping) -> dict:
-    """``fwd_bwd``/``fwd_no_grad``: ``loss``/``avg_loss`` and ``batch``/``model_outputs``."""
-    out = dict(result)
-    metrics = out.get("metrics")
-    out["metrics"] = dict(metrics) if isinstance(metrics, Mapping) else {}
-    if "avg_loss" not in out and "loss" not in out and "loss" in out["metrics"]:
-        out["avg_loss"] = out["metrics"]["loss"]
-    if "avg_loss" in out:
-        out.setdefault("loss", out["avg_loss"])
-    elif "loss" in out:
-        out["avg_loss"] = out["loss"]
-    if "batch" not in out and "model_outputs" in out:
-        out["batch"] = out["model_outputs"]
-    if "batch" in out:
-        out.setdefault("model_outputs", out["batch"])
-    return out
-
-
-def shape_step_result(result: Mapping) -> dict:
-    """``step``: ``grad_norm`` and ``last_lr`` both at the top level and in ``metrics``."""
-    out = dict(result)
-    metrics = dict(out.get("metrics") or {})
-    for key in ("grad_norm", "last_lr"):
-        if key in out:
-            metrics.setdefault(key, out[key])
-        elif key in metrics:
-            out[key] = metrics[key]
-    out["metrics"] = metrics
-    return out
 
 
 def shape_generate_result(result: Any) -> list:

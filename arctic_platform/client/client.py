@@ -19,7 +19,7 @@ server_state)`` attaches to the same jobs; the attached client never destroys th
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Mapping, Sequence
 from typing import Any
 
 from arctic_platform.client.calls import SYNCHRONOUS_SAVES, Call, OpCalls
@@ -37,11 +37,18 @@ class _ClientBase:
         server_state: Any = None,
         *,
         transport: Transport | None = None,
+        http_transport: Any = None,
     ) -> None:
+        """``transport``: deliver ops through this :class:`Transport` instead of the configured
+        backend's (a :class:`~arctic_platform.client.transports.mock.MockTransport` in tests).
+        ``http_transport``: an ``httpx.BaseTransport`` the ``http`` and ``cortex`` backends send
+        through (fault injection, proxies, recording)."""
         from arctic_platform.client.transports import make_transport
 
         self.config = load_config(config)
-        self.transport = transport or make_transport(self.config, server_state)
+        self.transport = transport or make_transport(
+            self.config, server_state, http_transport=http_transport
+        )
         self.jobs: JobHandles = initialize_or_cleanup(self.transport)
         self._calls = OpCalls(self.jobs, self.config)
         self._closed = False
@@ -76,12 +83,17 @@ class _ClientBase:
 
     def _calls_or_raise(self) -> OpCalls:
         if self._closed:
-            raise ArcticRLError("this client was shut down; create a new one")
+            raise ArcticRLError("this client was closed (shut down); create a new one")
         return self._calls
 
-    def _shutdown_now(self) -> None:
-        if not self._closed:
-            self._closed = True
+    def _mark_closed(self) -> bool:
+        """Refuse new ops from now on; True for the one call that must release the transport."""
+        closing, self._closed = not self._closed, True
+        return closing
+
+    def close(self) -> None:
+        """Release the jobs this client created and its connections, now; idempotent."""
+        if self._mark_closed():
             self.transport.shutdown()
 
 
@@ -209,18 +221,18 @@ class SyncArcticRLClient(_ClientBase):
         return self._run(self._calls_or_raise().empty_training_cache())
 
     def shutdown(self) -> None:
-        """Release the jobs this client created and its connections; idempotent."""
-        self._shutdown_now()
+        """The older name of :meth:`close`."""
+        self.close()
 
     def __enter__(self) -> SyncArcticRLClient:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.shutdown()
+        self.close()
 
 
 class _Done:
-    """An awaitable that is already complete, so ``shutdown()`` works awaited or not."""
+    """An awaitable that is already complete: ``shutdown()`` outside an event loop."""
 
     def __await__(self):
         return iter(())
@@ -349,18 +361,26 @@ class ArcticRLClient(_ClientBase):
     async def empty_training_cache(self) -> dict:
         return await self._run(self._calls_or_raise().empty_training_cache())
 
-    def shutdown(self) -> _Done:
-        """Release the jobs this client created and its connections, now; idempotent.
-
-        Works called plainly or awaited (``await client.shutdown()``): the work is done before it
-        returns. Inside a running loop prefer ``await client.aclose()``, which does not block it.
-        """
-        self._shutdown_now()
-        return _Done()
-
     async def aclose(self) -> None:
-        """``shutdown()`` in a worker thread, so the event loop keeps running meanwhile."""
-        await asyncio.to_thread(self._shutdown_now)
+        """:meth:`close` in a worker thread, so the event loop keeps running meanwhile."""
+        if self._mark_closed():
+            await asyncio.to_thread(self.transport.shutdown)
+
+    def shutdown(self) -> Awaitable[None]:
+        """The older name of closing, usable plainly or awaited (``await client.shutdown()``).
+
+        Outside an event loop it closes now and returns a completed awaitable. Inside a running
+        loop it starts closing in a worker thread at once (so the work happens even if nobody
+        awaits) and returns a future to await: the loop is never blocked.
+        """
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            self.close()
+            return _Done()
+        if not self._mark_closed():
+            return _Done()
+        return loop.run_in_executor(None, self.transport.shutdown)
 
     async def __aenter__(self) -> ArcticRLClient:
         return self

@@ -28,18 +28,14 @@ Importing this module needs only pydantic and PyYAML (no torch).
 
 from __future__ import annotations
 
-import difflib
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 from urllib.parse import urlparse
 
 from pydantic import (
-    BaseModel,
-    ConfigDict,
     Field,
-    NonNegativeFloat,
     NonNegativeInt,
     PositiveFloat,
     PositiveInt,
@@ -47,51 +43,27 @@ from pydantic import (
     model_validator,
 )
 
-from arctic_platform.engine.config import PromptSharing
-from arctic_platform.server.job_config import CreateJobRequest
+from arctic_platform.contract.job_config import (
+    API_JOB_TYPE,
+    CreateJobRequest,
+    InferenceSettings,
+    TrainingSettings,
+)
+from arctic_platform.contract.settings import (
+    LoraConfig,
+    OptimizerConfig,
+    SchedulerConfig,
+    Settings,
+    did_you_mean,
+    unknown_field_message,
+)
 
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 DEFAULT_MAX_REQUEST_BYTES = 60 * 1024 * 1024
 LOOPBACK_HOSTS = {"127.0.0.1", "localhost", "::1", "[::1]"}
 
 
-def did_you_mean(name: object, candidates: set[str]) -> str:
-    """`` (did you mean 'lr'?)`` for the closest candidate, or ``""`` when none is close."""
-    close = difflib.get_close_matches(str(name), sorted(candidates), n=1, cutoff=0.6)
-    return f" (did you mean {close[0]!r}?)" if close else ""
-
-
-def unknown_field_message(
-    names: list[str], known: set[str], where: str, shown: set[str] | None = None
-) -> str:
-    """``unknown field 'lrr' in OptimizerSettings (did you mean 'lr'?); known fields: ...``.
-
-    Suggestions come from ``known``; the listing shows ``shown`` (default: ``known``).
-    """
-    parts = [f"unknown field {name!r} in {where}{did_you_mean(name, known)}" for name in names]
-    listing = ", ".join(sorted(known if shown is None else shown))
-    return "; ".join(parts) + f"; known fields: {listing}"
-
-
-class _Section(BaseModel):
-    """A config section: unknown keys are errors that suggest the closest known key."""
-
-    model_config = ConfigDict(extra="forbid", validate_default=True, populate_by_name=True)
-
-    @classmethod
-    def known_keys(cls) -> set[str]:
-        keys = set(cls.model_fields)
-        keys |= {f.alias for f in cls.model_fields.values() if f.alias}
-        return keys
-
-    @model_validator(mode="before")
-    @classmethod
-    def _reject_unknown(cls, data: Any) -> Any:
-        if isinstance(data, Mapping):
-            unknown = [k for k in data if k not in cls.known_keys()]
-            if unknown:
-                raise ValueError(unknown_field_message(unknown, cls.known_keys(), cls.__name__))
-        return data
+_Section = Settings
 
 
 # -- backends ---------------------------------------------------------------------------------
@@ -232,8 +204,10 @@ class CortexBackend(_Section):
 class RayBackend(_Section):
     """Ray actors, one per device; the training job runs data-parallel over its workers.
 
-    ``address``: ``auto`` (attach to a running cluster, else start one), ``local`` (start a
-    private one) or a cluster address (``host:port`` or ``ray://host:port``).
+    ``address``: ``auto`` (the cluster ``RAY_ADDRESS`` names, or the one this process already
+    belongs to, else a new private one; a cluster that merely runs on the same machine is not
+    joined), ``local`` (a new private one) or a cluster address (``host:port`` or
+    ``ray://host:port``). Which cluster was joined is logged.
     ``num_training_workers`` (the training job's ``n_gpus``) ranks train with ``data_parallel``
     ``ddp`` (replicated) or ``fsdp`` (sharded); ``colocate`` puts trainer and inference replicas
     on the same devices. ``data_dir`` (job records, default checkpoints) is a path on this
@@ -283,73 +257,46 @@ def _check_url(name: str, url: str) -> None:
 # -- jobs -------------------------------------------------------------------------------------
 
 
-class OptimizerSettings(_Section):
-    """AdamW; ``grad_clip <= 0`` disables gradient clipping."""
-
-    lr: PositiveFloat = 1e-5
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: PositiveFloat = 1e-8
-    weight_decay: NonNegativeFloat = 0.0
-    grad_clip: float = 1.0
-
-
-class ScheduleSettings(_Section):
-    """Linear warmup, then constant, linear or cosine decay (decay needs ``total_steps``)."""
-
-    name: Literal["constant", "linear", "cosine"] = "constant"
-    warmup_steps: NonNegativeInt = 0
-    total_steps: PositiveInt | None = None
-    min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0)
-
-    @model_validator(mode="after")
-    def _check(self) -> ScheduleSettings:
-        if self.name != "constant" and self.total_steps is None:
-            raise ValueError(f"total_steps: the {self.name} schedule needs it")
-        return self
-
-
-class LoraSettings(_Section):
-    """Low-rank adapters: only the adapter weights train; weight sync merges them."""
-
-    r: PositiveInt = 8
-    alpha: PositiveFloat = 16.0
-    dropout: float = Field(0.0, ge=0.0, lt=1.0)
-    target_modules: list[str] | Literal["all-linear"] = "all-linear"
+# The engine settings, under the names this config has always exported.
+OptimizerSettings = OptimizerConfig
+ScheduleSettings = SchedulerConfig
+LoraSettings = LoraConfig
 
 
 class _Job(_Section):
+    """What every job section adds to its sub-job settings: the model, dtype and seed, each
+    inherited from the top level unless set here."""
+
     model: str | None = Field(None, min_length=1)
     dtype: Dtype | None = None
     seed: int | None = None
-    n_gpus: PositiveInt = 1
+
+    # The keys that describe the job rather than its engine settings.
+    JOB_KEYS: ClassVar[frozenset[str]] = frozenset({"model", "dtype", "seed"})
+
+    def settings(self) -> dict[str, Any]:
+        """The sub-job's ``training_config`` / ``inference_config`` as the API writes it."""
+        return self.model_dump(mode="json", by_alias=True, exclude=set(self.JOB_KEYS))
 
 
-class TrainingJob(_Job):
-    """The trainer: optimizer, schedule, microbatch token budget, LoRA, checkpoint retention.
+class TrainingJob(_Job, TrainingSettings):
+    """The trainer: optimizer, schedule, microbatch token budget, LoRA, checkpoint retention (the
+    server's ``training_config``, :class:`~arctic_platform.contract.job_config.TrainingSettings`,
+    plus the job's model, dtype and seed).
 
     ``checkpoint_dir`` is the folder (on the machine running the engines) that
     ``save_checkpoint``/``load_checkpoint`` use when called without ``path``; by default the
     server's own checkpoint folder.
     """
 
-    max_seq_len: PositiveInt = 4096
-    train_batch_size: PositiveInt | None = None
-    optimizer: OptimizerSettings = OptimizerSettings()
-    schedule: ScheduleSettings = ScheduleSettings()
-    max_tokens_per_microbatch: PositiveInt = 16384
-    packing: bool = True
-    prompt_sharing: PromptSharing = "auto"
-    gradient_checkpointing: bool = False
-    attn_implementation: str | None = None
-    lora: LoraSettings | None = None
-    save_total_limit: PositiveInt | None = None
     checkpoint_dir: str | None = None
-    # How a multi-worker (Ray) server trains this job; None: the server's default (ddp).
-    data_parallel: Literal["ddp", "fsdp"] | None = None
+    JOB_KEYS: ClassVar[frozenset[str]] = frozenset({"model", "dtype", "seed", "checkpoint_dir"})
 
 
-class InferenceJob(_Job):
-    """A sampler (``sampling``) or a frozen reference scorer (``log_prob``).
+class InferenceJob(_Job, InferenceSettings):
+    """A sampler (``sampling``) or a frozen reference scorer (``log_prob``): the server's
+    ``inference_config`` (:class:`~arctic_platform.contract.job_config.InferenceSettings`) plus
+    the job's model, dtype and seed.
 
     ``max_seq_len`` bounds prompt plus completion (default: the model's context length).
     ``engine`` picks the sampler: ``torch`` (ours) or ``vllm`` (vLLM in its own process); unset,
@@ -358,29 +305,6 @@ class InferenceJob(_Job):
     arguments; our sampler honours ``max_num_seqs`` and ``max_model_len`` from it and the server
     records the rest as ignored. The legacy ``vllm_config`` is folded into ``vllm``.
     """
-
-    max_seq_len: PositiveInt | None = None
-    max_batch_size: PositiveInt = 256
-    max_tokens_per_microbatch: PositiveInt = 16384
-    prompt_sharing: PromptSharing = "auto"
-    engine: Literal["torch", "vllm"] | None = None
-    vllm: dict[str, Any] = Field(default_factory=dict)
-
-    @classmethod
-    def known_keys(cls) -> set[str]:
-        return super().known_keys() | {"vllm_config"}
-
-    @model_validator(mode="before")
-    @classmethod
-    def _fold_vllm_config(cls, data: Any) -> Any:
-        if isinstance(data, Mapping) and "vllm_config" in data:
-            data = dict(data)
-            legacy = data.pop("vllm_config")
-            if legacy is not None and not isinstance(legacy, Mapping):
-                raise ValueError("vllm_config: expected a mapping (folded into vllm)")
-            vllm = data.get("vllm")
-            data["vllm"] = {**(legacy or {}), **(vllm if isinstance(vllm, Mapping) else {})}
-        return data
 
 
 # -- the config -------------------------------------------------------------------------------
@@ -405,6 +329,8 @@ class ArcticRLClientConfig(_Section):
     legacy_backend: Literal["local", "dss-platform"] | None = Field(None, exclude=True)
     # Legacy settings that were accepted but have no meaning on these engines.
     ignored_settings: dict[str, Any] = Field(default_factory=dict, exclude=True, repr=False)
+    # The flat legacy fields as the caller set them; they read back as attributes.
+    legacy_fields: dict[str, Any] = Field(default_factory=dict, exclude=True, repr=False)
 
     @model_validator(mode="before")
     @classmethod
@@ -415,7 +341,7 @@ class ArcticRLClientConfig(_Section):
             known = cls.known_keys() | LEGACY_FIELDS
             unknown = [k for k in data if k not in known]
             if unknown:
-                shown = cls.known_keys() - {"legacy_backend", "ignored_settings"}
+                shown = cls.known_keys() - {"legacy_backend", "ignored_settings", "legacy_fields"}
                 raise ValueError(
                     unknown_field_message(unknown, known, "ArcticRLClientConfig", shown)
                 )
@@ -445,6 +371,43 @@ class ArcticRLClientConfig(_Section):
                     "name or builtin:tiny); set it at the top level or in the job's section"
                 )
         return self
+
+    def __getattr__(self, name: str) -> Any:
+        """A flat legacy field (``comm_protocol``, ``training_gpus``, ...) reads back as set.
+
+        Frameworks read their own fields after building the client (SkyRL:
+        ``rl_config.comm_protocol``). A field the caller did not set reads as the nested
+        config's equivalent (:meth:`legacy_value`).
+        """
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            from arctic_platform.client.legacy import LEGACY_FIELDS
+
+            if name in LEGACY_FIELDS:
+                return self.legacy_value(name)
+            raise
+
+    def legacy_value(self, name: str) -> Any:
+        """The flat legacy field ``name``: as the caller set it, else derived from this config
+        (``model_name``, ``comm_protocol``, ``*_gpus``, ``checkpoint_path``, ``host``/``port``),
+        else None."""
+        given = self.__dict__.get("legacy_fields") or {}
+        if name in given:
+            return given[name]
+        backend = self.backend
+        jobs = self.jobs()
+        derived: dict[str, Any] = {
+            "model_name": self.model,
+            "comm_protocol": {"ray": "ray", "http": "http", "cortex": "cortex"}.get(backend.type),
+            "checkpoint_path": self.training.checkpoint_dir if self.training else None,
+            **{f"{role}_gpus": job.n_gpus for role, job in jobs.items()},
+        }
+        if isinstance(backend, HttpBackend) and backend.url is None:
+            derived.update(host=backend.host, port=backend.port)
+        if name.endswith("_gpus"):
+            return derived.get(name, 0)
+        return derived.get(name)
 
     # -- views ------------------------------------------------------------------------------
 
@@ -489,55 +452,15 @@ class ArcticRLClientConfig(_Section):
 
     def _sub_job(self, role: str, job: TrainingJob | InferenceJob) -> dict[str, Any]:
         spec: dict[str, Any] = {
-            "job_type": "log_probability" if role == "log_prob" else role,
+            "job_type": API_JOB_TYPE[role],
             "model_name": job.model or self.model,
             "dtype": job.dtype or self.dtype,
         }
         seed = job.seed if job.seed is not None else self.seed
         if seed is not None:
             spec["seed"] = seed
-        if isinstance(job, TrainingJob):
-            opt = job.optimizer
-            settings: dict[str, Any] = {
-                "n_gpus": job.n_gpus,
-                "max_seq_len": job.max_seq_len,
-                "optimizer": {
-                    "name": "AdamW",
-                    "lr": opt.lr,
-                    "betas": list(opt.betas),
-                    "eps": opt.eps,
-                    "weight_decay": opt.weight_decay,
-                },
-                "gradient_clipping": opt.grad_clip,
-                "lr_scheduler": job.schedule.model_dump(exclude_none=True),
-                "max_tokens_per_microbatch": job.max_tokens_per_microbatch,
-                "packing": job.packing,
-                "prompt_sharing": job.prompt_sharing,
-                "activation_checkpointing": job.gradient_checkpointing,
-            }
-            optional = {
-                "data_parallel": job.data_parallel,
-                "train_batch_size": job.train_batch_size,
-                "attn_implementation": job.attn_implementation,
-                "save_total_limit": job.save_total_limit,
-            }
-            if job.lora is not None:
-                optional["peft_config"] = {"peft_type": "Lora", **job.lora.model_dump()}
-            settings.update({k: v for k, v in optional.items() if v is not None})
-            spec["training_config"] = settings
-        else:
-            settings = {
-                "n_gpus": job.n_gpus,
-                "max_batch_size": job.max_batch_size,
-                "max_tokens_per_microbatch": job.max_tokens_per_microbatch,
-                "prompt_sharing": job.prompt_sharing,
-                "vllm_config": dict(job.vllm),
-            }
-            if job.max_seq_len is not None:
-                settings["max_seq_len"] = job.max_seq_len
-            if job.engine is not None:
-                settings["engine"] = job.engine
-            spec["inference_config"] = settings
+        key = "training_config" if isinstance(job, TrainingJob) else "inference_config"
+        spec[key] = {k: v for k, v in job.settings().items() if v is not None}
         return spec
 
     # -- YAML -------------------------------------------------------------------------------

@@ -49,6 +49,7 @@ def create_arctic_rl_client(
     *,
     blocking_calls: Literal[False] = False,
     arctic_rl_server_state: Any = None,
+    http_transport: Any = None,
 ) -> ArcticRLClient: ...
 
 
@@ -59,6 +60,7 @@ def create_arctic_rl_client(
     *,
     blocking_calls: Literal[True],
     arctic_rl_server_state: Any = None,
+    http_transport: Any = None,
 ) -> SyncArcticRLClient: ...
 
 
@@ -68,12 +70,15 @@ def create_arctic_rl_client(
     *,
     blocking_calls: bool = False,
     arctic_rl_server_state: Any = None,
+    http_transport: Any = None,
 ) -> ArcticRLClient | SyncArcticRLClient:
     """Create the configured jobs (or attach to ``*_job_id``) and return a client for them.
 
     ``config`` is a config object, a dict, or the path of a YAML file. ``server_state`` is what
     another client's ``get_server_state()`` returned, for reconnecting (``arctic_rl_server_state``
     is its older name). ``blocking_calls=True`` returns a :class:`SyncArcticRLClient`.
+    ``http_transport`` is an ``httpx.BaseTransport`` for the ``http`` and ``cortex`` backends to
+    send through (fault injection in tests, proxies).
     """
     if arctic_rl_server_state is not None:
         if server_state is not None and server_state is not arctic_rl_server_state:
@@ -81,7 +86,7 @@ def create_arctic_rl_client(
         server_state = arctic_rl_server_state
     resolved = apply_env_override(load_config(config))
     cls = SyncArcticRLClient if blocking_calls else ArcticRLClient
-    return cls(resolved, server_state)
+    return cls(resolved, server_state, http_transport=http_transport)
 
 
 def apply_env_override(config: ArcticRLClientConfig) -> ArcticRLClientConfig:

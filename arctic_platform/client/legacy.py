@@ -23,6 +23,11 @@ The rules, so a user can predict the result:
   inference, CUDA IPC weight sync, ...) are accepted and recorded in ``ignored_settings``, so a
   user can see what had no effect. Nested values given explicitly always win over folded ones.
 * A secret (``pat``) is refused: the config names the environment variable instead.
+* Every flat field a caller set is kept as given (``legacy_fields``) and reads back as an attribute
+  of the config (``config.comm_protocol``), because callers read their own fields after building
+  the client (SkyRL decides whether to ship ``get_server_state()`` from ``comm_protocol``).
+  ``attn_implementation`` (in ``ds_worker_config`` or ``training_config``) is a real training
+  setting and becomes ``training.attn_implementation``.
 """
 
 from __future__ import annotations
@@ -111,6 +116,11 @@ def fold_legacy(data: Mapping) -> dict[str, Any]:
     """``data`` with every legacy field folded into the nested form (see module doc)."""
     out = dict(data)
     flat = {k: out.pop(k) for k in list(out) if k in LEGACY_FIELDS}
+    given = dict(flat)
+    if isinstance(out.get("backend"), str):
+        given["backend"] = out["backend"]
+    if given:
+        out["legacy_fields"] = {**dict(out.get("legacy_fields") or {}), **given}
     _lift_reference_sections(out, flat)
     backend = out.get("backend")
     old_backend_form = isinstance(backend, str) or (
@@ -265,8 +275,8 @@ class _Folder:
             self.out["model"] = model_name
         training = self._section("training")
         self._ds_config(training)
+        self._worker_config(training)  # before training_config: the worker's settings win
         self._trainer_dict(training)
-        self._worker_config(training)
         if "checkpoint_path" in self.flat:
             self._put(
                 training, "checkpoint_dir", self.flat.pop("checkpoint_path"), "checkpoint_path"
@@ -389,6 +399,7 @@ class _Folder:
             "max_length": "max_seq_len",
             "dtype": "dtype",
             "gradient_checkpointing": "gradient_checkpointing",
+            "attn_implementation": "attn_implementation",
         }
         for old, new in renames.items():
             if old in config:
@@ -410,6 +421,11 @@ class _Folder:
                 "gradient_checkpointing",
                 value,
                 "ds_worker_config.enable_gradient_checkpointing",
+            )
+        if "attn_implementation" in worker:
+            value = worker.pop("attn_implementation")
+            self._put(
+                training, "attn_implementation", value, "ds_worker_config.attn_implementation"
             )
         if "max_token_len" in worker:
             value = worker.pop("max_token_len")

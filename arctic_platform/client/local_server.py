@@ -3,12 +3,19 @@
 Used by the ``http`` backend's ``launch_local_server`` and by ``arctic-platform train --backend
 http|cortex`` without ``--url``. The child runs with this Python and inherits stdout/stderr, so
 its log is visible; if it dies before answering ``/health`` the error carries its exit code.
+
+The launched server never outlives its launcher: it is stopped at interpreter exit (``atexit``,
+for drivers that never call ``shutdown()``), and it stops itself when this process dies, even by
+SIGKILL (``serve --parent-pid``, :mod:`arctic_platform.server.parent_watch`). Healthy means *our*
+server answers: the child gets a fresh instance id and ``/health`` must report it, so another
+process answering on the port is refused rather than trusted.
 """
 
 from __future__ import annotations
 
-import contextlib
+import atexit
 import logging
+import os
 import socket
 import subprocess
 import sys
@@ -18,6 +25,7 @@ from pathlib import Path
 import httpx
 
 from arctic_platform.client.errors import BackendUnavailableError, RequestTimeoutError
+from arctic_platform.server_identity import identity_problem, new_instance_id
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +51,7 @@ class LocalServer:
         self.token_env = token_env
         self.startup_timeout = startup_timeout
         self.extra_args = extra_args
+        self.instance = new_instance_id()
         self._process: subprocess.Popen | None = None
 
     @property
@@ -67,25 +76,37 @@ class LocalServer:
             self.device,
             "--log-level",
             "warning",
+            "--instance-id",
+            self.instance,
+            "--parent-pid",
+            str(os.getpid()),
             *self.extra_args,
         ]
         if self.token_env is not None:
             command += ["--token-env", self.token_env]
         log.info("launching a local server: %s", " ".join(command[3:]))
         self._process = subprocess.Popen(command)
+        atexit.register(self.stop)
         deadline = time.monotonic() + self.startup_timeout
         with httpx.Client(timeout=3.0) as probe:
             while True:
                 code = self._process.poll()
                 if code is not None:
                     self._process = None
+                    atexit.unregister(self.stop)
                     raise BackendUnavailableError(
                         f"the local server exited with code {code} before becoming healthy "
                         "(its log is above)"
                     )
-                with contextlib.suppress(httpx.HTTPError):
-                    if probe.get(f"{self.url}/health").status_code == 200:
-                        return self.url
+                problem = self._health_problem(probe)
+                if problem == "":
+                    return self.url
+                if problem is not None:
+                    self.stop()
+                    raise BackendUnavailableError(
+                        f"another process answers on {self.url}: {problem}; stop it or "
+                        "launch on another port (port: 0 picks a free one)"
+                    )
                 if time.monotonic() > deadline:
                     self.stop()
                     raise RequestTimeoutError(
@@ -98,11 +119,24 @@ class LocalServer:
         """The server process's id while it runs (for tools that watch its resources)."""
         return None if self._process is None else self._process.pid
 
+    def _health_problem(self, probe: httpx.Client) -> str | None:
+        """``""`` when our server answers ``/health``, why not when something else does, None
+        when nothing answers yet."""
+        try:
+            answer = probe.get(f"{self.url}/health")
+            if answer.status_code != 200:
+                return None
+            body = answer.json()
+        except (httpx.HTTPError, ValueError):
+            return None
+        return identity_problem(body, instance=self.instance) or ""
+
     def stop(self) -> None:
         """SIGTERM (the server finishes in-flight ops), then SIGKILL after 30 s."""
         process, self._process = self._process, None
         if process is None:
             return
+        atexit.unregister(self.stop)
         process.terminate()
         try:
             process.wait(timeout=30)

@@ -20,6 +20,7 @@ from typing import Any
 
 from arctic_platform.client.errors import JobNotConfiguredError
 from arctic_platform.contract.ops import CLIENT_OPS, ROLES, Role
+from arctic_platform.contract.ops import OPS as CONTRACT_OPS
 
 # The canonical op names (the reference client's ``OPS``), from the op table.
 OPS = CLIENT_OPS
@@ -32,19 +33,23 @@ class Request:
     """One op for one sub-job.
 
     ``body`` is the op's body as the server validates it (a dict; ``wake-inference`` also takes a
-    tag list or None). ``binary`` says the body carries tensors and travels as a DSSST1 frame;
-    ``frame_metadata`` is the op metadata that frame carries (response options).
+    tag list or None). ``binary`` says the body carries tensors and travels as a DSSST1 frame
+    (by default: what the op table says of the op); ``frame_metadata`` is the op metadata that
+    frame carries (response options).
     """
 
     op: str
     job_id: str
     body: Any = field(default_factory=dict)
-    binary: bool = False
+    binary: bool | None = None
     frame_metadata: dict | None = None
 
     def __post_init__(self) -> None:
         if self.op not in OPS:
             raise ValueError(f"op: unknown op {self.op!r}; known: {sorted(OPS)}")
+        if self.binary is None:
+            spec = CONTRACT_OPS.get(self.op)
+            object.__setattr__(self, "binary", spec is not None and spec.binary_request)
 
 
 @dataclass

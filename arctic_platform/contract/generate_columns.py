@@ -18,6 +18,7 @@ The columns (``N`` samples, ``T`` tokens in all)::
     token_ids      int32 [T]     token_offsets  int64 [N+1]   sample i is token_ids[o[i]:o[i+1]]
     text           uint8 [B]     text_offsets   int64 [N+1]   UTF-8 bytes of each text
     logprob        float32 [T]   has_logprobs   bool [N]      the sampled token's logprob
+    logprob_rank   int32 [T]     (when sent) the sampled token's rank, 0 where an entry has none
     top_k          int32 [N]     top_ids int32 [K], top_logprobs float32 [K]: k alternatives
                                                               per token of sample i, in order
     prompt_len, prompt_index, sample_index   int64 [N]
@@ -162,6 +163,7 @@ def _pack_logprobs(results, ids, lengths, extra) -> dict[str, Any]:
     top_k = np.zeros(count, np.int32)
     offsets = _offsets(lengths)
     logprob = np.full(int(lengths.sum()), np.nan, np.float32)
+    rank = np.zeros(int(lengths.sum()), np.int32)  # 0: the entry carries no rank
     tops: list[np.ndarray] = []
     for i, r in enumerate(results):
         entries = r.get("logprobs")
@@ -173,37 +175,53 @@ def _pack_logprobs(results, ids, lengths, extra) -> dict[str, Any]:
         if found is None:
             extra[i]["logprobs"] = entries
             continue
-        values, top = found
+        values, top, ranks = found
         has[i], top_k[i] = True, top.shape[1]
         logprob[offsets[i] : offsets[i + 1]] = values
+        if ranks is not None:
+            rank[offsets[i] : offsets[i + 1]] = ranks
         tops.append(top.reshape(-1, 2))
     if not has.any():
         return {}
     top = np.concatenate(tops) if tops else np.zeros((0, 2))
-    return {
+    columns = {
         "logprob": logprob,
         "has_logprobs": has,
         "top_k": top_k,
         "top_ids": top[:, 0].astype(np.int32),
         "top_logprobs": top[:, 1].astype(np.float32),
     }
+    if rank.any():
+        columns["logprob_rank"] = rank
+    return columns
 
 
-def _logprob_arrays(entries: Any, ids: list[int]) -> tuple[np.ndarray, np.ndarray] | None:
-    """``(logprobs [n], alternatives [n, k, 2])`` when ``entries`` are exactly the logprob
-    entries of ``ids`` (``{token_id, logprob, top}``, ``k`` ``[id, logprob]`` pairs each, float32
-    values); None when the columns could not reproduce them exactly.
+def _logprob_arrays(
+    entries: Any, ids: list[int]
+) -> tuple[np.ndarray, np.ndarray, list[int] | None] | None:
+    """``(logprobs [n], alternatives [n, k, 2], ranks or None)`` when ``entries`` are exactly the
+    logprob entries of ``ids`` (``{token_id, logprob, top}`` or ``{token_id, logprob, rank,
+    top}`` with a positive int ``rank``, ``k`` ``[id, logprob]`` pairs each, float32 values); None
+    when the columns could not reproduce them exactly.
 
     The checks run as C-level ``map``/``set`` passes: a rollout has millions of entries."""
     if type(entries) is not list or len(entries) != len(ids):
         return None
-    if not set(map(type, entries)) <= {dict} or not set(map(len, entries)) <= {3}:
+    sizes = set(map(len, entries)) if set(map(type, entries)) <= {dict} else {0}
+    if sizes not in ({3}, {4}, set()):
         return None
     try:
         tokens = [e["token_id"] for e in entries]
         values = [e["logprob"] for e in entries]
         tops = [e["top"] for e in entries]
+        ranks = [e["rank"] for e in entries] if sizes == {4} else None
     except KeyError:
+        return None
+    if ranks is not None and (
+        not set(map(type, ranks)) <= {int}
+        or min(ranks, default=1) < 1
+        or max(ranks, default=1) > _INT32.max
+    ):
         return None
     if tokens != ids or not set(map(type, values)) <= {float}:
         return None
@@ -225,7 +243,7 @@ def _logprob_arrays(entries: Any, ids: list[int]) -> tuple[np.ndarray, np.ndarra
         return None
     if not (_exact_float32(value_array) and _exact_float32(top[..., 1])):
         return None
-    return value_array, top
+    return value_array, top, ranks
 
 
 def _exact_float32(values: np.ndarray) -> bool:
@@ -318,23 +336,26 @@ def _unpack_logprobs(columns: Mapping, out: list[dict], ids: list[int], bounds: 
     if len(top_ids) != len(top_values):
         raise ValueError(f"{COLUMNS_KEY}.top_ids: {len(top_ids)} ids for {len(top_values)} values")
     values = logprob.tolist()
+    ranks = _array(columns, "logprob_rank", 1).tolist() if "logprob_rank" in columns else None
+    if ranks is not None and len(ranks) != len(ids):
+        raise ValueError(f"{COLUMNS_KEY}.logprob_rank: does not match the token columns")
+
+    def entry(t: int, top: list) -> dict:
+        if ranks is None or not ranks[t]:
+            return {"token_id": ids[t], "logprob": values[t], "top": top}
+        return {"token_id": ids[t], "logprob": values[t], "rank": ranks[t], "top": top}
+
     cursor = 0
     for i in np.flatnonzero(has).tolist():
         start, stop = bounds[i], bounds[i + 1]
         k = int(top_k[i])
         if cursor + (stop - start) * k > len(top_ids):
             raise ValueError(f"{COLUMNS_KEY}.top_ids: fewer alternatives than top_k asks for")
-        if k == 0:
-            out[i]["logprobs"] = [
-                {"token_id": token, "logprob": value, "top": []}
-                for token, value in zip(ids[start:stop], values[start:stop], strict=True)
-            ]
-            continue
         entries = []
         for t in range(start, stop):
             top = [[top_ids[j], top_values[j]] for j in range(cursor, cursor + k)]
             cursor += k
-            entries.append({"token_id": ids[t], "logprob": values[t], "top": top})
+            entries.append(entry(t, top))
         out[i]["logprobs"] = entries
 
 

@@ -82,8 +82,7 @@ def builtin_model_path(name: str) -> str:
     size = name[len(BUILTIN_PREFIX) :] if is_builtin(name) else name
     spec = BUILTIN_MODELS.get(size)
     if spec is None:
-        known = ", ".join(BUILTIN_PREFIX + k for k in BUILTIN_MODELS)
-        raise ValueError(f"unknown built-in model {name!r}; known: {known}")
+        raise ValueError(f"unknown built-in model {name!r}; known: {_known()}")
     key = hashlib.sha256(
         json.dumps({"spec": asdict(spec), "v": _BUILDER_VERSION}, sort_keys=True).encode()
     ).hexdigest()[:16]
@@ -155,3 +154,23 @@ def _write_model(spec: BuiltinSpec, directory: Path) -> None:
     )
     model.save_pretrained(directory, safe_serialization=True)
     tokenizer.save_pretrained(directory)
+
+
+def export_builtin_model(name: str, destination: str | os.PathLike) -> Path:
+    """Copy built-in model ``name`` into ``destination`` (a new folder) as a plain HF model.
+
+    Frameworks that load the model themselves (verl's trainer reads the tokenizer and config from
+    ``actor_rollout_ref.model.path``) need a real folder, not a ``builtin:`` name.
+    """
+    if not is_builtin(name):
+        raise ValueError(f"{name!r}: only builtin: models need exporting; known: {_known()}")
+    target = Path(destination)
+    if target.exists() and any(target.iterdir()):
+        raise ValueError(f"{target}: exists and is not empty; choose a new folder")
+    target.mkdir(parents=True, exist_ok=True)
+    shutil.copytree(builtin_model_path(name), target, dirs_exist_ok=True)
+    return target
+
+
+def _known() -> str:
+    return ", ".join(BUILTIN_PREFIX + k for k in BUILTIN_MODELS)

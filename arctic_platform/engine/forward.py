@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from arctic_platform.contract.results import loss_fields
 from arctic_platform.engine import cancellation
 from arctic_platform.engine.batching import Batch, MicroBatch, validate_batch
 from arctic_platform.engine.config import PromptSharing, TrainingEngineConfig
@@ -231,7 +232,7 @@ def forward_no_grad(
         model.train(was_training)
     response: dict = {**result, "metrics": sums.finalize()}
     if request.loss is not None:
-        response["avg_loss"] = response["loss"] = response["metrics"].get("loss", 0.0)
+        response.update(loss_fields(response["metrics"]))
         response["metric_sums"] = sums.raw()
     return response
 

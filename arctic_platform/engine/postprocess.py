@@ -2,10 +2,11 @@
 
 Clients name them in ``processing.post`` (verl sends ``["apply_temperature",
 "compute_entropy_and_logprobs"]`` for updates and ``["compute_entropy_and_logprobs"]`` for
-log-probs). They run in the order given on a :class:`ScoringState` that holds the logits in the
-model's layout; :mod:`arctic_platform.engine.forward` maps the results back to the batch's
-position-indexed ``[B, S]`` layout. If no step produced log-probs, they are computed at the end,
-because every loss and every ``forward`` needs them.
+log-probs; the Cortex ``grpo`` contract sends ``["compute_logprobs"]``). They run in the order
+given on a :class:`ScoringState` that holds the logits in the model's layout;
+:mod:`arctic_platform.engine.forward` maps the results back to the batch's position-indexed
+``[B, S]`` layout. If no step produced log-probs, they are computed at the end, because every loss
+and every ``forward`` needs them.
 
 When ``processing.post`` is absent the default is :data:`DEFAULT_POST` (temperature, then
 log-probs), so ``forward`` and ``forward_backward`` score tokens the same way unless a client says
@@ -75,6 +76,11 @@ def compute_entropy_and_logprobs(state: ScoringState) -> None:
         state.logprobs, state.entropy = token_logprobs_and_entropy(state.logits, state.targets)
     else:
         state.logprobs = token_logprobs(state.logits, state.targets)
+
+
+# The Cortex contract's name for the same step: log-probs of the logits as they are (no
+# temperature unless a step before it applied one).
+register_post_processor("compute_logprobs")(compute_entropy_and_logprobs)
 
 
 DEFAULT_POST: tuple[str, ...] = ("apply_temperature", "compute_entropy_and_logprobs")

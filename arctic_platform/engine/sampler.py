@@ -194,6 +194,11 @@ class SamplingEngine:
         logprob_k = max((s.request.params.logprobs or 0) for s in wave)
         wants_logprobs = any(s.request.params.logprobs is not None for s in wave)
         lp_out = torch.zeros(rows_total, max_new, device=device) if wants_logprobs else None
+        rank_out = (
+            torch.zeros(rows_total, max_new, dtype=torch.long, device=device)
+            if wants_logprobs
+            else None
+        )
         top_out = (
             (
                 torch.zeros(rows_total, max_new, logprob_k, dtype=torch.long, device=device),
@@ -222,7 +227,9 @@ class SamplingEngine:
             tokens_out[slot, step] = tokens
             if lp_out is not None:
                 log_probs = torch.log_softmax(scaled, dim=-1)
-                lp_out[slot, step] = log_probs.gather(1, tokens[:, None]).squeeze(1)
+                chosen = log_probs.gather(1, tokens[:, None])
+                lp_out[slot, step] = chosen.squeeze(1)
+                rank_out[slot, step] = (log_probs > chosen).sum(1) + 1  # vLLM's 1-based rank
                 if top_out is not None:
                     values, ids = log_probs.topk(logprob_k, dim=-1)
                     top_out[0][slot, step] = ids
@@ -259,7 +266,9 @@ class SamplingEngine:
             )
             logits = out.logits[:, -1].float()
             state["position"] += 1
-        yield from self._outputs(wave, tokens_out, n_out, reason, lp_out, top_out, watcher.matched)
+        yield from self._outputs(
+            wave, tokens_out, n_out, reason, (lp_out, rank_out), top_out, watcher.matched
+        )
 
     def _row_state(self, wave: list[_Slice], counts: torch.Tensor, device) -> dict:
         """Per-row tensors (one row per sequence), compacted together as sequences finish."""
@@ -342,9 +351,9 @@ class SamplingEngine:
         mask = torch.zeros(len(stop_ids), self.vocab_size + 1, dtype=torch.bool, device=self.device)
         return mask.scatter_(1, index, True)[:, : self.vocab_size]
 
-    def _outputs(self, wave, tokens_out, n_out, reason, lp_out, top_out, matched):
+    def _outputs(self, wave, tokens_out, n_out, reason, sampled, top_out, matched):
         tokens_out, n_out, reason = tokens_out.cpu(), n_out.tolist(), reason.tolist()
-        lp_out = lp_out.cpu() if lp_out is not None else None
+        lp_out, rank_out = (t.cpu() if t is not None else None for t in sampled)
         top_ids, top_lp = (top_out[0].cpu(), top_out[1].cpu()) if top_out is not None else (0, 0)
         slot = 0
         for piece in wave:
@@ -368,6 +377,7 @@ class SamplingEngine:
                         {
                             "token_id": ids[t],
                             "logprob": float(lp_out[slot, t]),
+                            "rank": int(rank_out[slot, t]),
                             "top": [
                                 [int(i), float(v)]
                                 for i, v in zip(

@@ -20,7 +20,6 @@ import torch
 from torch.optim.lr_scheduler import LambdaLR
 
 from arctic_platform.engine.config import SchedulerConfig
-from arctic_platform.engine.errors import EngineInputError
 
 
 def lr_factor(config: SchedulerConfig, step: int) -> float:
@@ -41,6 +40,4 @@ def lr_factor(config: SchedulerConfig, step: int) -> float:
 
 def build_scheduler(optimizer: torch.optim.Optimizer, config: SchedulerConfig) -> LambdaLR:
     """A ``LambdaLR`` applying :func:`lr_factor`; decaying schedules need ``total_steps``."""
-    if config.name != "constant" and config.total_steps is None:
-        raise EngineInputError("scheduler.total_steps", f"required by the {config.name} schedule")
     return LambdaLR(optimizer, lambda step: lr_factor(config, step))

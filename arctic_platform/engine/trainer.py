@@ -30,6 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from arctic_platform.contract.results import loss_fields
 from arctic_platform.engine import checkpoint as ckpt
 from arctic_platform.engine.config import TrainingEngineConfig
 from arctic_platform.engine.errors import EngineInputError
@@ -285,8 +286,7 @@ class TrainingEngine:
     def _backward_answer(sums: MetricSums) -> dict:
         """What ``forward_backward`` returns for the microbatches ``sums`` holds."""
         metrics = sums.finalize()
-        loss = metrics.get("loss", 0.0)
-        return {"avg_loss": loss, "loss": loss, "metrics": metrics, "metric_sums": sums.raw()}
+        return {**loss_fields(metrics), "metrics": metrics, "metric_sums": sums.raw()}
 
     def _grad_norm(self) -> torch.Tensor:
         """The total 2-norm of the accumulated gradients (0 without any)."""

@@ -21,6 +21,7 @@ from arctic_platform.server.http_common import owner_of, service_error_response
 from arctic_platform.server.service import Service
 from arctic_platform.server.tinker import routes as tinker_routes
 from arctic_platform.server.tinker.operations import TinkerOps
+from arctic_platform.server_identity import new_instance_id
 
 DEFAULT_MAX_BODY_BYTES = 256 * 1024 * 1024
 
@@ -31,9 +32,11 @@ def create_app(
     auth: TokenAuth | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     close_service_on_shutdown: bool = True,
+    instance: str | None = None,
 ) -> FastAPI:
     """An app serving ``service`` with the on-prem (ops and ``/jobs``), Cortex-compatible and
-    Tinker routers."""
+    Tinker routers. ``instance`` is the id ``/health`` reports (a fresh one by default).
+    """
     tinker = TinkerOps(service)
 
     @asynccontextmanager
@@ -47,6 +50,7 @@ def create_app(
     app.state.service = service
     app.state.auth = auth or TokenAuth([])
     app.state.max_body_bytes = max_body_bytes
+    app.state.instance = instance or new_instance_id()
     app.state.tinker = tinker
     app.add_exception_handler(ServiceError, service_error_response)
     app.add_exception_handler(RequestValidationError, _validation_error)

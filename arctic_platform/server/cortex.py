@@ -9,6 +9,7 @@ group (see :mod:`arctic_platform.server.async_requests`).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 import json
@@ -34,6 +35,7 @@ from arctic_platform.server.http_common import (
     read_body,
 )
 from arctic_platform.server.op_bodies import parse
+from arctic_platform.server.reference_logprobs import as_reference_logprobs
 
 PREFIX = "/api/v2/databases/{database}/schemas/{schema}/{endpoint}"
 EXPORT_TTL_S = 900
@@ -179,6 +181,8 @@ async def _chunked_octet_op(request: Request, job_id: str, op: str) -> dict:
 
 def _submit(service, job_id: str, op: str, body: Any, owner: str | None, *, reshape=None) -> str:
     sub, op, body = service.dispatch(job_id, op, body, owner=owner)
+    if op == "generate" and reshape is None:  # the reference form: vLLM-shaped log-probs
+        reshape = functools.partial(as_reference_logprobs, model_name=sub.spec.model_name)
     return _queue(service, job_id, sub, op, body, reshape=reshape)
 
 

@@ -10,12 +10,14 @@ everything else as JSON.
 from __future__ import annotations
 
 import asyncio
+import functools
 from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.concurrency import run_in_threadpool
 
 from arctic_platform.contract.generate_columns import as_columns, wants_columns
+from arctic_platform.contract.job_config import SHORT_JOB_TYPE
 from arctic_platform.contract.ops import BINARY_RESULTS, ONPREM_OPS
 from arctic_platform.server.errors import BadRequest, NotFound
 from arctic_platform.server.http_common import (
@@ -25,20 +27,27 @@ from arctic_platform.server.http_common import (
     read_body,
     read_op_body,
 )
+from arctic_platform.server.reference_logprobs import as_reference_logprobs
+from arctic_platform.server_identity import health_answer
 
 router = APIRouter()
-# Fields of the reference server's JobConfig that have no meaning here; accepted and ignored.
-REFERENCE_INIT_FIELDS = {
-    "num_devices",
-    "ds_config",
-    "log_prob_config",
-    "ds_worker_config",
-    "arctic_inference_config",
-    "full_determinism",
-    "checkpoint_path",
-    "cuda_ipc",
-    "low_memory",
-}
+# Fields of the reference server's JobConfig (the form the reference client's /initialize sends).
+# A body with any of them is read the way the client reads the same legacy fields
+# (:mod:`arctic_platform.client.legacy`): optimizer, clipping, scheduler, token budget and
+# attention are honoured; what has no meaning here is reported back as ``ignored_settings``.
+REFERENCE_INIT_FIELDS = frozenset(
+    {
+        "num_devices",
+        "ds_config",
+        "log_prob_config",
+        "ds_worker_config",
+        "arctic_inference_config",
+        "full_determinism",
+        "checkpoint_path",
+        "cuda_ipc",
+        "low_memory",
+    }
+)
 STARTUP_TIMEOUT_S = 1800.0
 
 
@@ -47,15 +56,18 @@ def _service(request: Request):
 
 
 @router.get("/health")
-async def health() -> dict:
-    return {"status": "OK"}
+async def health(request: Request) -> dict:
+    """Liveness plus identity (:mod:`arctic_platform.server_identity`), so a launcher knows
+    the process answering is the server it started."""
+    return health_answer(request.app.state.instance)
 
 
 @router.get("/status")
 async def status(request: Request) -> dict:
     jobs = _service(request).list_jobs(owner=owner_of(request))
     subs = {s["sub_job_id"]: _onprem_info(j, s) for j in jobs for s in j["sub_jobs"]}
-    return {"device": request.app.state.service.settings.device, "jobs": subs}
+    service = _service(request)
+    return {"device": service.settings.device, "jobs": subs, "running_ops": service.running_ops}
 
 
 @router.post("/initialize")
@@ -63,14 +75,17 @@ async def initialize(request: Request) -> dict:
     """Create a job with one sub-job and wait until its engine is ready (as the reference does)."""
     owner = owner_of(request)
     body = decode_json(await read_body(request), what="initialize")
-    spec = _sub_job_from_init(body)
+    spec, ignored = _sub_job_from_init(body)
     service = _service(request)
     info = await run_in_threadpool(service.create_job, {"sub_job_configs": [spec]}, owner=owner)
     await run_in_threadpool(
         service.wait_until_running, info["job_id"], owner=owner, timeout=STARTUP_TIMEOUT_S
     )
     sub = info["sub_jobs"][0]
-    return {"job_id": sub["sub_job_id"], "job_type": spec["job_type"], "running": True}
+    answer = {"job_id": sub["sub_job_id"], "job_type": spec["job_type"], "running": True}
+    if ignored:
+        answer["ignored_settings"] = ignored
+    return answer
 
 
 @router.get("/job/{job_id}")
@@ -107,8 +122,13 @@ async def run_op(
     if sub is None:
         return service.inline_operation(job_id, op, body, owner=owner)
     result = await asyncio.wrap_future(service.submit(sub, op, body))
-    if op == "generate" and wants_columns(frame_metadata):
-        result = await run_in_threadpool(as_columns, result)
+    if op == "generate":  # columns when asked for, else the reference form (vLLM log-probs)
+        reshape = (
+            as_columns
+            if wants_columns(frame_metadata)
+            else functools.partial(as_reference_logprobs, model_name=sub.spec.model_name)
+        )
+        result = await run_in_threadpool(reshape, result)
     return frame_response(result) if op in BINARY_RESULTS else result
 
 
@@ -116,22 +136,56 @@ def _onprem_info(job: dict, sub: dict) -> dict:
     return {
         "job_id": sub["sub_job_id"],
         "parent_job_id": job["job_id"],
-        "job_type": "log_prob" if sub["job_type"] == "log_probability" else sub["job_type"],
+        "job_type": SHORT_JOB_TYPE[sub["job_type"]],
         "model_name": sub["model_name"],
         "status": job["status"].upper(),
         "reason": job["reason"],
     }
 
 
-def _sub_job_from_init(body: Any) -> dict:
-    """The reference ``JobConfig`` (or our sub-job config) as a sub-job config."""
+def _sub_job_from_init(body: Any) -> tuple[dict, dict]:
+    """The reference ``JobConfig`` (or our sub-job config) as ``(sub-job config, ignored)``."""
     if not isinstance(body, dict):
         raise BadRequest("initialize: body must be a JSON object")
-    spec = {k: v for k, v in body.items() if k not in REFERENCE_INIT_FIELDS}
+    if REFERENCE_INIT_FIELDS & set(body):
+        return _fold_reference_job(body)
+    spec = dict(body)
     spec.setdefault("job_type", "training")
     vllm = spec.pop("vllm_config", None)
     if vllm is not None:
         if spec["job_type"] == "training":
             raise BadRequest("initialize: vllm_config applies to sampling and log_prob jobs")
         spec.setdefault("inference_config", {})["vllm_config"] = vllm
-    return spec
+    return spec, {}
+
+
+def _fold_reference_job(body: dict) -> tuple[dict, dict]:
+    """A reference ``JobConfig`` through the client's legacy folding (see REFERENCE_INIT_FIELDS)."""
+    from pydantic import ValidationError
+
+    from arctic_platform.client.config import ArcticRLClientConfig
+    from arctic_platform.server.job_config import SHORT_JOB_TYPE
+    from arctic_platform.server.op_bodies import describe
+
+    job_type = body.get("job_type", "training")
+    role = SHORT_JOB_TYPE.get(job_type) if isinstance(job_type, str) else None
+    if role is None:
+        raise BadRequest(f"initialize: job_type: unknown {job_type!r}")
+    devices = body.get("num_devices") or 1
+    flat = {f"{r}_gpus": devices if r == role else 0 for r in ("training", "sampling", "log_prob")}
+    ignored: dict[str, Any] = {}
+    for key, value in body.items():
+        if key in ("job_type", "num_devices") or value is None:
+            continue
+        # log_prob_config: a DeepSpeed log-prob job's; checkpoint_path: saves go where each save
+        # call says (or to the server's default folder).
+        if key in ("log_prob_config", "checkpoint_path"):
+            ignored[key] = value
+        else:
+            flat[key] = value
+    try:
+        config = ArcticRLClientConfig.model_validate(flat)
+    except ValidationError as exc:
+        raise BadRequest(f"initialize: {describe(exc)}") from None
+    (spec,) = config.sub_job_configs()
+    return spec, {**config.ignored_settings, **ignored}

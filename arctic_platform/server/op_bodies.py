@@ -56,7 +56,10 @@ def train_envelope(body: Any, *, op: str) -> tuple[Mapping, dict, dict, bool]:
     """``(batch, meta, processing, reference_model)`` of a forward-backward/forward body.
 
     Accepts the on-prem/verl form ``{batch, meta, processing, router_replay?}`` and the SnowAPI
-    form ``{args: (), kwargs: {...tensors}, context?/meta?, processing?}``.
+    form ``{args: (), kwargs: {...tensors}, context?, meta?, processing?}``, whose ``context``
+    (per-token loss inputs and scalars) is mapped into the batch and meta
+    (:mod:`arctic_platform.server.cortex_context`). The processing names (post-processors, loss)
+    are checked here, so an unknown one is refused when the request is submitted.
     """
     if not isinstance(body, Mapping):
         raise BadRequest(f"{op}: body must be an object, got {type(body).__name__}")
@@ -77,12 +80,36 @@ def train_envelope(body: Any, *, op: str) -> tuple[Mapping, dict, dict, bool]:
         raise BadRequest(f"{op}: router_replay: MoE router replay is not supported by this server")
     if not isinstance(batch, Mapping) or not batch:
         raise BadRequest(f"{op}: batch must be a non-empty mapping of tensors")
-    meta = body.get("meta", body.get("context")) or {}
+    meta = body.get("meta") or {}
+    context = body.get("context") or {}
     processing = body.get("processing") or {}
-    for name, value in (("meta", meta), ("processing", processing)):
+    for name, value in (("meta", meta), ("context", context), ("processing", processing)):
         if not isinstance(value, Mapping):
             raise BadRequest(f"{op}: {name} must be an object")
+    if context:
+        from arctic_platform.server.cortex_context import context_into_batch
+
+        batch, scalars = context_into_batch(batch, context, op=op)
+        clash = sorted(k for k in scalars if k in meta and meta[k] != scalars[k])
+        if clash:
+            raise BadRequest(f"{op}: {clash[0]} differs between meta and context")
+        meta = {**meta, **scalars}
     reference = body.get("reference_model", False)
     if not isinstance(reference, bool):
         raise BadRequest(f"{op}: reference_model must be a boolean")
+    _check_processing_names(processing, op=op)
     return batch, dict(meta), dict(processing), reference
+
+
+def _check_processing_names(processing: Mapping, *, op: str) -> None:
+    """An unknown post-processor or loss name is a 400 now, not a failed request later."""
+    from arctic_platform.engine.errors import EngineInputError
+    from arctic_platform.engine.losses import get_loss
+    from arctic_platform.engine.meta import parse_processing
+
+    try:
+        parsed = parse_processing(processing, default_loss=None)
+        if parsed.loss_fn is not None:
+            get_loss(parsed.loss_fn)
+    except EngineInputError as exc:
+        raise BadRequest(f"{op}: {exc}", field=exc.field) from None

@@ -1,10 +1,9 @@
 """What each op does on each kind of sub-job, and the response shape it returns.
 
 ``prepare_op`` runs on the caller's thread: it validates the body (a 400 names the field) and
-returns a runner that the sub-job's queue executes. Responses have one shape on every backend
-(DESIGN.md §3): ``forward-backward -> {job_id, avg_loss, loss, metrics}``, ``forward -> {job_id,
-batch: {logprobs[, entropy]}, metrics, avg_loss}``, ``step -> {job_id, global_steps, last_lr,
-grad_norm, metrics}``, ``generate -> {job_id, results}``.
+returns a runner that the sub-job's queue executes. Responses have one shape on every backend,
+built by :mod:`arctic_platform.contract.results` (``generate -> {job_id, results}``, or columns:
+:mod:`arctic_platform.contract.generate_columns`).
 """
 
 from __future__ import annotations
@@ -13,6 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from arctic_platform.contract import ops as contract
+from arctic_platform.contract import results
 from arctic_platform.server.errors import BadRequest, NotFound
 from arctic_platform.server.op_bodies import parse, train_envelope, wake_tags
 
@@ -44,12 +44,7 @@ def _forward_backward(service, sub, engine, job_id, body):
     def run():
         out = engine.forward_backward(batch, meta, processing)
         service.metrics.add_tokens("forward-backward", tokens)
-        return {
-            "job_id": job_id,
-            "avg_loss": out["avg_loss"],
-            "loss": out["loss"],
-            "metrics": out["metrics"],
-        }
+        return results.fwd_bwd_result(job_id, out)
 
     return run
 
@@ -61,13 +56,7 @@ def _forward(service, sub, engine, job_id, body):
     def run():
         out = engine.forward(batch, meta, processing)
         service.metrics.add_tokens("forward", tokens)
-        tensors = {k: out[k] for k in ("logprobs", "entropy") if k in out}
-        return {
-            "job_id": job_id,
-            "batch": tensors,
-            "metrics": out["metrics"],
-            "avg_loss": out.get("avg_loss", 0.0),
-        }
+        return results.forward_result(job_id, out)
 
     return run
 
@@ -75,14 +64,7 @@ def _forward(service, sub, engine, job_id, body):
 def _step(service, sub, engine, job_id, body):
 
     def run():
-        out = engine.step(body.learning_rate)
-        return {
-            "job_id": job_id,
-            "global_steps": out["global_steps"],
-            "last_lr": out["last_lr"],
-            "grad_norm": out["grad_norm"],
-            "metrics": out["metrics"],
-        }
+        return results.step_result(job_id, engine.step(body.learning_rate))
 
     return run
 
@@ -184,9 +166,9 @@ def _generate(service, sub, engine, job_id, body):
     _check_generate(service, engine, "generate", body)
 
     def run():
-        results = engine.generate(body.prompts, body.sampling_params)
-        service.metrics.add_tokens("generate", sum(len(r["token_ids"]) for r in results))
-        return {"job_id": job_id, "results": results}
+        samples = engine.generate(body.prompts, body.sampling_params)
+        service.metrics.add_tokens("generate", sum(len(r["token_ids"]) for r in samples))
+        return {"job_id": job_id, "results": samples}
 
     return run
 
@@ -206,8 +188,8 @@ def _log_probs(service, sub, engine, job_id, body):
     service.limits.check_rows("log-probs", len(body.prompts))
 
     def run():
-        results = engine.log_probs(body.prompts, body.completions, body.top_k)
-        return {"job_id": job_id, "results": results}
+        scored = engine.log_probs(body.prompts, body.completions, body.top_k)
+        return {"job_id": job_id, "results": scored}
 
     return run
 

@@ -1,24 +1,31 @@
 """Attach to a Ray cluster, or start one, from an ``address`` setting: ``auto``, ``local`` or an
 address.
 
-* ``auto``: the cluster this process already belongs to, else the one ``RAY_ADDRESS`` or a local
-  ``ray start --head`` points at, else a new single-machine cluster.
+* ``auto``: the cluster this process already belongs to (inside a Ray task or actor, or after the
+  application's own ``ray.init``), else the one ``RAY_ADDRESS`` names, else a new single-machine
+  cluster private to this process. A cluster that merely happens to run on the same machine (a
+  ``ray start --head`` someone left behind) is *not* joined: attaching is something the config or
+  ``RAY_ADDRESS`` says.
 * ``local``: always a new single-machine cluster, private to this process.
 * ``<host>:<port>`` (the GCS address ``ray start --head`` prints) or ``ray://<host>:<port>`` (Ray
   Client): that cluster.
 
-``ray.init`` retries an address nobody answers on for minutes, so a named address (or the one
-``auto`` found) is first probed with a plain TCP connect, and a dead one fails at once with an
-error naming the setting. The dashboard is never started (it needs extra packages and a port).
+Which cluster was joined (or started) is logged at INFO. ``ray.init`` retries an address nobody
+answers on for minutes, so a named address (or ``RAY_ADDRESS``) is first probed, and a dead one
+fails at once with an error naming the setting. The dashboard is never started (it needs extra
+packages and a port).
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
+import os
 import socket
 from urllib.parse import urlparse
 
 PROBE_TIMEOUT_S = 5.0
+log = logging.getLogger(__name__)
 
 
 def connect(
@@ -37,22 +44,28 @@ def connect(
     import ray
 
     if ray.is_initialized():
+        log.info("Ray: using the cluster this process already belongs to (%s)", _gcs_address())
         return False
     options = {"include_dashboard": False, "namespace": namespace}
-    if address == "local":
-        ray.init(num_cpus=num_cpus, **options)
+    named = os.environ.get("RAY_ADDRESS", "").strip() if address == "auto" else address
+    if not named or named == "local":
+        # address="local": ray.init() without an address would join any cluster on this machine.
+        ray.init(address="local", num_cpus=num_cpus, **options)
+        log.info("Ray: started a private single-machine cluster at %s", _gcs_address())
         return True
-    if address == "auto":
-        found = _discovered_address(field)
-        if found is None:
-            ray.init(num_cpus=num_cpus, **options)
-            return True
-        _probe(found, field, hint="the cluster RAY_ADDRESS or `ray start` left behind")
-        ray.init(address=found, **options)
-        return True
-    _probe(address, field, hint="start one with `ray start --head`, or use auto or local")
-    ray.init(address=address, **options)
+    source = "RAY_ADDRESS" if address == "auto" else field
+    _probe(named, source, hint="start one with `ray start --head`, or use auto or local")
+    ray.init(address=named, **options)
+    log.info("Ray: joined the cluster at %s (from %s)", named, source)
     return True
+
+
+def _gcs_address() -> str:
+    import ray
+
+    with contextlib.suppress(Exception):  # Ray Client sessions have no GCS address to show
+        return ray.get_runtime_context().gcs_address
+    return "unknown address"
 
 
 def free_port() -> int:
@@ -60,16 +73,6 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("", 0))
         return sock.getsockname()[1]
-
-
-def _discovered_address(field: str) -> str | None:
-    """The address ``auto`` resolves to (RAY_ADDRESS, then the latest local cluster), or None."""
-    from ray._private.services import canonicalize_bootstrap_address
-
-    try:
-        return canonicalize_bootstrap_address("auto")
-    except (ValueError, ConnectionError) as exc:
-        raise ValueError(f"{field}: auto could not resolve a Ray cluster address: {exc}") from None
 
 
 def _probe(address: str, field: str, *, hint: str) -> None:

@@ -37,6 +37,7 @@ from typing import Any
 
 import numpy as np
 
+from arctic_platform.contract.results import FORWARD_OUTPUTS, loss_fields
 from arctic_platform.server.dp_split import merge_rows, split_by_tokens, take_rows
 from arctic_platform.server.ray_placement import JobShape, Placement
 from arctic_platform.server.ray_workers import InferenceWorker, Rejected, TrainingWorker
@@ -159,8 +160,7 @@ class RayTrainingEngine:
         request = self._validate(batch, meta, processing, backward=True)
         _, replies = self._on_shards("forward_backward", request, batch, meta, processing)
         metrics = reduce_metrics(replies[r]["metric_sums"] for r in range(self.workers))
-        loss = metrics.get("loss", 0.0)
-        return {"avg_loss": loss, "loss": loss, "metrics": metrics}
+        return {**loss_fields(metrics), "metrics": metrics}
 
     def forward(
         self, batch: Mapping, meta: Mapping | None = None, processing: Mapping | None = None
@@ -171,14 +171,14 @@ class RayTrainingEngine:
         parts, replies = self._on_shards("forward", request, batch, meta, processing)
         active = [r for r in range(self.workers) if len(parts[r])]
         out: dict[str, Any] = {}
-        for name in ("logprobs", "entropy"):
+        for name in FORWARD_OUTPUTS:
             if name in replies[active[0]]:
                 pieces = [(parts[r], replies[r][name]) for r in active]
                 out[name] = _torch(merge_rows(pieces, request.batch.size))
         out["metrics"] = {}
         if request.loss is not None:
             out["metrics"] = reduce_metrics(replies[r]["metric_sums"] for r in active)
-            out["avg_loss"] = out["loss"] = out["metrics"].get("loss", 0.0)
+            out.update(loss_fields(out["metrics"]))
         return out
 
     def step(self, learning_rate: float | None = None) -> dict:
@@ -385,7 +385,7 @@ class RayEngines:
                 engine = RayTrainingEngine(
                     sub_job_id=sub.sub_job_id,
                     config=config,
-                    strategy=spec.training_config.data_parallel,
+                    strategy=spec.training_config.data_parallel or "ddp",
                     workers=spec.training_config.n_gpus,
                     placement=placement,
                     on_close=release,

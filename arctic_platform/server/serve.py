@@ -36,6 +36,8 @@ def serve(
     log_level: str = "info",
     ray_address: str | None = None,
     colocate: bool = False,
+    instance: str | None = None,
+    parent_pid: int | None = None,
     sampling_engine: str = "torch",
     vllm_python: str | None = None,
     allowed_paths: tuple[Path, ...] = (),
@@ -47,7 +49,9 @@ def serve(
     finish, then their jobs are failed and the ops stopped.
 
     With ``ray_address`` (``auto``, ``local`` or a cluster address) the engines run as Ray
-    actors on that cluster (``colocate``: trainer and samplers share devices).
+    actors on that cluster (``colocate``: trainer and samplers share devices). ``instance`` is
+    the id ``/health`` reports (the launcher's, to recognise its server); with ``parent_pid`` the
+    server stops when that process dies (:mod:`arctic_platform.server.parent_watch`).
     ``sampling_engine`` is the engine of sampling jobs that choose none; ``vllm_python`` the
     interpreter that runs vLLM for them.
     """
@@ -91,7 +95,9 @@ def serve(
             drain_timeout_s=drain_timeout,
         )
     )
-    app = create_app(service, auth=auth, max_body_bytes=max_body_mb * 1024 * 1024)
+    app = create_app(
+        service, auth=auth, max_body_bytes=max_body_mb * 1024 * 1024, instance=instance
+    )
     engines = "in this process" if ray_address is None else f"on Ray ({ray_address})"
     log.info(
         "arctic-platform serving on http://%s:%d (data dir %s, engines %s)",
@@ -103,6 +109,10 @@ def serve(
     # uvicorn drains in-flight requests on SIGTERM, then re-raises the signal; this handler turns
     # that into exit status 0, since SIGTERM is the normal way to stop a server.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    if parent_pid is not None:
+        from arctic_platform.server.parent_watch import watch_parent
+
+        watch_parent(parent_pid)
 
     class DrainingServer(uvicorn.Server):
         """Starts the Service's bounded drain when the shutdown signal arrives, so on-prem

@@ -31,6 +31,12 @@ from typing import Any, Literal
 
 from pydantic import ValidationError
 
+from arctic_platform.contract.job_config import (
+    API_JOB_TYPE,
+    SHORT_JOB_TYPE,
+    CreateJobRequest,
+    SubJobConfig,
+)
 from arctic_platform.contract.ops import INLINE_OPERATIONS, OPERATION, OPERATION_TYPES
 from arctic_platform.engine import cancellation
 from arctic_platform.engine.cancellation import CancelToken
@@ -42,12 +48,6 @@ from arctic_platform.server.errors import (
     EngineFailure,
     NotFound,
     ServiceError,
-)
-from arctic_platform.server.job_config import (
-    API_JOB_TYPE,
-    SHORT_JOB_TYPE,
-    CreateJobRequest,
-    SubJobConfig,
 )
 from arctic_platform.server.limits import ServerLimits
 from arctic_platform.server.metrics import ServiceMetrics
@@ -161,6 +161,22 @@ class Job:
 class Service:
     """Owns jobs and engines; every public method is thread-safe."""
 
+    def __reduce__(self):
+        """Refuse to be pickled, naming the fix: the engines live in this process's memory.
+
+        The inprocess backend's ``get_server_state()`` is this object; a framework that ships it
+        to another process (a Ray task, as SkyRL's driver does) would otherwise fail deep inside
+        pickle with ``cannot pickle '_thread.lock'``.
+        """
+        raise TypeError(
+            "the inprocess backend's server state (its Service and engines) lives in this "
+            "process and cannot be sent to another process (a Ray task or actor, a subprocess). "
+            "To share jobs across processes use the ray backend (backend: {type: ray}, or "
+            "comm_protocol: ray), whose get_server_state() travels to Ray tasks, or the http "
+            "backend (backend: {type: http, launch_local_server: true}), where "
+            "reconnect_config() alone attaches from any process"
+        )
+
     def __init__(self, settings: ServiceSettings) -> None:
         self.settings = settings
         settings.data_dir.mkdir(parents=True, exist_ok=True)
@@ -244,7 +260,7 @@ class Service:
             return
         if spec.kind == "sampling" and settings.engine is None:
             settings.engine = self.settings.sampling_engine
-        if "python" in settings.vllm_config and self.settings.confine_paths:
+        if "python" in settings.vllm and self.settings.confine_paths:
             raise BadRequest(
                 f"{field}.inference_config.vllm_config.python: this server runs vLLM with the "
                 "interpreter its operator chose (serve --vllm-python); a job cannot name one"
@@ -302,7 +318,13 @@ class Service:
             "device": self.settings.device,
             "active_sub_jobs": active,
             "max_concurrent_ops": self.settings.max_concurrent_ops,
+            "running_ops": self.running_ops,
         }
+
+    @property
+    def running_ops(self) -> int:
+        """How many ops are executing on an engine right now (not queued ones)."""
+        return self.slots.running()
 
     def tail_logs(
         self, job_id: str, *, owner: str | None = None, cursor: Any = None, max_lines: int = 200

@@ -349,3 +349,32 @@ def test_numpy_results_keep_bf16_tensors_as_ml_dtypes_arrays():
     assert converted["logprobs"].astype("float32").tolist() == [[1.5, -2.25]]
     assert converted["steps"][0].tolist() == 3
     assert to_python({"x": tensor}) == {"x": [[1.5, -2.25]]}
+
+
+def test_generate_logprobs_come_out_flat(client):
+    """The engines' entries, with vLLM's rank of the sampled token, on every backend."""
+    (out,) = client.generate(["1+2="], {"max_tokens": 4, "logprobs": 2, "seed": 5})
+    assert len(out["logprobs"]) == len(out["token_ids"])
+    for token, entry in zip(out["token_ids"], out["logprobs"], strict=True):
+        assert set(entry) == {"token_id", "logprob", "rank", "top"}
+        assert entry["token_id"] == token and entry["rank"] >= 1
+        assert len(entry["top"]) == 2
+        values = [v for _, v in entry["top"]]
+        assert values == sorted(values, reverse=True)
+        if entry["rank"] <= 2:  # among the two likeliest: listed at its rank
+            assert entry["top"][entry["rank"] - 1] == [token, entry["logprob"]]
+
+
+def test_inprocess_server_state_refuses_to_leave_its_process_naming_the_fix(tmp_path):
+    """SkyRL ships get_server_state() to a Ray task; the inprocess state cannot travel."""
+    import pickle
+
+    config = {
+        "model": TINY,
+        "backend": backend_config("inprocess", None, tmp_path),
+        "training": None,
+        "sampling": {},
+    }
+    refused = pytest.raises(TypeError, match="cannot be sent to another process.*ray backend")
+    with create_arctic_rl_client(config, blocking_calls=True) as client, refused:
+        pickle.dumps(client.get_server_state())

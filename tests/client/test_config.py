@@ -86,6 +86,7 @@ def test_jobs_map_onto_the_servers_job_spec():
     assert engine.max_tokens_per_microbatch == 2048 and engine.packing is False
     assert engine.save_total_limit == 2
     assert engine.model.lora.model_dump() == {
+        "peft_type": "Lora",
         "r": 4,
         "alpha": 8.0,
         "dropout": 0.0,
@@ -123,7 +124,7 @@ def test_model_is_required_unless_every_job_names_one():
         ),
         (
             {"model": "m", "training": {"optimizer": {"lrr": 1}}},
-            "unknown field 'lrr' in OptimizerSettings (did you mean 'lr'?)",
+            "unknown field 'lrr' in OptimizerConfig (did you mean 'lr'?)",
         ),
         (
             {"model": "m", "training": {"max_tokens_per_micro_batch": 1}},
@@ -253,6 +254,87 @@ def test_skyrl_config_folds_into_the_nested_form():
         "startup_timeout": 1800.0,
         "server_logs": False,
     }
+
+
+def test_every_flat_field_skyrl_sets_reads_back_as_set():
+    """SkyRL reads ``rl_config.comm_protocol`` right after building the client (entrypoint.py)."""
+    skyrl = {
+        **SKYRL,
+        "ds_worker_config": {**SKYRL["ds_worker_config"], "attn_implementation": "sdpa"},
+    }
+    config = ArcticRLClientConfig.model_validate(skyrl)
+    for name, value in skyrl.items():
+        if name == "backend":  # the typed backend; the legacy name is kept as legacy_backend
+            assert config.legacy_backend == value == "local"
+            assert config.legacy_fields["backend"] == "local"
+        else:
+            assert getattr(config, name) == value, name
+    assert config.comm_protocol == "ray"
+    with pytest.raises(AttributeError):
+        _ = config.not_a_field
+
+
+def test_flat_fields_the_reference_verl_adapter_sets_read_back_as_set():
+    verl = {
+        "model_name": "m",
+        "seed": 42,
+        "max_seq_len": 1536,
+        "training_gpus": 1,
+        "sampling_gpus": 1,
+        "log_prob_gpus": 1,
+        "backend": {"type": "onprem", "protocol": "http", "host": "localhost", "port": 7000},
+        "training": {"checkpoint_path": "/ckpt", "full_determinism": False, "cuda_ipc": False},
+        "sampling": {"vllm": {"max_num_seqs": 8}, "log_prob_engine": "deepspeed"},
+    }
+    config = ArcticRLClientConfig.model_validate(verl)
+    for name in ("model_name", "seed", "max_seq_len", "training_gpus", "sampling_gpus"):
+        assert getattr(config, name) == verl[name], name
+    assert config.log_prob_gpus == 1 and config.checkpoint_path == "/ckpt"
+    assert config.comm_protocol == "http" and config.sampling.vllm == {"max_num_seqs": 8}
+
+
+def test_unset_flat_fields_read_as_the_nested_equivalent():
+    config = ArcticRLClientConfig.model_validate(
+        {"model": "m", "backend": {"type": "http", "host": "box", "port": 7001}, "sampling": {}}
+    )
+    assert config.model_name == "m" and config.comm_protocol == "http"
+    assert (config.host, config.port) == ("box", 7001)
+    assert (config.training_gpus, config.sampling_gpus, config.log_prob_gpus) == (1, 1, 0)
+    assert config.ds_config is None
+    assert ArcticRLClientConfig.model_validate({"model": "m"}).comm_protocol is None
+
+
+@pytest.mark.parametrize(
+    "legacy",
+    [
+        {"ds_worker_config": {"attn_implementation": "eager"}},
+        {"training_config": {"attn_implementation": "eager"}},
+        # verl's reference adapter: the worker config wins over training_config
+        {
+            "ds_worker_config": {"attn_implementation": "eager"},
+            "training_config": {"attn_implementation": "sdpa"},
+        },
+    ],
+)
+def test_attn_implementation_is_a_training_setting(legacy):
+    config = ArcticRLClientConfig.model_validate({"model_name": "m", **legacy})
+    assert config.training.attn_implementation == "eager"
+    assert not any("attn_implementation" in key for key in config.ignored_settings)
+    spec = config.to_create_job_request().sub_job_configs[0]
+    engine = training_engine_config(spec, device="cpu", checkpoint_dir="/c", job_name="j")
+    assert engine.model.attn_implementation == "eager"
+
+
+def test_attn_implementation_is_honoured_by_the_training_model_load():
+    from arctic_platform.engine.models import load_causal_lm
+
+    for name in ("eager", "sdpa"):
+        config = ArcticRLClientConfig.model_validate(
+            {"model_name": "builtin:tiny", "ds_worker_config": {"attn_implementation": name}}
+        )
+        spec = config.to_create_job_request().sub_job_configs[0]
+        engine = training_engine_config(spec, device="cpu", checkpoint_dir="/c", job_name="j")
+        assert load_causal_lm(engine.model).config._attn_implementation == name
 
 
 @pytest.mark.parametrize(

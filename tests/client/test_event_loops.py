@@ -85,10 +85,41 @@ def test_training_ops_from_a_worker_thread_loop(clients, kind):
     np.testing.assert_array_equal(here["batch"]["logprobs"], there["batch"]["logprobs"])
 
 
-async def test_concurrent_calls_on_the_test_loop(clients):
-    """Ops of several backends in flight together on one loop (none blocks the loop)."""
-    calls = [clients[kind].generate(PROMPTS, SAMPLING) for kind in KINDS]
-    results = await asyncio.gather(*calls)
+class GatedSampler:
+    """The real sampler behind a gate: ``generate`` waits until the test's event loop opens the
+    gate. A client call that blocked the loop would keep the gate shut, so the wait would time
+    out (and say so) instead of seeing it opened."""
+
+    def __init__(self, engine, gate: threading.Event) -> None:
+        self.engine, self.gate, self.opened = engine, gate, []
+
+    def generate(self, *args, **kwargs):
+        self.opened.append(self.gate.wait(timeout=120))
+        return self.engine.generate(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+
+async def test_concurrent_calls_on_the_test_loop(clients, service):
+    """Ops of several backends in flight together on one loop, and none blocks the loop: the
+    loop itself opens the gate the servers' samplers wait behind, after the calls started."""
+    gate = threading.Event()
+    gated = []
+    for kind in KINDS:
+        owner = clients[kind].transport.service if kind == "inprocess" else service
+        sub = owner.resolve(clients[kind].sampling_job_id, owner=None)
+        gated.append((sub, sub.engine, GatedSampler(sub.engine, gate)))
+        sub.engine = gated[-1][2]
+    try:
+        calls = asyncio.gather(*(clients[kind].generate(PROMPTS, SAMPLING) for kind in KINDS))
+        await asyncio.sleep(0)  # every call starts and hands its wait to a thread or future
+        gate.set()  # reached only if no call blocked the loop
+        results = await calls
+    finally:
+        for sub, engine, _ in gated:
+            sub.engine = engine
+    assert [sampler.opened for _, _, sampler in gated] == [[True]] * len(KINDS)
     assert results[0] == results[1] == results[2]
 
 

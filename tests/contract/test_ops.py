@@ -84,3 +84,17 @@ def test_only_ops_that_may_be_repeated_are_retried_after_sending():
 def test_an_unknown_op_is_an_error_naming_the_known_ones():
     with pytest.raises(KeyError, match="known: .*forward-backward"):
         contract.op("fwd-bwd")
+
+
+def test_the_client_imports_only_the_wire_codec_and_the_contract():
+    """Layering: importing the client loads nothing of the server or the engines (nor torch)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, arctic_platform.client, arctic_platform.rl; "
+        "print(sorted(m for m in sys.modules if m.startswith(('arctic_platform.server', "
+        "'arctic_platform.engine', 'torch', 'fastapi'))))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"

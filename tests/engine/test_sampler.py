@@ -181,10 +181,11 @@ def test_logprobs_equal_an_independent_forward(engine, reference, temperature):
         expected = _forward_log_probs(reference, ids, out["token_ids"], scale)
         assert len(out["logprobs"]) == len(out["token_ids"])
         for t, entry in enumerate(out["logprobs"]):
-            assert entry["token_id"] == out["token_ids"][t]
-            assert entry["logprob"] == pytest.approx(
-                expected[t, entry["token_id"]].item(), abs=1e-5
-            )
+            token = out["token_ids"][t]
+            assert entry["token_id"] == token
+            assert entry["logprob"] == pytest.approx(expected[t, token].item(), abs=1e-5)
+            # vLLM's rank: 1 + how many tokens are likelier than the sampled one
+            assert entry["rank"] == 1 + int((expected[t] > expected[t, token] + 1e-6).sum())
             top_values, top_ids = expected[t].topk(3)
             assert [i for i, _ in entry["top"]] == top_ids.tolist()
             assert [v for _, v in entry["top"]] == pytest.approx(top_values.tolist(), abs=1e-5)

@@ -17,7 +17,8 @@ def start_ray() -> None:
     import ray
 
     if not ray.is_initialized():
-        ray.init(num_cpus=NUM_CPUS, include_dashboard=False, log_to_driver=False)
+        # address="local": a private cluster, never one that merely runs on this machine
+        ray.init(address="local", num_cpus=NUM_CPUS, include_dashboard=False, log_to_driver=False)
 
 
 def ray_backend(data_dir, **extra) -> dict:

@@ -225,10 +225,14 @@ def test_large_results_arrive_as_result_chunks(http, service, monkeypatch):
     reply = http.post(
         f"{CORTEX}/{job_id}/forward-no-grad", content=wire.dumps({"batch": batch}), headers=OCTET
     ).json()
-    time.sleep(0.2)
-    first = http.get(
-        f"{CORTEX}/{job_id}/requests/{reply['request_id']}", params={"max_events": 2}
-    ).json()
+    deadline = time.monotonic() + 120
+    while True:  # the first page of events, once the request is done
+        first = http.get(
+            f"{CORTEX}/{job_id}/requests/{reply['request_id']}", params={"max_events": 2}
+        ).json()
+        if first["status"] == "done" or time.monotonic() > deadline:
+            break
+        time.sleep(0.01)
     assert first["status"] == "done" and first["result"] is None and first["next_cursor"] == "2"
     decoded = wait(http, job_id, reply["request_id"])
     assert torch.equal(decoded["batch"]["logprobs"], direct)

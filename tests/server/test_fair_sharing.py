@@ -201,3 +201,14 @@ def test_close_fails_busy_jobs_after_the_drain_timeout_and_stops_their_ops(tmp_p
     jobs = {j["job_id"]: j for j in service.list_jobs()}
     assert jobs[busy]["status"] == "failed" and "drain-timeout" in jobs[busy]["reason"]
     assert jobs[idle]["status"] == "terminated"
+
+
+def test_a_server_with_several_tokens_keeps_a_slot_free_of_any_one_tenant():
+    from arctic_platform.server.auth import TokenAuth
+    from arctic_platform.server.serve import default_share
+
+    assert default_share(2, TokenAuth([])) == 2  # one tenant: every slot
+    assert default_share(2, TokenAuth(["a", "a"])) == 2
+    assert default_share(2, TokenAuth(["a", "b"])) == 1
+    assert default_share(4, TokenAuth(["a", "b", "c"])) == 3
+    assert default_share(1, TokenAuth(["a", "b"])) == 1

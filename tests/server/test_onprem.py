@@ -26,7 +26,8 @@ def initialize(http, job_type: str, **extra) -> str:
 
 
 def test_health_and_a_whole_grpo_step(http, service):
-    assert http.get("/health").json() == {"status": "OK"}
+    health = http.get("/health").json()
+    assert health["status"] == "OK" and health["server"] == "arctic-platform" and health["instance"]
     training = initialize(
         http, "training", training_config={"optimizer": {"lr": 1e-3}}, ds_config={"zero": 3}
     )
@@ -152,3 +153,80 @@ def test_errors_name_the_problem_and_leave_state_alone(http, service):
         assert "message" in response.json()
     assert same_weights(before, weights_of(service.resolve(training, owner=None).engine))
     assert http.post(f"/step?job_id={training}", json={}).json()["global_steps"] == 1
+
+
+def test_generate_answers_logprobs_in_vllms_shape(http, service):
+    sampling = initialize(http, "sampling")
+    params = {"max_tokens": 4, "logprobs": 2, "seed": 3, "temperature": 1.0}
+    (result,) = post_frame(
+        http, f"/generate?job_id={sampling}", {"prompts": ["1+2="], "sampling_params": params}
+    )["results"]
+    tokenizer = service.resolve(sampling, owner=None).engine.tokenizer
+    assert len(result["logprobs"]) == len(result["token_ids"]) == 4
+    for token, position in zip(result["token_ids"], result["logprobs"], strict=True):
+        assert str(token) in position and len(position) in (2, 3)  # top-2 plus the sampled one
+        ranks = sorted(entry["rank"] for entry in position.values())
+        assert ranks[:2] == [1, 2]
+        for key, entry in position.items():
+            assert set(entry) == {"logprob", "rank", "decoded_token"}
+            assert entry["decoded_token"] == tokenizer.decode([int(key)])
+            assert entry["logprob"] <= 0
+
+
+REFERENCE_TRAINING_INIT = {  # what the reference client's /initialize sends for a training job
+    "model_name": TINY,
+    "job_type": "training",
+    "arctic_inference_config": None,
+    "full_determinism": False,
+    "seed": 42,
+    "ds_config": {
+        "train_batch_size": 8,
+        "gradient_clipping": 0.5,
+        "bf16": {"enabled": True},
+        "zero_optimization": {"stage": 2},
+        "optimizer": {
+            "type": "AdamW",
+            "params": {"lr": 1e-3, "betas": [0.8, 0.95], "eps": 1e-6, "weight_decay": 0.1},
+        },
+        "scheduler": {
+            "type": "WarmupCosineLR",
+            "params": {"warmup_num_steps": 2, "total_num_steps": 20, "cos_min_ratio": 0.1},
+        },
+    },
+    "training_config": None,
+    "ds_worker_config": {"use_liger": True, "attn_implementation": "eager"},
+    "checkpoint_path": "/ckpt",
+    "cuda_ipc": False,
+    "low_memory": False,
+}
+
+
+def test_initialize_honours_the_reference_ds_config_and_reports_the_rest(http, service):
+    response = http.post("/initialize", json=REFERENCE_TRAINING_INIT)
+    assert response.status_code == 200, response.text
+    answer = response.json()
+    trainer = service.resolve(answer["job_id"], owner=None).engine
+    config = trainer.config
+    assert (config.optimizer.lr, config.optimizer.betas) == (1e-3, (0.8, 0.95))
+    assert (config.optimizer.eps, config.optimizer.weight_decay) == (1e-6, 0.1)
+    assert config.optimizer.grad_clip == 0.5
+    assert (config.scheduler.name, config.scheduler.warmup_steps) == ("cosine", 2)
+    assert (config.scheduler.total_steps, config.scheduler.min_lr_ratio) == (20, 0.1)
+    assert config.model.attn_implementation == "eager"
+    assert trainer.optimizer.param_groups[0]["betas"] == (0.8, 0.95)
+    assert set(answer["ignored_settings"]) == {
+        "ds_config.bf16",
+        "ds_config.zero_optimization",
+        "ds_worker_config.use_liger",
+        "full_determinism",
+        "cuda_ipc",
+        "low_memory",
+        "checkpoint_path",
+    }
+
+
+def test_initialize_with_a_bad_reference_field_names_it(http, service):
+    body = {**REFERENCE_TRAINING_INIT, "ds_config": {"optimizer": {"params": {"lr": -1}}}}
+    response = http.post("/initialize", json=body)
+    assert response.status_code == 400 and "lr" in response.text
+    assert http.get("/status").json()["jobs"] == {}

@@ -11,9 +11,10 @@ from __future__ import annotations
 import pytest
 
 from arctic_platform.client.config import ArcticRLClientConfig
+from arctic_platform.contract.job_config import CreateJobRequest
 from arctic_platform.recipes.config import load_recipe
 from arctic_platform.server.errors import BadRequest
-from arctic_platform.server.job_config import CreateJobRequest, sampling_engine_config
+from arctic_platform.server.job_config import sampling_engine_config
 from arctic_platform.server.service import Service, ServiceSettings
 from tests.server.conftest import sub_job
 

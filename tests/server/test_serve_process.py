@@ -158,7 +158,10 @@ def test_sigterm_finishes_the_op_in_flight_then_exits(tmp_path):
 
         thread = threading.Thread(target=generate)
         thread.start()
-        time.sleep(0.3)  # the op is running now
+        deadline = time.monotonic() + 120
+        while http.get("/status").json()["running_ops"] == 0:  # until the op is running
+            assert time.monotonic() < deadline, "the generate op never started"
+            time.sleep(0.01)
         process.send_signal(signal.SIGTERM)
         thread.join(timeout=120)
         assert process.wait(timeout=60) == 0

@@ -19,9 +19,18 @@ from arctic_platform.client.config import (
 from arctic_platform.client.transport import Transport
 
 
-def make_transport(config: ArcticRLClientConfig, server_state: Any = None) -> Transport:
-    """The transport for ``config.backend`` (``server_state``: see each transport)."""
+def make_transport(
+    config: ArcticRLClientConfig, server_state: Any = None, *, http_transport: Any = None
+) -> Transport:
+    """The transport for ``config.backend`` (``server_state``: see each transport;
+    ``http_transport``: the ``httpx.BaseTransport`` the ``http`` and ``cortex`` backends send
+    through, for fault injection)."""
     backend = config.backend
+    if http_transport is not None and not isinstance(backend, (HttpBackend, CortexBackend)):
+        raise ValueError(
+            f"http_transport: the {backend.type} backend sends no HTTP; it applies to http and "
+            "cortex"
+        )
     if isinstance(backend, InProcessBackend):
         from arctic_platform.client.transports.inprocess import InProcessTransport
 
@@ -38,9 +47,9 @@ def make_transport(config: ArcticRLClientConfig, server_state: Any = None) -> Tr
     if isinstance(backend, HttpBackend):
         from arctic_platform.client.transports.http import HttpTransport
 
-        return HttpTransport(config)
+        return HttpTransport(config, http_transport=http_transport)
     if isinstance(backend, CortexBackend):
         from arctic_platform.client.transports.cortex import CortexTransport
 
-        return CortexTransport(config)
+        return CortexTransport(config, http_transport=http_transport)
     raise TypeError(f"backend: unsupported backend {type(backend).__name__}")

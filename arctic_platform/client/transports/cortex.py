@@ -68,6 +68,7 @@ from arctic_platform.client.transports.http_common import (
     octet_request,
     retry_wait,
 )
+from arctic_platform.contract.job_config import SHORT_JOB_TYPE
 from arctic_platform.contract.ops import OPERATION
 from arctic_platform.contract.ops import op as contract_op
 
@@ -92,12 +93,6 @@ DONE = {"done", "completed", "succeeded"}
 FAILED = {"failed"}
 CANCELLED = {"cancelled", "canceled"}
 ENDED_JOB = {"failed", "cancelled", "canceled", "terminated", "done"}
-ROLE_OF_TYPE = {
-    "training": "training",
-    "sampling": "sampling",
-    "log_probability": "log_prob",
-    "log_prob": "log_prob",
-}
 # Error kinds our server records for failed requests, and the status the same error has inline.
 FAILED_KINDS = {
     "BadRequest": (400, "invalid_argument"),
@@ -125,7 +120,9 @@ POLL = RetryPolicy(RETRY_STATUSES - {404}, after_send=True)
 class CortexTransport(Transport):
     """One Cortex job with its sub-jobs (see module doc)."""
 
-    def __init__(self, config: ArcticRLClientConfig) -> None:
+    def __init__(
+        self, config: ArcticRLClientConfig, *, http_transport: httpx.BaseTransport | None = None
+    ) -> None:
         backend = config.backend
         assert isinstance(backend, CortexBackend)
         self.config = config
@@ -142,6 +139,7 @@ class CortexTransport(Transport):
             headers=headers,
             timeout=httpx.Timeout(backend.request_timeout, connect=10.0),
             verify=backend.verify_tls,
+            transport=http_transport,
         )
 
     @property
@@ -500,7 +498,7 @@ def _sub_jobs(info: dict) -> dict[str, str]:
     """Role -> sub-job id, from a job's info (the first sub-job of each type)."""
     found: dict[str, str] = {}
     for sub in info.get("sub_jobs") or []:
-        role = ROLE_OF_TYPE.get(_state(sub.get("job_type"), "job_type_"))
+        role = SHORT_JOB_TYPE.get(_state(sub.get("job_type"), "job_type_"))
         if role is not None and role not in found and sub.get("sub_job_id"):
             found[role] = str(sub["sub_job_id"])
     return found

@@ -25,7 +25,7 @@ from tenacity import Retrying, retry_if_exception_type, stop_after_attempt
 
 from arctic_platform import wire
 from arctic_platform.client.config import ArcticRLClientConfig, HttpBackend
-from arctic_platform.client.errors import ArcticRLError, server_error
+from arctic_platform.client.errors import ArcticRLError, BackendUnavailableError, server_error
 from arctic_platform.client.local_server import LocalServer
 from arctic_platform.client.tensors import resolve_tensor_type
 from arctic_platform.client.transport import JobHandles, Request, Transport
@@ -39,6 +39,7 @@ from arctic_platform.client.transports.http_common import (
     retry_wait,
 )
 from arctic_platform.client.transports.liveness import LivenessWatch
+from arctic_platform.server_identity import identity_problem
 
 log = logging.getLogger(__name__)
 CONNECT_ERRORS = (httpx.ConnectError, httpx.ConnectTimeout)
@@ -47,7 +48,9 @@ CONNECT_ERRORS = (httpx.ConnectError, httpx.ConnectTimeout)
 class HttpTransport(Transport):
     """Talks to one on-prem server (see module doc)."""
 
-    def __init__(self, config: ArcticRLClientConfig) -> None:
+    def __init__(
+        self, config: ArcticRLClientConfig, *, http_transport: httpx.BaseTransport | None = None
+    ) -> None:
         backend = config.backend
         assert isinstance(backend, HttpBackend)
         self.config = config
@@ -68,6 +71,7 @@ class HttpTransport(Transport):
             headers["Authorization"] = f"Bearer {token}"
         self._headers = headers
         self._client: httpx.Client | None = None
+        self._http_transport = http_transport
         self._watch: LivenessWatch | None = None
 
     # -- lifecycle --------------------------------------------------------------------------
@@ -88,12 +92,15 @@ class HttpTransport(Transport):
             base_url=self._base_url,
             headers=self._headers,
             timeout=httpx.Timeout(self.backend.request_timeout, connect=10.0),
+            transport=self._http_transport,
         )
         if self.backend.liveness_timeout is not None:
             self._watch = LivenessWatch(
                 self._base_url, self._headers, self.backend.liveness_timeout
             )
-        self._get("/health", op="health")
+        problem = identity_problem(self._get("/health", op="health"))
+        if problem is not None:
+            raise BackendUnavailableError(f"backend.url: {self._base_url}: {problem}")
         if self.config.reconnecting:
             return self._attach()
         specs = self.config.sub_job_configs()

@@ -109,11 +109,14 @@ class ArcticRLClientWrapper(RemoteBackend):
         """One CPU forwarder drives the engines; their parallelism lives behind the backend."""
         return True
 
-    async def destroy(self) -> None:
-        """Release the jobs (driver) or the connection (attached copies); idempotent."""
+    def destroy(self) -> None:
+        """Release the jobs (driver) or the connection (attached copies); idempotent.
+
+        Synchronous, as ``RemoteBackend.destroy`` is: it returns when the jobs are released.
+        """
         client, self._client = self._client, None
         if client is not None:
-            await client.aclose()
+            client.shutdown()
 
     async def update_weights(self, mode: str = "auto") -> dict[str, Any]:
         """Copy the trainer's weights into the sampler (``mode``: verl's checkpoint-engine mode;

@@ -107,10 +107,32 @@ class ArcticTokenServer:
         request_id: str,
         image_data: Any = None,
         video_data: Any = None,
+        audio_data: Any = None,
+        mm_processor_kwargs: Mapping[str, Any] | None = None,
+        priority: int = 0,
+        **kwargs: Any,
     ) -> TokenOutput:
-        """One completion of ``prompt_ids`` (``request_id`` is verl's, for its own bookkeeping)."""
-        if image_data is not None or video_data is not None:
-            raise ValueError("image_data, video_data: the arctic rollout serves text models only")
+        """One completion of ``prompt_ids`` (``request_id`` is verl's, for its own bookkeeping).
+
+        Takes every keyword verl's server manager passes. Multimodal input (``image_data``,
+        ``video_data``, ``audio_data``, ``mm_processor_kwargs``) is refused: the arctic rollout
+        serves text models. ``priority`` is a scheduling hint the engines do not have (one queue,
+        arrival order); other keywords are refused by name.
+        """
+        media = {
+            "image_data": image_data,
+            "video_data": video_data,
+            "audio_data": audio_data,
+            "mm_processor_kwargs": mm_processor_kwargs or None,
+        }
+        given = [name for name, value in media.items() if value is not None]
+        if given:
+            raise ValueError(
+                f"{', '.join(given)}: the arctic rollout serves text models only (multimodal "
+                "input is not supported)"
+            )
+        if kwargs:
+            raise TypeError(f"generate: unexpected keyword arguments {sorted(kwargs)}")
         if self._rejecting:
             raise RuntimeError(f"request {request_id}: generation is paused (abort_all_requests)")
         await self._open.wait()

@@ -50,6 +50,7 @@ from verl.utils.py_functional import append_to_dict
 
 from arctic_platform.integrations.verl.adapter import ArcticRLClientWrapper
 from arctic_platform.integrations.verl.batch_convert import predict_next
+from arctic_platform.integrations.verl.profiling import ForwarderProfiler
 from arctic_platform.integrations.verl.selection import backend_for
 
 ROLES = ("actor", "rollout", "ref", "actor_rollout", "actor_rollout_ref")
@@ -148,6 +149,10 @@ class ArcticRLActorRolloutRefWorker(Worker):
         self.backend: ArcticRLClientWrapper = backend
         self._loop = EventLoopThread(f"arctic-forwarder-{self.rank}")
         self._model: ModelInfo | None = None
+        profiler_config = main_config.get("global_profiler") or {}
+        self.profiler = ForwarderProfiler(
+            profiler_config.get("save_path") or "outputs/profile", self.rank
+        )
 
     # -- setup ------------------------------------------------------------------------------
 
@@ -157,6 +162,18 @@ class ArcticRLActorRolloutRefWorker(Worker):
         for mesh in MESHES:
             self._register_dispatch_collect_info(mesh, dp_rank=self.rank, is_collect=True)
         self._model = load_model_info(self.main_config, self.backend.settings.pad_token_id)
+
+    # -- profiling (global_profiler.steps) ------------------------------------------------------
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def start_profile(self, role: str | None = None, profile_step: int | None = None) -> None:
+        """Open a profiling window for step ``profile_step`` (:mod:`.profiling`)."""
+        self.profiler.start(role=role, step=profile_step)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def stop_profile(self, run_command: bool = False) -> None:
+        """Close the window and write its trace to ``global_profiler.save_path``."""
+        self.profiler.stop(run_command=run_command)
 
     @property
     def model(self) -> ModelInfo:

@@ -92,18 +92,43 @@ def install_standin() -> ModuleType:
     return module
 
 
-def compose_config(*overrides: str, arctic: bool = True):
-    """verl's own ``ppo_trainer`` config through Hydra, with ``overrides``.
+def compose_config(*overrides: str, arctic: bool = True, config_dir: Path | None = None):
+    """verl's ``ppo_trainer`` config (from ``config_dir``, default the installed verl's) through
+    Hydra, with ``overrides``.
 
-    With ``arctic`` the ``remote_backend=arctic`` group is added (``+``: verl 0.9.1's defaults
-    list has no such group) from our package's config folder, plus the tiny-model overrides.
+    With ``arctic`` the ``remote_backend=arctic`` group is selected in the form that verl takes
+    (:mod:`arctic_platform.integrations.verl.hydra_group`: ``+`` where the defaults list has no
+    such group, as in verl 0.9.1) from our package's config folder, plus the tiny-model overrides.
     """
     from hydra import compose, initialize_config_dir
 
-    config_dir = Path(importlib.util.find_spec("verl").origin).parent / "trainer" / "config"
-    chosen = [*TINY_OVERRIDES, "+remote_backend=arctic", SEARCH_PATH] if arctic else []
+    from arctic_platform.integrations.verl.hydra_group import group_forms, verl_config_dir
+
+    config_dir = config_dir or verl_config_dir()
+    select = group_forms(config_dir).command_line
+    chosen = [*TINY_OVERRIDES, select, SEARCH_PATH] if arctic else []
     with initialize_config_dir(config_dir=str(config_dir), version_base=None):
         return compose("ppo_trainer", overrides=[*chosen, *overrides])
+
+
+def config_dir_with_group(folder: Path) -> Path:
+    """STAND-IN for the trainer configs of a verl with PR #7102: the installed verl's configs
+    with the one defaults entry that PR adds (``optional remote_backend@remote_backend: null``,
+    before ``legacy_reward_impl``, as there)."""
+    import shutil
+
+    from arctic_platform.integrations.verl.hydra_group import verl_config_dir
+
+    target = folder / "verl_config_with_remote_backend_group"
+    shutil.copytree(verl_config_dir(), target)
+    trainer = target / "ppo_trainer.yaml"
+    text = trainer.read_text()
+    anchor = "  - legacy_reward_impl\n"
+    assert anchor in text, "verl's ppo_trainer.yaml changed: update the stand-in"
+    trainer.write_text(
+        text.replace(anchor, "  - optional remote_backend@remote_backend: null\n" + anchor, 1)
+    )
+    return target
 
 
 @pytest.fixture(scope="session")

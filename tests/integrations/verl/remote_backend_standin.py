@@ -38,7 +38,7 @@ class RemoteBackend(abc.ABC):
 
     @abc.abstractmethod
     def destroy(self) -> None:
-        """Tear down; idempotent (trainers also accept a coroutine)."""
+        """Tear down, synchronously; idempotent."""
 
     @abc.abstractmethod
     async def update_weights(self) -> dict[str, Any]:

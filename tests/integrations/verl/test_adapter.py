@@ -26,7 +26,7 @@ def driver(kl_config):
 
     backend = ArcticRLClientWrapper.from_config(kl_config)
     yield backend
-    asyncio.run(backend.destroy())
+    backend.destroy()
 
 
 def client_config_of(main_config):
@@ -185,8 +185,8 @@ def test_reconnect_handle_round_trip(driver, kl_config):
     assert attached.client.jobs == driver.client.jobs
     assert asyncio.run(attached.update_weights(mode="naive"))  # an op through the attached copy
 
-    asyncio.run(attached.destroy())
-    asyncio.run(attached.destroy())  # idempotent
+    attached.destroy()
+    attached.destroy()  # idempotent
     with pytest.raises(ArcticRLError, match="destroyed"):
         asyncio.run(attached.update_weights())
     assert asyncio.run(driver.update_weights())  # the attached copy did not release the jobs
@@ -226,8 +226,8 @@ def test_the_owner_releases_the_jobs_on_destroy(compose_verl, tmp_path):
     config = compose_verl(*inprocess_overrides(tmp_path))
     owner = ArcticRLClientWrapper.from_config(config)
     attached = ArcticRLClientWrapper.from_config(config, handle=owner.reconnect_handle())
-    asyncio.run(owner.destroy())
-    asyncio.run(owner.destroy())
+    owner.destroy()
+    owner.destroy()
     with pytest.raises(ArcticRLError):
         asyncio.run(attached.update_weights())
 
@@ -244,4 +244,4 @@ def test_server_checkpoints_stay_in_the_servers_folder(driver, kl_config, compos
         data_dir = Path(kl_config.remote_backend.arctic.inprocess.data_dir)
         assert Path(saved["path"]).is_relative_to(data_dir)
     finally:
-        asyncio.run(attached.destroy())
+        attached.destroy()

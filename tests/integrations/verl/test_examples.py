@@ -19,7 +19,9 @@ import pytest
 
 EXAMPLES = files("arctic_platform.integrations.verl").joinpath("examples")
 # Prints what the launcher hands python3: the plugin variable it exported, then its arguments.
+# The launcher's own form detection (hydra_group) runs for real.
 PRINT_ARGS = """#!/bin/sh
+if [ "$2" = "arctic_platform.integrations.verl.hydra_group" ]; then exec {python} "$@"; fi
 exec {python} -c 'import json, os, sys
 print(json.dumps([os.environ.get("VERL_USE_EXTERNAL_MODULES"), *sys.argv[1:]]))' "$@"
 """
@@ -50,6 +52,7 @@ def launcher_arguments(script: str, tmp_path) -> list[str]:
 
 @pytest.mark.parametrize("script", ["run_gsm8k_grpo_arl.sh", "run_bird_grpo_arl.sh"])
 def test_example_overrides_give_a_config_the_adapter_accepts(script, compose_verl, tmp_path):
+    from arctic_platform.integrations.verl.hydra_group import group_forms
     from arctic_platform.integrations.verl.verl_config import (
         check_verl_config,
         client_config,
@@ -60,8 +63,7 @@ def test_example_overrides_give_a_config_the_adapter_accepts(script, compose_ver
     assert plugin == "arctic_platform.integrations.verl.register"
     assert args[:2] == ["-m", "verl.trainer.main_ppo"]
     overrides = args[2:]
-    # verl 0.9.1's defaults list has no remote_backend group yet: add it instead of choosing it.
-    overrides = ["+remote_backend=arctic" if o == "remote_backend=arctic" else o for o in overrides]
+    assert group_forms().command_line in overrides  # the form this verl takes
     config = compose_verl(*overrides, arctic=False)
     check_verl_config(config)
     client = client_config(config, read_settings(config))
@@ -96,3 +98,24 @@ def test_the_readmes_hydra_file_example_composes(remote_backend, tmp_path):
     client = client_config(config, read_settings(config))
     assert (client.backend.type, client.backend.num_training_workers) == ("ray", 4)
     assert client.model == "Qwen/Qwen3-8B"
+
+
+def test_the_readmes_cpu_smoke_command_composes(compose_verl):
+    """The CPU smoke run of the integration's README: every override exists in verl's config."""
+    import shlex
+
+    from arctic_platform.integrations.verl.hydra_group import group_forms
+    from arctic_platform.integrations.verl.verl_config import check_verl_config, read_settings
+
+    readme = files("arctic_platform.integrations.verl").joinpath("README.md").read_text()
+    block = readme.split("## A CPU smoke run", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
+    command = block.split("python -m verl.trainer.main_ppo", 1)[1].replace("\\\n", " ")
+    select = "$(python -m arctic_platform.integrations.verl.hydra_group)"
+    assert select in command
+    command = command.replace(f'"{select}"', group_forms().command_line)
+    overrides = shlex.split(command)
+    config = compose_verl(*overrides, arctic=False)
+    check_verl_config(config)
+    assert config.ray_kwargs.ray_init.num_cpus == 16
+    assert config.transfer_queue.backend.SimpleStorage.num_data_storage_units == 1
+    assert read_settings(config).backend == "inprocess"

@@ -3,8 +3,6 @@ the registry, so a default verl run takes exactly the path it takes without arct
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 
 from tests.integrations.verl.conftest import inprocess_overrides
@@ -62,4 +60,4 @@ def test_choosing_arctic_goes_through_the_registry(registry_calls, compose_verl,
         assert isinstance(backend, ArcticRLClientWrapper)
         assert registry_calls == [("get", "arctic")]
     finally:
-        asyncio.run(backend.destroy())
+        backend.destroy()

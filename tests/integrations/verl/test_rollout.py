@@ -18,7 +18,7 @@ def setup(compose_verl, tmp_path_factory):
     config = compose_verl(*inprocess_overrides(tmp_path_factory.mktemp("rollout")))
     driver = ArcticRLClientWrapper.from_config(config)
     yield config, driver
-    asyncio.run(driver.destroy())
+    driver.destroy()
 
 
 @pytest.fixture
@@ -73,16 +73,56 @@ def test_generate_answers_with_a_token_output(server):
     asyncio.run(server.set_global_steps(7))
     again = asyncio.run(server.generate([40, 41], dict(VERL_PARAMS), "r-2"))
     assert again.log_probs is None and again.extra_fields["global_steps"] == 7
-    with pytest.raises(ValueError, match="image_data, video_data"):
+    with pytest.raises(ValueError, match="image_data: the arctic rollout serves text models"):
         asyncio.run(server.generate([40], dict(VERL_PARAMS), "r-3", image_data=[b"png"]))
 
 
-def test_paused_generation_waits_for_resume_or_is_rejected(server):
+@pytest.mark.parametrize(
+    ("extra", "error", "message"),
+    [
+        ({"audio_data": [b"wav"]}, ValueError, "audio_data: the arctic rollout serves text"),
+        ({"mm_processor_kwargs": {"fps": 2}}, ValueError, "mm_processor_kwargs: the arctic"),
+        ({"video_data": [b"mp4"], "audio_data": [b"x"]}, ValueError, "video_data, audio_data"),
+        ({"beam_width": 2}, TypeError, r"unexpected keyword arguments \['beam_width'\]"),
+    ],
+)
+def test_generate_refuses_multimodal_input_and_unknown_keywords(server, extra, error, message):
+    with pytest.raises(error, match=message):
+        asyncio.run(server.generate([40], dict(VERL_PARAMS), "r-4", **extra))
+
+
+def test_generate_takes_the_keywords_verls_server_manager_passes(server):
+    """verl's LLM server manager passes empty multimodal fields and a priority."""
+    out = asyncio.run(
+        server.generate(
+            prompt_ids=[40, 41],
+            sampling_params=dict(VERL_PARAMS),
+            request_id="r-5",
+            image_data=None,
+            video_data=None,
+            audio_data=None,
+            mm_processor_kwargs={},
+            priority=1,
+        )
+    )
+    assert out.stop_reason == "completed" and out.token_ids
+
+
+def test_paused_generation_waits_for_resume_or_is_rejected(server, monkeypatch):
+    sent = []
+    send = server.backend.generate
+
+    async def recording(*args, **kwargs):
+        sent.append(args)
+        return await send(*args, **kwargs)
+
+    monkeypatch.setattr(server.backend, "generate", recording)
+
     async def scenario():
         await server.abort_all_requests()
         waiting = asyncio.create_task(server.generate([40, 41], dict(VERL_PARAMS), "held"))
-        await asyncio.sleep(0.2)
-        held = not waiting.done()
+        await asyncio.sleep(0)  # the task runs until it waits: up to the send, if not held
+        held = not sent and not waiting.done()
         await server.resume_generation()
         out = await asyncio.wait_for(waiting, timeout=60)
         await server.abort_all_requests(reject_request=True)

@@ -55,6 +55,7 @@ def ray_with_standin():
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     python_path = os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))
     ray.init(
+        address="local",  # private: never a cluster that merely runs on this machine
         num_cpus=NUM_CPUS,
         include_dashboard=False,
         log_to_driver=False,
@@ -99,7 +100,7 @@ def rollout(ray_with_standin, compose_verl, tmp_path_factory):
         servers = list(replica.servers)
         for server in servers:
             ray.kill(server)
-        asyncio.run(backend.destroy())
+        backend.destroy()
     url = handle["rl_client_reconnect_config"]["backend"]["url"]
     with pytest.raises(ray.exceptions.RayActorError):
         ray.get([server.set_global_steps.remote(0) for server in servers], timeout=30)

@@ -100,7 +100,7 @@ def run(compose_verl, tmp_path_factory, worker_env):
         verl=RayPPOTrainer,
         checkpoints=data_dir / "checkpoints",
     )
-    asyncio.run(driver.destroy())
+    driver.destroy()
 
 
 def rollout(server, config) -> list[tuple[list[int], list[int]]]:
@@ -313,3 +313,19 @@ def test_a_bad_batch_is_refused_before_any_update(run, damage, message):
     with pytest.raises(ValueError, match=message):
         run.verl._update_actor(run.trainer, batch)
     assert torch.equal(current_log_probs(run, batch), before)  # no optimizer step happened
+
+
+def test_profile_window_writes_a_trace_of_what_ran_in_it(run, tmp_path):
+    """verl's trainer brackets a ``global_profiler.steps`` step with these calls."""
+    import json
+
+    batch = data_proto(rollout(run.server, run.config))
+    run.worker.profiler.save_path = tmp_path
+    run.worker.start_profile(role="train", profile_step=3)
+    current_log_probs(run, batch)  # the forwarder converts the batch and calls the engine
+    run.worker.stop_profile(run_command=False)
+    trace = tmp_path / f"arctic_forwarder_step3_train_rank{run.worker.rank}.json"
+    events = json.loads(trace.read_text())["traceEvents"]
+    assert any(str(e.get("name", "")).startswith("aten::") for e in events)
+    run.worker.stop_profile()  # no window open: nothing to write
+    assert [p.name for p in tmp_path.iterdir()] == [trace.name]

@@ -26,9 +26,12 @@ BIRD_REWARD=${BIRD_REWARD:?set BIRD_REWARD to the file defining compute_score fo
 MODEL=${MODEL:-Qwen/Qwen3-0.6B}
 ENGINE_GPUS=${ENGINE_GPUS:-1}
 
+# `remote_backend=arctic`, or `+remote_backend=arctic` on a verl whose defaults lack the group.
+SELECT_ARCTIC=$(python3 -m arctic_platform.integrations.verl.hydra_group)
+
 python3 -m verl.trainer.main_ppo \
     hydra.searchpath="[pkg://arctic_platform.integrations.verl.config]" \
-    remote_backend=arctic \
+    "$SELECT_ARCTIC" \
     remote_backend.arctic.backend=http \
     remote_backend.arctic.http.device=cuda \
     remote_backend.arctic.http.data_dir="$PWD/arctic-data" \

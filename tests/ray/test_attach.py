@@ -1,0 +1,92 @@
+"""``address: auto`` joins only the cluster the user means (``RAY_ADDRESS``), never a stray one.
+
+A real ``ray start --head`` runs on this machine (the stray cluster); fresh driver processes
+connect with ``auto`` with and without ``RAY_ADDRESS`` and report the cluster they joined.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from arctic_platform.server.ray_cluster import free_port
+
+pytest.importorskip("ray")
+pytestmark = pytest.mark.slow
+
+DRIVER = (
+    "import logging, ray\n"
+    "logging.basicConfig(level=logging.INFO)\n"
+    "from arctic_platform.server.ray_cluster import connect\n"
+    "connect('auto', num_cpus=1)\n"
+    "print('GCS', ray.get_runtime_context().gcs_address, flush=True)\n"
+    "ray.shutdown()\n"
+)
+
+
+@pytest.fixture
+def stray_cluster():
+    """A head node someone left running on this machine; stopped (only it) afterwards."""
+    port = free_port()
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+    temp_dir = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # short: Ray's socket paths have a limit
+    head = subprocess.Popen(
+        [
+            str(Path(sys.executable).parent / "ray"),
+            "start",
+            "--head",
+            f"--port={port}",
+            "--num-cpus=1",
+            "--include-dashboard=false",
+            "--disable-usage-stats",
+            f"--temp-dir={temp_dir}",
+            "--block",
+        ],
+        env=env,
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    yield f"127.0.0.1:{port}"
+    os.killpg(head.pid, signal.SIGTERM)
+    try:
+        head.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(head.pid, signal.SIGKILL)
+        head.wait()
+    shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def joined(env_extra: dict) -> tuple[str, str]:
+    """``(gcs address, log)`` of a fresh driver connecting with ``auto``."""
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env.update(RAY_AUTH_MODE="disabled", **env_extra)
+    deadline = time.monotonic() + 120
+    while True:  # the head may still be starting: retry until it answers
+        result = subprocess.run(
+            [sys.executable, "-c", DRIVER], env=env, capture_output=True, text=True, timeout=300
+        )
+        if result.returncode == 0 or time.monotonic() > deadline:
+            break
+        time.sleep(1)
+    assert result.returncode == 0, result.stderr[-2000:]
+    address = next(line.split()[1] for line in result.stdout.splitlines() if line.startswith("GCS"))
+    return address, result.stderr
+
+
+def test_auto_ignores_a_stray_cluster_and_joins_ray_address(stray_cluster):
+    address, log = joined({"RAY_ADDRESS": stray_cluster})
+    assert address.endswith(stray_cluster.split(":")[1])
+    assert f"joined the cluster at {stray_cluster} (from RAY_ADDRESS)" in log
+
+    address, log = joined({})
+    assert not address.endswith(":" + stray_cluster.split(":")[1])
+    assert "started a private single-machine cluster" in log
