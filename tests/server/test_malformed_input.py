@@ -62,7 +62,7 @@ def test_mutated_frames_over_every_tensor_route_are_4xx_and_change_nothing(http,
         if response.status_code >= 400:
             assert response.json()["message"]
     assert statuses.get(400, 0) > MUTATIONS // 3  # the mutations do reach the decoder
-    assert http.get("/health").json() == {"status": "OK"}
+    assert http.get("/health").json()["status"] == "OK"
     # Mutations that still decoded ran as real ops; the training ones only accumulate gradients,
     # so without a step the weights are exactly as before.
     assert same_weights(before, weights_of(trainer))
