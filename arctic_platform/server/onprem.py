@@ -164,7 +164,6 @@ def _fold_reference_job(body: dict) -> tuple[dict, dict]:
     from pydantic import ValidationError
 
     from arctic_platform.client.config import ArcticRLClientConfig
-    from arctic_platform.server.job_config import SHORT_JOB_TYPE
     from arctic_platform.server.op_bodies import describe
 
     job_type = body.get("job_type", "training")
