@@ -65,11 +65,16 @@ class SampleBatcher:
         params: dict[str, Any],
         prompt_logprobs: bool,
         submit: Callable[[Callable[[], None]], Future],
+        *,
+        key: str | None = None,
+        before: Callable[[Any], None] | None = None,
     ) -> Future:
         """Queue a request on sampling sub-job ``sub``; resolves to ``(outputs, prompt_lps)``.
 
         ``submit(runner)`` queues ``runner`` on the sub-job (the Service's guarded queue); a
-        drain is queued whenever the queue goes from empty to non-empty.
+        drain is queued whenever the queue goes from empty to non-empty. Requests batch by
+        ``key`` (default: the sub-job); ``before(engine)`` runs in the drain ahead of the
+        batch's ``generate`` (a sampler snapshot loads its weights there).
         """
         engine = sub.engine
         try:
@@ -80,23 +85,25 @@ class SampleBatcher:
             raise BadRequest(f"prompt: token ids must lie in [0, {engine.vocab_size})")
         item = _Pending(prompt, parsed, prompt_logprobs)
         with self._lock:
-            queue = self._queues.setdefault(sub.sub_job_id, _Queue())
+            queue = self._queues.setdefault(key or sub.sub_job_id, _Queue())
         with queue.lock:
             queue.pending.append(item)
             queue.arrived.notify_all()
             start = not queue.scheduled
             queue.scheduled = True
         if start:
-            drained = submit(lambda: self._drain(queue, engine))
+            drained = submit(lambda: self._drain(queue, engine, before))
             drained.add_done_callback(lambda f: self._fail_all(queue, f))
         return item.future
 
-    def _drain(self, queue: _Queue, engine) -> None:
+    def _drain(self, queue: _Queue, engine, before) -> None:
         with queue.lock:
             self._linger(queue)
             batch, queue.pending = queue.pending, []
             queue.in_flight = batch
             queue.scheduled = False
+        if before is not None:
+            before(engine)
         outputs = engine.generate([p.prompt for p in batch], [p.params for p in batch])
         start = 0
         for item in batch:
