@@ -21,6 +21,7 @@ from arctic_platform.server.http_common import owner_of, service_error_response
 from arctic_platform.server.service import Service
 from arctic_platform.server.tinker import routes as tinker_routes
 from arctic_platform.server.tinker.operations import TinkerOps
+from arctic_platform.server.tinker.session_reaper import SESSION_TIMEOUT_S
 from arctic_platform.server_identity import new_instance_id
 
 DEFAULT_MAX_BODY_BYTES = 256 * 1024 * 1024
@@ -33,14 +34,17 @@ def create_app(
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     close_service_on_shutdown: bool = True,
     instance: str | None = None,
+    tinker_session_timeout_s: float = SESSION_TIMEOUT_S,
 ) -> FastAPI:
     """An app serving ``service`` with the on-prem (ops and ``/jobs``), Cortex-compatible and
-    Tinker routers. ``instance`` is the id ``/health`` reports (a fresh one by default).
+    Tinker routers. ``instance`` is the id ``/health`` reports (a fresh one by default); Tinker
+    sessions without a heartbeat for ``tinker_session_timeout_s`` are finished.
     """
-    tinker = TinkerOps(service)
+    tinker = TinkerOps(service, session_timeout_s=tinker_session_timeout_s)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        tinker.start()
         yield
         tinker.close()
         if close_service_on_shutdown:

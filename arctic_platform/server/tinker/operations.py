@@ -30,6 +30,7 @@ from arctic_platform.server.tinker.checkpoints import (
 from arctic_platform.server.tinker.downloads import DownloadSigner
 from arctic_platform.server.tinker.futures import FutureStore, OpResult
 from arctic_platform.server.tinker.sample_batcher import SampleBatcher
+from arctic_platform.server.tinker.session_reaper import SESSION_TIMEOUT_S, SessionReaper
 from arctic_platform.server.tinker.state import Sampler, TinkerState, TrainingRun
 
 # How long create_model (and sampling on a fresh sampler) waits for the engines to load.
@@ -43,9 +44,10 @@ MLP_MODULES = ["gate_proj", "up_proj", "down_proj"]
 class TinkerOps:
     """Every Tinker op over one Service (see module doc)."""
 
-    def __init__(self, service: Service) -> None:
+    def __init__(self, service: Service, session_timeout_s: float = SESSION_TIMEOUT_S) -> None:
         self.service = service
         self.state = TinkerState()
+        self.reaper = SessionReaper(self.state, self.finish_session, session_timeout_s)
         self.futures = FutureStore()
         self.checkpoints = CheckpointStore(
             lambda owner: service.paths.tenant_root(owner) / "tinker"
@@ -58,17 +60,24 @@ class TinkerOps:
         # sampling sub-job -> the (run, snapshot) whose weights it holds; written on its queue
         self._loaded_snapshots: dict[str, tuple[str, int]] = {}
 
+    def start(self) -> None:
+        """Start the background work (the stale-session reaper); the app does at startup."""
+        self.reaper.start()
+
     def close(self) -> None:
+        self.reaper.stop()
         self._waiters.shutdown(wait=False, cancel_futures=True)
 
     # -- sessions ---------------------------------------------------------------------------
 
     def finish_session(self, session_id: str, owner: str | None) -> None:
-        """Finish a session (idempotent) and cancel the jobs it created."""
+        """Finish a session (idempotent): cancel the jobs it created, drop its runs' snapshots."""
         session = self.state.session(session_id, owner, active=False)
         if session.finished:
             return
         session.finished = True
+        for run in self.state.runs_of(session_id):
+            run.drop_snapshots()
         for job_id in session.job_ids:
             # a job that already ended on its own (failed, shut down) has nothing to cancel
             with contextlib.suppress(ServiceError):

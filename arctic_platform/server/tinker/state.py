@@ -110,14 +110,20 @@ class TrainingRun:
                 self._snapshots.popitem(last=False)
             return self._snapshot_count
 
+    def drop_snapshots(self) -> None:
+        """Release the snapshots (the run's session ended)."""
+        with self._snapshot_lock:
+            self._snapshots.clear()
+
     def snapshot(self, number: int) -> Any:
         """The adapters of snapshot ``number``; 409 once newer ones have replaced it."""
         with self._snapshot_lock:
             adapters = self._snapshots.get(number)
         if adapters is None:
             raise Conflict(
-                f"sampler weights snapshot {number} of {self.model_id} was dropped (the run keeps "
-                f"the latest {MAX_SNAPSHOTS}); create a new sampling client"
+                f"sampler weights snapshot {number} of {self.model_id} was dropped (a run keeps "
+                f"its latest {MAX_SNAPSHOTS}, none after its session ended); create a new "
+                "sampling client"
             )
         return adapters
 
@@ -157,6 +163,14 @@ class TinkerState:
         with self._lock:
             self.sessions[session.session_id] = session
         return session
+
+    def active_sessions(self) -> list[Session]:
+        with self._lock:
+            return [s for s in self.sessions.values() if not s.finished]
+
+    def runs_of(self, session_id: str) -> list[TrainingRun]:
+        with self._lock:
+            return [r for r in self.runs.values() if r.session_id == session_id]
 
     def session(self, session_id: str, owner: str | None, *, active: bool = True) -> Session:
         """The caller's session; 404 if unknown, 410 if finished (when ``active``)."""
