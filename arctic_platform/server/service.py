@@ -433,18 +433,28 @@ class Service:
             )
         return matches[0]
 
-    def submit(self, sub: SubJob, op: str, body: Any) -> Future:
+    def submit(self, sub: SubJob, op: str, body: Any, *, stop: CancelToken | None = None) -> Future:
         """Queue ``op`` on ``sub``; the future resolves to the op's result or its error.
 
         The body is validated on the caller's thread first, so a bad request fails at once (400)
         without entering the queue. Engine errors on bad tensors also fail only the request.
+        ``stop`` cancels this op alone (a Cortex ``cancel-request``), as ``job.stop`` cancels
+        every op of the job: it ends with 409 ``op_cancelled`` at its next decode step or
+        microbatch, leaving the job running and its engine as before the op.
         """
         from arctic_platform.server.ops import prepare_op
 
         self.require_running(sub)
-        return self.submit_runner(sub, op, prepare_op(self, sub, op, body))
+        return self.submit_runner(sub, op, prepare_op(self, sub, op, body), stop=stop)
 
-    def submit_runner(self, sub: SubJob, op: str, runner: Callable[[], Any]) -> Future:
+    def submit_runner(
+        self,
+        sub: SubJob,
+        op: str,
+        runner: Callable[[], Any],
+        *,
+        stop: CancelToken | None = None,
+    ) -> Future:
         """Queue ``runner`` (already validated) on ``sub`` under the name ``op``, with the same
         guards as :meth:`submit`: queue order, the concurrency slots and failure handling. Other
         APIs (Tinker) build their own runners over the engines this way."""
@@ -452,7 +462,8 @@ class Service:
         self._require_running(job)
         if sub.queue is None:
             raise Conflict(f"sub-job {sub.sub_job_id} has no engine", code="job_not_running")
-        future = sub.queue.submit(self._guarded, job, sub, op, runner)
+        stops = (job.stop,) if stop is None else (job.stop, stop)
+        future = sub.queue.submit(self._guarded, job, sub, op, runner, stops)
         with self._lock:
             job.in_flight.add(future)
         future.add_done_callback(lambda f: self._op_done(job, f))
@@ -472,7 +483,9 @@ class Service:
             raise Conflict(f"sub-job {sub.sub_job_id} has no engine", code="job_not_running")
         return sub.queue.submit(fn, *args).result()
 
-    def _guarded(self, job: Job, sub: SubJob, op: str, runner) -> Any:
+    def _guarded(
+        self, job: Job, sub: SubJob, op: str, runner, stops: tuple[CancelToken, ...]
+    ) -> Any:
         from arctic_platform.engine.errors import EngineInputError, SamplerStateError
 
         if job.cancelled.is_set():
@@ -481,7 +494,8 @@ class Service:
             self._require_running(job)
             job.last_op, job.last_op_at = op, time.time()
             try:
-                with cancellation.scope(job.stop):
+                with cancellation.scope(*stops):
+                    cancellation.check()  # cancelled while it waited for a slot
                     return runner()
             except ServiceError:
                 raise
