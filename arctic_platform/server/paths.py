@@ -66,30 +66,25 @@ class PathPolicy:
     def writable(self, owner: str | None, value: str, *, field: str) -> Path:
         """``value`` as a path inside the caller's tenant folder or a writable prefix; else a 400
         naming ``field``."""
-        if not self.confine:
-            return Path(value)
-        path = self._resolve(owner, value, field=field)
-        if self._inside_tenant(owner, path) or _under(path, self.writable_prefixes):
-            return path
-        writable = ", ".join(str(p) for p in self.writable_prefixes) or "none configured"
-        raise BadRequest(
-            f"{field}: {value!r} is outside your space ({self.tenant_root(owner)}) and the "
-            f"server's writable folders ({writable}); give a path relative to your space",
-            code="path_not_allowed",
-            field=field,
-        )
+        return self._checked(owner, value, self.writable_prefixes, "writable", field=field)
 
     def readable(self, owner: str | None, value: str, *, field: str) -> Path:
         """``value`` inside the caller's tenant folder or an allowed prefix; else a 400."""
+        return self._checked(owner, value, self.allowed, "readable", field=field)
+
+    def _checked(
+        self, owner: str | None, value: str, prefixes: tuple[Path, ...], kind: str, *, field: str
+    ) -> Path:
+        """``value`` resolved, if inside the tenant folder or under one of ``prefixes``."""
         if not self.confine:
             return Path(value)
         path = self._resolve(owner, value, field=field)
-        if self._inside_tenant(owner, path) or _under(path, self.allowed):
+        if self._inside_tenant(owner, path) or any(path.is_relative_to(p) for p in prefixes):
             return path
-        allowed = ", ".join(str(p) for p in self.allowed) or "none configured"
+        named = ", ".join(str(p) for p in prefixes) or "none configured"
         raise BadRequest(
             f"{field}: {value!r} is outside your space ({self.tenant_root(owner)}) and the "
-            f"server's readable folders ({allowed})",
+            f"server's {kind} folders ({named}); give a path relative to your space",
             code="path_not_allowed",
             field=field,
         )
@@ -128,7 +123,3 @@ class PathPolicy:
 
     def _inside_tenant(self, owner: str | None, path: Path) -> bool:
         return path.is_relative_to(self.tenant_root(owner).resolve())
-
-
-def _under(path: Path, prefixes: Iterable[Path]) -> bool:
-    return any(path.is_relative_to(prefix) for prefix in prefixes)
