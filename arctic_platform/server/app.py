@@ -33,9 +33,12 @@ def create_app(
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     close_service_on_shutdown: bool = True,
     instance: str | None = None,
+    metrics_auth: TokenAuth | None = None,
 ) -> FastAPI:
     """An app serving ``service`` with the on-prem (ops and ``/jobs``), Cortex-compatible and
-    Tinker routers. ``instance`` is the id ``/health`` reports (a fresh one by default).
+    Tinker routers. ``instance`` is the id ``/health`` reports (a fresh one by default);
+    ``metrics_auth`` holds the operator's scrape token, the one that sees every job in
+    ``/metrics``.
     """
     tinker = TinkerOps(service)
 
@@ -49,6 +52,7 @@ def create_app(
     app = FastAPI(title="arctic-platform", lifespan=lifespan)
     app.state.service = service
     app.state.auth = auth or TokenAuth([])
+    app.state.metrics_auth = metrics_auth or TokenAuth([])
     app.state.max_body_bytes = max_body_bytes
     app.state.instance = instance or new_instance_id()
     app.state.tinker = tinker
@@ -64,9 +68,13 @@ def create_app(
 
 
 async def _metrics(request: Request) -> Response:
-    """Prometheus metrics of the Service (see server/metrics.py); needs a token like any route."""
-    owner_of(request)
-    body = request.app.state.service.metrics.exposition()
+    """Prometheus metrics of the Service (see server/metrics.py): every job's series for the
+    operator's scrape token, the caller's own jobs for a tenant's token."""
+    service = request.app.state.service
+    if request.app.state.metrics_auth.holds(request.headers.get("authorization")):
+        body = service.metrics_exposition(owner=None, every_tenant=True)
+    else:
+        body = service.metrics_exposition(owner=owner_of(request))
     return Response(content=body, media_type=CONTENT_TYPE_LATEST)
 
 

@@ -55,6 +55,8 @@ class TinkerOps:
         self._waiters = ThreadPoolExecutor(max_workers=8, thread_name_prefix="tinker-wait")
         self._shared_lock = threading.Lock()
         self._batcher = SampleBatcher()
+        # sampling sub-job -> the (run, snapshot) whose weights it holds; written on its queue
+        self._loaded_snapshots: dict[str, tuple[str, int]] = {}
 
     def close(self) -> None:
         self._waiters.shutdown(wait=False, cancel_futures=True)
@@ -265,22 +267,50 @@ class TinkerOps:
             self.checkpoints.set_ttl(path, owner, ttl_seconds)
 
     def _sync_to_sampler(self, run: TrainingRun, owner):
-        """``save_weights_and_get_sampling_client``: the run's sampler gets the trainer's merged
-        weights; the new sampling session names it."""
+        """``save_weights_and_get_sampling_client``: a snapshot of the trainer's adapters, which
+        the run's sampler loads before sampling for it (:mod:`.state`). A trainer whose weights
+        live elsewhere (Ray workers) syncs them into the sampler instead, latest weights only."""
         from arctic_platform.server.ops import prepare_op
 
         def runner(engine) -> OpResult:
-            sub = self.service.resolve(run.training_sub_job, owner=owner)
-            sync = prepare_op(
-                self.service, sub, "weight-sync", {"target_sub_job_ids": [run.sampling_sub_job]}
-            )
-            sync()
+            snapshot = None
+            if getattr(engine, "sync_weights_to", None) is None:
+                from arctic_platform.engine.weights import snapshot_adapters
+
+                snapshot = (run.model_id, run.add_snapshot(snapshot_adapters(engine.model)))
+            else:
+                sub = self.service.resolve(run.training_sub_job, owner=owner)
+                body = {"target_sub_job_ids": [run.sampling_sub_job]}
+                prepare_op(self.service, sub, "weight-sync", body)()
             sampler = self.state.add_sampler(
-                Sampler(uuid.uuid4().hex, owner, run.base_model, run.sampling_sub_job)
+                Sampler(
+                    uuid.uuid4().hex, owner, run.base_model, run.sampling_sub_job, snapshot=snapshot
+                )
             )
             return OpResult(json={"sampling_session_id": sampler.sampler_id})
 
         return runner
+
+    def _snapshot_loader(self, sampler: Sampler, owner):
+        """``(batch key, load)`` for a snapshot sampler: ``load(engine)`` runs on the sampling
+        sub-job's queue before a batch of this snapshot and loads its merged weights unless they
+        are the ones loaded."""
+        model_id, number = sampler.snapshot
+        run = self.state.run(model_id, owner)
+        adapters = run.snapshot(number)  # a dropped snapshot is refused before a request id
+        wanted = (model_id, number)
+
+        def load(engine) -> None:
+            from arctic_platform.engine.weights import export_weights
+
+            if self._loaded_snapshots.get(sampler.sub_job_id) == wanted:
+                return
+            trainer = self.service.resolve(run.training_sub_job, owner=owner).engine
+            # the trainer's base weights are frozen, so reading them beside its training is safe
+            engine.load_weights(export_weights(trainer.model, adapters=adapters))
+            self._loaded_snapshots[sampler.sub_job_id] = wanted
+
+        return f"{sampler.sub_job_id}@{number}", load
 
     def load_weights(self, body: bodies.LoadWeightsBody, owner: str | None) -> str:
         def checked_path():
@@ -380,13 +410,18 @@ class TinkerOps:
         want_prompt_logprobs = bool(body.prompt_logprobs)
         if body.topk_prompt_logprobs or body.topk_sample_logprobs:
             raise BadRequest("topk_prompt_logprobs/topk_sample_logprobs: not supported here")
+        key, load = sampler.sub_job_id, None
+        if sampler.snapshot is not None:
+            key, load = self._snapshot_loader(sampler, owner)
         job_id = sampler.sub_job_id.split(":", 1)[0]
         outer: Future = Future()
 
         def attach() -> None:
             sub = self.service.resolve(sampler.sub_job_id, owner=owner)
             submit = partial(self.service.submit_runner, sub, "generate")
-            done = self._batcher.add(sub, prompt, params, want_prompt_logprobs, submit)
+            done = self._batcher.add(
+                sub, prompt, params, want_prompt_logprobs, submit, key=key, before=load
+            )
             done.add_done_callback(lambda f: _sample_result(f, outer))
 
         if self.service.get_job(job_id, owner=owner)["status"] == "running":
