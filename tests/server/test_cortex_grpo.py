@@ -175,6 +175,10 @@ def test_context_wins_and_a_conflict_is_refused(http, service):
     ("change", "message"),
     [
         ({"processing": {"loss_fn": "grpo_typo"}}, "unknown loss 'grpo_typo'"),
+        (
+            {"processing": {"loss_fn": "grpo_echo_v1", "config": {"aux_ce_weight": 0.1}}},
+            "loss 'grpo_echo_v1' is not supported by this server",
+        ),
         ({"processing": {"post": ["compute_logprob"], "loss_fn": "grpo"}}, "compute_logprob"),
         ({"context_extra": {"versions": torch.zeros(4, WIDTH)}}, "context.versions"),
         (
