@@ -7,7 +7,7 @@ client-only install). Nothing here imports torch unless torch is the chosen type
 
 from __future__ import annotations
 
-import sys
+import importlib.util
 from collections.abc import Mapping
 from typing import Any, Literal
 
@@ -19,19 +19,13 @@ TensorType = Literal["numpy", "torch"]
 
 
 def resolve_tensor_type(setting: str) -> TensorType:
-    """``numpy`` or ``torch`` for a config value (``auto`` probes whether torch imports)."""
+    """``numpy`` or ``torch`` for a config value (``auto``: whether torch is installed)."""
     if setting in ("numpy", "torch"):
         return setting  # type: ignore[return-value]
-    try:
-        import torch  # noqa: F401
-    except ImportError:
-        return "numpy"
-    return "torch"
+    return "torch" if importlib.util.find_spec("torch") is not None else "numpy"
 
 
-def is_torch_tensor(value: Any) -> bool:
-    torch = sys.modules.get("torch")
-    return torch is not None and isinstance(value, torch.Tensor)
+is_torch_tensor = wire.is_torch_tensor
 
 
 def is_tensor(value: Any) -> bool:

@@ -15,6 +15,9 @@ refused, naming the field. Scalars (``dp_size``, ``batch_num_tokens``, ``global_
 ``temperature``, ...) become ``meta``. Context keys this server has no use for (async PPO
 ``versions``, ECHO masks, ...) are refused rather than dropped, so a client never trains an
 objective it did not ask for.
+
+The moved fields are numpy arrays (the engine takes numpy or torch per field); a tensor whose
+dtype numpy lacks (bf16, float8) is widened to float32, which holds its values exactly.
 """
 
 from __future__ import annotations
@@ -23,8 +26,8 @@ from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
-import torch
 
+from arctic_platform import wire
 from arctic_platform.server.errors import BadRequest
 
 # Shifted per-token context tensors -> the engine's position-indexed batch fields.
@@ -65,26 +68,31 @@ def context_into_batch(
     return out, meta
 
 
-def _as_tensor(name: str, value: Any, *, op: str) -> torch.Tensor:
-    if isinstance(value, np.ndarray):
-        return torch.from_numpy(np.ascontiguousarray(value))
-    if isinstance(value, torch.Tensor):
-        return value
-    raise BadRequest(f"{op}: context.{name}: expected a [B, S] tensor, got {type(value).__name__}")
+def _as_array(name: str, value: Any, *, op: str) -> np.ndarray:
+    """A context tensor (numpy, or torch as the HTTP edges decode it) as a numpy array."""
+    if wire.is_torch_tensor(value):
+        value = wire.to_numpy(value)
+    if not isinstance(value, np.ndarray):
+        raise BadRequest(
+            f"{op}: context.{name}: expected a [B, S] tensor, got {type(value).__name__}"
+        )
+    if value.dtype.kind not in "biuf":  # ml_dtypes floats (bf16, float8)
+        value = value.astype(np.float32)
+    return value
 
 
 def _check_same_ids(batch: Mapping, value: Any, *, op: str) -> None:
-    ids = _as_tensor("input_ids", value, op=op)
+    ids = _as_array("input_ids", value, op=op)
     if "input_ids" not in batch:
         raise BadRequest(f"{op}: kwargs.input_ids: required (context.input_ids is not the input)")
-    given = _as_tensor("input_ids", batch["input_ids"], op=op)
-    if ids.shape != given.shape or not torch.equal(ids.long(), given.long()):
+    given = _as_array("input_ids", batch["input_ids"], op=op)
+    if ids.shape != given.shape or not np.array_equal(ids.astype(np.int64), given.astype(np.int64)):
         raise BadRequest(f"{op}: context.input_ids differs from kwargs.input_ids")
 
 
-def _unshift(name: str, value: Any, batch: Mapping, *, op: str) -> torch.Tensor:
+def _unshift(name: str, value: Any, batch: Mapping, *, op: str) -> np.ndarray:
     """Shifted ``[B, S]`` -> position-indexed ``[B, S]`` (column ``i`` moves to ``i + 1``)."""
-    shifted = _as_tensor(name, value, op=op)
+    shifted = _as_array(name, value, op=op)
     ids = batch.get("input_ids")
     width = None if ids is None else tuple(ids.shape)
     if shifted.ndim != 2 or (width is not None and tuple(shifted.shape) != width):
@@ -92,12 +100,12 @@ def _unshift(name: str, value: Any, batch: Mapping, *, op: str) -> torch.Tensor:
             f"{op}: context.{name}: expected shape {list(width or ['B', 'S'])} like input_ids, "
             f"got {list(shifted.shape)}"
         )
-    selects_last = name == "loss_mask" and bool(shifted[:, -1].bool().any())
+    selects_last = name == "loss_mask" and bool(shifted[:, -1].astype(bool).any())
     if selects_last:
         raise BadRequest(
             f"{op}: context.loss_mask selects the last column, which would score a token past "
             "the end of the row (context tensors are shifted: column i scores input_ids[:, i+1])"
         )
-    out = torch.zeros_like(shifted)
+    out = np.zeros_like(shifted)
     out[:, 1:] = shifted[:, :-1]
     return out
