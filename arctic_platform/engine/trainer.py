@@ -36,6 +36,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from arctic_platform.contract.bodies import learning_rate_problem
 from arctic_platform.contract.results import loss_fields
 from arctic_platform.engine import checkpoint as ckpt
 from arctic_platform.engine.config import TrainingEngineConfig
@@ -47,7 +48,7 @@ from arctic_platform.engine.forward import (
     prepare_training_request,
     scored_microbatches,
 )
-from arctic_platform.engine.meta import to_float, to_int
+from arctic_platform.engine.meta import to_int
 from arctic_platform.engine.metrics import MetricSums
 from arctic_platform.engine.models import (
     MODEL_INIT_LOCK,
@@ -165,10 +166,10 @@ class TrainingEngine:
     ) -> dict | None:
         """Position-indexed ``logprobs`` ``[B, S]`` float32 (+ ``entropy`` when asked), no grad.
 
-        Entropy is computed when ``processing.config.calculate_entropy`` or
-        ``meta.calculate_entropy`` is true, or when ``processing.post`` names
-        ``compute_entropy_and_logprobs`` and neither says otherwise. With a ``processing.loss_fn``
-        the loss's metrics and ``avg_loss`` are returned too (no gradient).
+        Entropy is computed when ``meta.calculate_entropy`` is true (the one knob; its older
+        spellings are folded into it, :func:`arctic_platform.engine.meta.parse_request`). With a
+        ``processing.loss_fn`` the loss's metrics and ``avg_loss`` are returned too (no
+        gradient).
         """
         request, calls = self._prepare_agreed(batch, meta, processing, backward=False)
         self._wake_if_offloaded()
@@ -188,10 +189,9 @@ class TrainingEngine:
         Returns ``grad_norm`` (before clipping), ``last_lr`` (the rate this update used),
         ``global_steps`` and ``metrics`` with the same plus ``skipped``.
         """
-        if learning_rate is not None:
-            learning_rate = to_float("learning_rate", learning_rate)
-            if learning_rate <= 0:
-                raise EngineInputError("learning_rate", f"must be > 0, got {learning_rate}")
+        problem = learning_rate_problem(learning_rate)
+        if problem is not None:
+            raise EngineInputError(problem.field, problem.message)
         self._wake_if_offloaded()
         if learning_rate is not None:
             self._set_peak_lr(learning_rate)

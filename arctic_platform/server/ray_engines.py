@@ -37,6 +37,7 @@ from typing import Any
 
 import numpy as np
 
+from arctic_platform.contract.job_config import API_JOB_TYPE
 from arctic_platform.contract.results import FORWARD_OUTPUTS, loss_fields
 from arctic_platform.server.dp_split import merge_rows, split_by_tokens, take_rows
 from arctic_platform.server.ray_placement import JobShape, Placement
@@ -441,7 +442,7 @@ class RayEngines:
         return JobShape(
             training_workers=workers,
             samplers=kinds.count("sampling"),
-            scorers=kinds.count("log_probability"),
+            scorers=kinds.count(API_JOB_TYPE["log_prob"]),
         )
 
 

@@ -185,4 +185,5 @@ class VerlGrpoLoss:
         return LossOutput(loss=loss, metrics=metrics)
 
 
-register_loss("verl_grpo")(VerlGrpoLoss)
+LOSS_NAME = "verl_grpo"
+register_loss(LOSS_NAME)(VerlGrpoLoss)
