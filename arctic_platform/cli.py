@@ -137,6 +137,13 @@ def serve(
         str | None,
         typer.Option(help="Environment variable holding the bearer token(s), comma-separated."),
     ] = None,
+    metrics_token_env: Annotated[
+        str | None,
+        typer.Option(
+            help="Environment variable holding the operator's scrape token(s): GET /metrics "
+            "with it shows every tenant's jobs (a tenant's token shows only its own).",
+        ),
+    ] = None,
     data_dir: Annotated[Path, typer.Option(help="Where checkpoints and job metadata live.")] = Path(
         "arctic-data"
     ),
@@ -186,6 +193,14 @@ def serve(
         typer.Option(
             help="A folder clients may read models and checkpoints from (repeatable); otherwise "
             "every client path stays in its tenant's folder under --data-dir.",
+        ),
+    ] = None,
+    allow_write_path: Annotated[
+        list[Path] | None,
+        typer.Option(
+            help="A folder clients may also save checkpoints into, and load them back from "
+            "(repeatable; every tenant shares it). A server launched by its user's own driver "
+            "passes /.",
         ),
     ] = None,
     max_ops_per_tenant: Annotated[
@@ -239,6 +254,7 @@ def serve(
         host=host,
         port=port,
         token_env=token_env,
+        metrics_token_env=metrics_token_env,
         data_dir=data_dir,
         device=device,
         max_body_mb=max_body_mb,
@@ -251,6 +267,7 @@ def serve(
         sampling_engine=sampling_engine,
         vllm_python=None if vllm_python is None else str(vllm_python),
         allowed_paths=tuple(allow_path or ()),
+        writable_paths=tuple(allow_write_path or ()),
         max_ops_per_tenant=max_ops_per_tenant,
         drain_timeout=drain_timeout,
         limits=ServerLimits(

@@ -15,6 +15,10 @@ from typing import Any
 from arctic_platform import __version__
 
 SERVER_NAME = "arctic-platform"
+# The path prefixes a server launched by its one user's own driver (``launch_local_server``, the
+# ray backend's state actor) lets clients read and save under: it runs as that user, for that
+# driver, so a framework's absolute checkpoint folder means what it says (server/paths.py).
+OWN_USER_PREFIXES = ("/",)
 
 
 def new_instance_id() -> str:

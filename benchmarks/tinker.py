@@ -10,8 +10,10 @@ sequences (sampler log-probs as the old policy, group-centred advantages), one o
 * Ours (``http`` backend): ``sync_weights`` -> one ``generate`` (``n`` per prompt) ->
   ``fwd_bwd`` with the same loss -> ``step``.
 
-Both train a LoRA adapter of the same rank and scale on the same base model. Reported: the median
-step time of each after a warm-up step, and their ratio (target: Tinker <= 1.2x ours).
+Both train a LoRA adapter of the same rank and scale on the same base model. The two loops' steps
+alternate in one run (the machine may be shared; alternation spreads outside load over both).
+Reported: the median step time of each after a warm-up step, their ratio (target: Tinker <= 1.2x
+ours) and the ratio of each alternated pair.
 
 Run: ``python -m benchmarks.tinker [--model builtin:small --groups 8 --samples 8 --steps 5]``;
 writes ``benchmarks/results/tinker.json``. Needs the ``tinker`` extra (Python >= 3.11).
@@ -58,17 +60,23 @@ def reward(tokens: list[int]) -> float:
     return float(len(tokens) % 2)
 
 
-def tinker_steps(url: str, model: str, groups: int, samples: int, steps: int) -> list[float]:
-    service = tinker.ServiceClient(base_url=url, api_key="tml-bench")
-    trainer = service.create_lora_training_client(base_model=model, rank=RANK, seed=0).result()
-    params = types.SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0)
-    times = []
-    for step in range(steps + 1):
-        started = time.perf_counter()
+class TinkerLoop:
+    """The step through the Tinker SDK."""
+
+    def __init__(self, url: str, model: str, groups: int, samples: int) -> None:
+        self.service = tinker.ServiceClient(base_url=url, api_key="tml-bench")
+        self.trainer = self.service.create_lora_training_client(
+            base_model=model, rank=RANK, seed=0
+        ).result()
+        self.params = types.SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0)
+        self.prompts, self.samples = prompts(groups), samples
+
+    def step(self) -> None:
+        trainer = self.trainer
         sampler = trainer.save_weights_and_get_sampling_client().result()
         futures = [
-            (p, sampler.sample(types.ModelInput.from_ints(p), samples, params))
-            for p in prompts(groups)
+            (p, sampler.sample(types.ModelInput.from_ints(p), self.samples, self.params))
+            for p in self.prompts
         ]
         data = []
         for prompt, future in futures:
@@ -90,59 +98,88 @@ def tinker_steps(url: str, model: str, groups: int, samples: int, steps: int) ->
         optim = trainer.optim_step(types.AdamParams(learning_rate=LEARNING_RATE))
         fwd_bwd.result()
         optim.result()
-        if step:  # the first step warms up
-            times.append(time.perf_counter() - started)
-    service.close("success").result()
-    return times
+
+    def close(self) -> None:
+        self.service.close("success").result()
 
 
-def client_steps(url: str, model: str, groups: int, samples: int, steps: int) -> list[float]:
-    config = {
-        "model": model,
-        "seed": 0,
-        "backend": {"type": "http", "url": url},
-        "training": {
-            "optimizer": {"lr": LEARNING_RATE},
-            "lora": {"r": RANK, "alpha": float(RANK)},
-        },
-        "sampling": {},
+class ClientLoop:
+    """The same step through our own client (``http`` backend)."""
+
+    def __init__(self, url: str, model: str, groups: int, samples: int) -> None:
+        config = {
+            "model": model,
+            "seed": 0,
+            "backend": {"type": "http", "url": url},
+            "training": {
+                "optimizer": {"lr": LEARNING_RATE},
+                "lora": {"r": RANK, "alpha": float(RANK)},
+            },
+            "sampling": {},
+        }
+        self.client = create_arctic_rl_client(config, blocking_calls=True)
+        self.prompts, self.samples = prompts(groups), samples
+        self.sampling = {"n": samples, "max_tokens": MAX_TOKENS, "temperature": 1.0, "logprobs": 0}
+
+    def step(self) -> None:
+        client, samples = self.client, self.samples
+        client.sync_weights()
+        outputs = client.generate(prompt_ids=self.prompts, sampling_params=self.sampling)
+        rows = []
+        for g, prompt in enumerate(self.prompts):
+            group = outputs[g * samples : (g + 1) * samples]
+            adv = advantages([reward(o["token_ids"]) for o in group])
+            rows += [(prompt, o, a) for o, a in zip(group, adv, strict=True)]
+        width = max(len(p) + len(o["token_ids"]) for p, o, _ in rows)
+        batch = {
+            name: np.zeros((len(rows), width), dtype)
+            for name, dtype in (
+                ("input_ids", np.int64),
+                ("attention_mask", np.int64),
+                ("loss_mask", np.int64),
+                ("old_log_probs", np.float32),
+                ("advantages", np.float32),
+            )
+        }
+        for i, (prompt, out, adv) in enumerate(rows):
+            ids, start = prompt + out["token_ids"], len(prompt)
+            batch["input_ids"][i, : len(ids)] = ids
+            batch["attention_mask"][i, : len(ids)] = 1
+            batch["loss_mask"][i, start : len(ids)] = 1
+            old = [t["logprob"] for t in out["logprobs"]]
+            batch["old_log_probs"][i, start : len(ids)] = old
+            batch["advantages"][i, start : len(ids)] = adv
+        client.fwd_bwd({"batch": batch, "processing": PROCESSING})
+        client.step(LEARNING_RATE)
+
+    def close(self) -> None:
+        self.client.close()
+
+
+def timed(step) -> float:
+    started = time.perf_counter()
+    step()
+    return time.perf_counter() - started
+
+
+def alternated_steps(url: str, model: str, groups: int, samples: int, steps: int) -> dict:
+    """Both loops on one server, their steps alternated (and which goes first alternated too),
+    so load from other processes on the machine falls on both alike. One warm-up step each."""
+    loops = {
+        "arctic_client": ClientLoop(url, model, groups, samples),
+        "tinker_sdk": TinkerLoop(url, model, groups, samples),
     }
-    batch_prompts = prompts(groups)
-    sampling = {"n": samples, "max_tokens": MAX_TOKENS, "temperature": 1.0, "logprobs": 0}
-    times = []
-    with create_arctic_rl_client(config, blocking_calls=True) as client:
-        for step in range(steps + 1):
-            started = time.perf_counter()
-            client.sync_weights()
-            outputs = client.generate(prompt_ids=batch_prompts, sampling_params=sampling)
-            rows = []
-            for g, prompt in enumerate(batch_prompts):
-                group = outputs[g * samples : (g + 1) * samples]
-                adv = advantages([reward(o["token_ids"]) for o in group])
-                rows += [(prompt, o, a) for o, a in zip(group, adv, strict=True)]
-            width = max(len(p) + len(o["token_ids"]) for p, o, _ in rows)
-            batch = {
-                name: np.zeros((len(rows), width), dtype)
-                for name, dtype in (
-                    ("input_ids", np.int64),
-                    ("attention_mask", np.int64),
-                    ("loss_mask", np.int64),
-                    ("old_log_probs", np.float32),
-                    ("advantages", np.float32),
-                )
-            }
-            for i, (prompt, out, adv) in enumerate(rows):
-                ids, start = prompt + out["token_ids"], len(prompt)
-                batch["input_ids"][i, : len(ids)] = ids
-                batch["attention_mask"][i, : len(ids)] = 1
-                batch["loss_mask"][i, start : len(ids)] = 1
-                old = [t["logprob"] for t in out["logprobs"]]
-                batch["old_log_probs"][i, start : len(ids)] = old
-                batch["advantages"][i, start : len(ids)] = adv
-            client.fwd_bwd({"batch": batch, "processing": PROCESSING})
-            client.step(LEARNING_RATE)
-            if step:
-                times.append(time.perf_counter() - started)
+    try:
+        for loop in loops.values():
+            loop.step()
+        times: dict[str, list[float]] = {name: [] for name in loops}
+        for i in range(steps):
+            order = list(loops) if i % 2 == 0 else list(reversed(loops))
+            for name in order:
+                times[name].append(timed(loops[name].step))
+    finally:
+        for loop in loops.values():
+            loop.close()
     return times
 
 
@@ -158,10 +195,11 @@ def main() -> None:
         tempfile.TemporaryDirectory() as tmp,
         LocalServer(data_dir=Path(tmp) / "server", device="cpu") as url,
     ):
-        ours = client_steps(url, *shape)
-        sdk = tinker_steps(url, *shape)
+        times = alternated_steps(url, *shape)
+    sdk, ours = times["tinker_sdk"], times["arctic_client"]
     median = {"tinker_sdk": statistics.median(sdk), "arctic_client": statistics.median(ours)}
     ratio = round(median["tinker_sdk"] / median["arctic_client"], 3)
+    pairs = [round(t / o, 3) for t, o in zip(sdk, ours, strict=True)]
     write_result(
         "tinker",
         {
@@ -176,6 +214,7 @@ def main() -> None:
             "step_seconds": {"tinker_sdk": sdk, "arctic_client": ours},
             "median_step_seconds": median,
             "ratio_tinker_vs_client": ratio,
+            "ratio_per_step_pair": pairs,
             "target": 1.2,
             "target_met": ratio <= 1.2,
         },

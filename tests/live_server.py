@@ -1,11 +1,18 @@
-"""Our real server for tests: an ASGI app served by uvicorn in a thread on a free loopback port."""
+"""Our real server for tests: an ASGI app served by uvicorn in a thread on a free loopback port,
+or a whole ``arctic-platform serve`` process (for signals: SIGTERM, SIGSTOP)."""
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+
+import httpx
 
 from arctic_platform.client.local_server import free_port
 
@@ -30,3 +37,60 @@ def serve_app(app) -> Iterator[str]:
     finally:
         server.should_exit = True
         thread.join(timeout=30)
+
+
+@contextmanager
+def serve_process(data_dir, *extra: str, env: dict | None = None):
+    port = free_port()
+    command = [
+        sys.executable,
+        "-m",
+        "arctic_platform.cli",
+        "serve",
+        "--port",
+        str(port),
+        "--data-dir",
+        str(data_dir),
+        "--device",
+        "cpu",
+        "--log-level",
+        "warning",
+        *extra,
+    ]
+    process = subprocess.Popen(
+        command, env={**os.environ, **(env or {})}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                break
+        except httpx.TransportError:
+            pass
+        if process.poll() is not None or time.monotonic() > deadline:
+            output = process.stdout.read().decode(errors="replace")
+            process.kill()
+            raise RuntimeError(f"server did not start:\n{output}")
+        time.sleep(0.1)
+    try:
+        yield process, url
+    finally:
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                process.kill()
+        process.stdout.close()
+
+
+@contextmanager
+def stopped(process: subprocess.Popen) -> Iterator[None]:
+    """The server process stopped (SIGSTOP: it holds its sockets but answers nothing) for the
+    body, then continued."""
+    process.send_signal(signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        process.send_signal(signal.SIGCONT)

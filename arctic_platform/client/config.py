@@ -80,7 +80,16 @@ class InProcessBackend(_Section):
     job_ready_timeout: PositiveFloat = 1800.0
 
 
-class HttpBackend(_Section):
+class _WatchesLiveness(_Section):
+    """A server reached over the network, whose silence during a long op is noticed."""
+
+    # While an op is in flight the server must answer a probe (the on-prem API's /health, the
+    # Cortex API's capacity) within this many seconds, else the op fails naming a hung or stopped
+    # server (None: wait up to request_timeout, or poll_timeout).
+    liveness_timeout: PositiveFloat | None = 30.0
+
+
+class HttpBackend(_WatchesLiveness):
     """An ``arctic-platform serve`` process (the on-prem API).
 
     Give ``url``, or ``host`` and ``port``. ``token_env`` names the environment variable holding
@@ -101,9 +110,6 @@ class HttpBackend(_Section):
     job_ready_timeout: PositiveFloat = 1800.0
     request_timeout: PositiveFloat = 1800.0
     connect_retries: NonNegativeInt = 3
-    # While an op is in flight the server's /health must answer within this many seconds, else
-    # the op fails naming a hung or stopped server (None: wait up to request_timeout).
-    liveness_timeout: PositiveFloat | None = 30.0
 
     @model_validator(mode="after")
     def _check(self) -> HttpBackend:
@@ -123,7 +129,7 @@ class HttpBackend(_Section):
         return f"http://{host}:{self.port}"
 
 
-class CortexBackend(_Section):
+class CortexBackend(_WatchesLiveness):
     """A server speaking the Cortex/SnowAPI job API (``arctic-platform serve`` included).
 
     ``base_url`` (e.g. ``http://127.0.0.1:7000``) or ``host`` (an account host; the URL is then
@@ -136,7 +142,8 @@ class CortexBackend(_Section):
     ``poll_max_interval``, for at most ``poll_timeout`` s. Request bodies above
     ``max_request_bytes`` travel as chunk groups. Transient failures are retried ``max_retries``
     times, waiting from ``retry_initial_wait`` up to ``retry_max_wait`` seconds (exponential, with
-    jitter).
+    jitter). While an op is in flight, a server that leaves ``GET {prefix}/capacity`` unanswered
+    for ``liveness_timeout`` seconds fails the op naming a hung or stopped server.
     """
 
     type: Literal["cortex"] = "cortex"

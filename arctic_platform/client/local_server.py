@@ -6,9 +6,11 @@ its log is visible; if it dies before answering ``/health`` the error carries it
 
 The launched server never outlives its launcher: it is stopped at interpreter exit (``atexit``,
 for drivers that never call ``shutdown()``), and it stops itself when this process dies, even by
-SIGKILL (``serve --parent-pid``, :mod:`arctic_platform.server.parent_watch`). Healthy means *our*
-server answers: the child gets a fresh instance id and ``/health`` must report it, so another
-process answering on the port is refused rather than trusted.
+SIGKILL (``serve --parent-pid``, :mod:`arctic_platform.server.parent_watch`). It runs as this
+user for this user's driver, so it reads and saves wherever the driver's paths point
+(``--allow-path / --allow-write-path /``; relative paths still land in its data folder).
+Healthy means *our* server answers: the child gets a fresh instance id and ``/health`` must
+report it, so another process answering on the port is refused rather than trusted.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from pathlib import Path
 import httpx
 
 from arctic_platform.client.errors import BackendUnavailableError, RequestTimeoutError
-from arctic_platform.server_identity import identity_problem, new_instance_id
+from arctic_platform.server_identity import OWN_USER_PREFIXES, identity_problem, new_instance_id
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +84,8 @@ class LocalServer:
             str(os.getpid()),
             *self.extra_args,
         ]
+        for prefix in OWN_USER_PREFIXES:  # this user's own server, for this driver's paths
+            command += ["--allow-path", prefix, "--allow-write-path", prefix]
         if self.token_env is not None:
             command += ["--token-env", self.token_env]
         log.info("launching a local server: %s", " ".join(command[3:]))

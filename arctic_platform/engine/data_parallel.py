@@ -59,23 +59,46 @@ _FullState = tuple[torch.nn.Module, object]
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
+def open_rendezvous(host: str, world_size: int, *, timeout_s: float) -> dist.TCPStore:
+    """Rank 0: the process group's key-value store, listening on a port the OS picks.
+
+    Binding port 0 inside the store (rather than probing for a free port and binding it later)
+    leaves no window in which another process, or another job's rank 0, can take the port, which
+    would make the ranks of one job meet in different stores and wait forever.
+    """
+    return dist.TCPStore(
+        host,
+        0,
+        world_size,
+        is_master=True,
+        timeout=datetime.timedelta(seconds=timeout_s),
+        wait_for_workers=False,
+    )
+
+
 def join_process_group(
-    rank: int, world_size: int, master_addr: str, master_port: int, *, timeout_s: float
+    rank: int,
+    world_size: int,
+    master_addr: str,
+    master_port: int,
+    *,
+    timeout_s: float,
+    store: dist.TCPStore | None = None,
 ) -> str:
-    """Join the group of ``world_size`` ranks rendezvousing at ``master_addr:master_port``.
+    """Join the group of ``world_size`` ranks meeting at rank 0's store ``master_addr:master_port``
+    (rank 0 passes the ``store`` it opened with :func:`open_rendezvous`).
 
     NCCL when this process sees a CUDA device, gloo otherwise. Returns the backend name.
     """
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(0)  # Ray exposes exactly the worker's GPU as device 0
-    dist.init_process_group(
-        backend,
-        init_method=f"tcp://{master_addr}:{master_port}",
-        rank=rank,
-        world_size=world_size,
-        timeout=datetime.timedelta(seconds=timeout_s),
-    )
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if store is None:
+        store = dist.TCPStore(
+            master_addr, master_port, world_size, is_master=False, timeout=timeout
+        )
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
     return backend
 
 

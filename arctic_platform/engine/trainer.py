@@ -9,6 +9,8 @@ Semantics clients rely on:
   the batch was split, into calls, microbatches or packed rows.
 * **Validation first**: a request is parsed, checked and planned before any model, optimizer or
   gradient state changes; bad input raises :class:`EngineInputError` naming the field.
+* **All or nothing**: a ``forward_backward`` stopped between microbatches (its request or job
+  cancelled, see :mod:`arctic_platform.engine.cancellation`) adds no gradient at all.
 * **step** applies AdamW with gradient clipping and the LR schedule. A non-finite gradient norm
   skips the update: gradients are dropped, weights, optimizer state and schedule are untouched,
   ``global_steps`` does not advance, and ``metrics["skipped"]`` is 1.
@@ -25,6 +27,7 @@ Semantics clients rely on:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import gc
 import math
@@ -146,16 +149,17 @@ class TrainingEngine:
             if with_logprobs:
                 logprobs = torch.zeros(request.batch.input_ids.shape)
         batches = self._microbatches(request)
-        for i in range(calls):
-            with self.parallel.gradient_sync(last=i == calls - 1):
-                item = next(batches, None)  # the forward runs inside the sync context
-                if item is None:  # a busier rank has more microbatches
-                    self.parallel.dummy_call(backward=True)
-                    continue
-                mb, outputs, rows = item
-                self._backward(request, outputs, rows, sums)
-            if logprobs is not None:
-                logprobs[mb.rows] = outputs["logprobs"].detach().float().cpu()
+        with self._gradients_unchanged_unless_finished():
+            for i in range(calls):
+                with self.parallel.gradient_sync(last=i == calls - 1):
+                    item = next(batches, None)  # the forward runs inside the sync context
+                    if item is None:  # a busier rank has more microbatches
+                        self.parallel.dummy_call(backward=True)
+                        continue
+                    mb, outputs, rows = item
+                    self._backward(request, outputs, rows, sums)
+                if logprobs is not None:
+                    logprobs[mb.rows] = outputs["logprobs"].detach().float().cpu()
         answer = self._backward_answer(sums)
         if logprobs is not None:
             answer["logprobs"] = logprobs
@@ -363,6 +367,20 @@ class TrainingEngine:
         result = request.loss(outputs, rows)
         result.loss.backward()
         sums.add(result.metrics)
+
+    @contextlib.contextmanager
+    def _gradients_unchanged_unless_finished(self):
+        """A ``forward_backward`` that stops part-way (its request cancelled between microbatches,
+        or an error) leaves the accumulated gradients exactly as they were before the call: no
+        half batch survives to the next ``step``. Costs a copy of the gradients only when some
+        are already accumulated (the first call after a ``step`` starts from none)."""
+        before = [None if p.grad is None else p.grad.clone() for p in self._trainable]
+        try:
+            yield
+        except BaseException:
+            for param, grad in zip(self._trainable, before, strict=True):
+                param.grad = grad
+            raise
 
     @staticmethod
     def _backward_answer(sums: MetricSums) -> dict:

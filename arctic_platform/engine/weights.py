@@ -8,6 +8,10 @@ the trainer was built.
   each adapted weight is ``W + scaling * B @ A`` computed into a new tensor (the training model is
   not touched) and the adapter tensors are dropped. Tied weights (the embedding shared with the
   LM head) are exported once, under the first name the model lists (``model.embed_tokens.weight``).
+- :func:`snapshot_adapters` copies a LoRA model's adapter tensors (small: rank x width per
+  layer); ``export_weights(model, adapters=snapshot)`` later exports the weights *as they were at
+  the snapshot*: the base weights are frozen, so base + the snapshot's delta is that model exactly,
+  however far training has moved since (Tinker's sampler snapshots).
 - :func:`sync_in_process` copies straight from the trainer's tensors into the sampler's (no disk,
   no serialisation), one tensor at a time.
 - :func:`stream_weights` / :func:`iter_weights_from_chunks` carry the weights across a process
@@ -33,6 +37,7 @@ import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -120,16 +125,69 @@ class ExportedWeights(WeightSource):
             yield {entry.name: entry.produce()}
 
 
-def export_weights(model: torch.nn.Module) -> ExportedWeights:
-    """The model's current weights in plain ``transformers`` naming, LoRA merged (see module doc).
+def export_weights(
+    model: torch.nn.Module, adapters: AdapterSnapshot | None = None
+) -> ExportedWeights:
+    """The model's current weights in plain ``transformers`` naming, LoRA merged (see module doc);
+    with ``adapters`` (a :func:`snapshot_adapters` of this model), the weights at that snapshot.
 
     Tensors are produced lazily while iterating: plain weights are detached views of the model's
     own tensors (no copy), merged LoRA weights are new tensors. Iterate once per export.
     """
-    return ExportedWeights(_export_plan(model))
+    return ExportedWeights(_export_plan(model, adapters))
 
 
-def _export_plan(model: torch.nn.Module) -> list[_Entry]:
+@dataclass(frozen=True)
+class _FrozenLora:
+    """Copies of one LoRA layer's adapter tensors, merged the way peft's ``get_delta_weight``
+    merges a ``Linear`` (fp32 on CPU for half types, ``fan_in_fan_out`` transposed)."""
+
+    a: dict[str, torch.Tensor]
+    b: dict[str, torch.Tensor]
+    b_bias: dict[str, torch.Tensor]
+    scaling: dict[str, float]
+    fan_in_fan_out: bool
+
+    def delta(self, adapter: str, leaf: str) -> torch.Tensor | None:
+        if leaf == "bias":
+            bias = self.b_bias.get(adapter)
+            return None if bias is None else bias * self.scaling[adapter]
+        a, b = self.a[adapter], self.b[adapter]
+        half = b.device.type == "cpu" and b.dtype in (torch.float16, torch.bfloat16)
+        out = (b.float() @ a.float()) if half else b @ a
+        if self.fan_in_fan_out:
+            out = out.T
+        out = out * self.scaling[adapter]
+        return out.to(b.dtype) if half else out
+
+
+AdapterSnapshot = dict[str, _FrozenLora]
+
+
+def snapshot_adapters(model: torch.nn.Module) -> AdapterSnapshot:
+    """Copies of the model's LoRA adapter tensors, for :func:`export_weights` (see module doc)."""
+    _, adapted = _unwrap_peft(model)
+    snapshot: AdapterSnapshot = {}
+    with torch.no_grad():
+        for path, layer in adapted.items():
+            adapters = _unmerged_active_adapters(layer)
+            if any(a in layer.lora_embedding_A for a in adapters):
+                raise TypeError(f"{path}: adapter snapshots cover LoRA on linear layers only")
+            snapshot[path] = _FrozenLora(
+                a={a: layer.lora_A[a].weight.detach().clone() for a in adapters},
+                b={a: layer.lora_B[a].weight.detach().clone() for a in adapters},
+                b_bias={
+                    a: layer.lora_B[a].bias.detach().clone()
+                    for a in adapters
+                    if layer.lora_bias.get(a, False)
+                },
+                scaling={a: float(layer.scaling[a]) for a in adapters},
+                fan_in_fan_out=bool(layer.fan_in_fan_out),
+            )
+    return snapshot
+
+
+def _export_plan(model: torch.nn.Module, snapshot: AdapterSnapshot | None = None) -> list[_Entry]:
     base, adapted = _unwrap_peft(model)
     state = base.state_dict(keep_vars=True)
     aliases: dict[int, int] = {}
@@ -153,7 +211,16 @@ def _export_plan(model: torch.nn.Module) -> list[_Entry]:
                 f"{name}: a LoRA adapter on a tied weight cannot be exported merged (the tied "
                 "copy would not see the adapter); untie the weights or do not adapt this module"
             )
-        entries.append(_merged_entry(f"{layer_path}.{leaf}", tensor, adapted[layer_path], leaf))
+        layer = adapted[layer_path]
+        if snapshot is None:
+            delta = partial(_live_delta, layer)
+            adapters = _unmerged_active_adapters(layer)
+        else:
+            if layer_path not in snapshot:
+                raise ValueError(f"{layer_path}: not in the adapter snapshot (another model's?)")
+            delta = snapshot[layer_path].delta
+            adapters = list(snapshot[layer_path].a)
+        entries.append(_merged_entry(f"{layer_path}.{leaf}", tensor, adapters, delta, leaf))
     return entries
 
 
@@ -161,20 +228,29 @@ def _plain_entry(name: str, tensor: torch.Tensor) -> _Entry:
     return _Entry(name, tensor.dtype, tuple(tensor.shape), tensor.detach)
 
 
-def _merged_entry(name: str, tensor: torch.Tensor, layer, leaf: str) -> _Entry:
-    adapters = _unmerged_active_adapters(layer)
+def _live_delta(layer, adapter: str, leaf: str) -> torch.Tensor | None:
+    """The adapter's delta to ``leaf`` of the live LoRA ``layer`` (None: it has none)."""
+    if leaf == "weight":
+        return layer.get_delta_weight(adapter)
+    if leaf == "bias" and layer.lora_bias.get(adapter, False):
+        return layer.lora_B[adapter].bias * layer.scaling[adapter]
+    return None
 
+
+def _merged_entry(
+    name: str,
+    tensor: torch.Tensor,
+    adapters: list[str],
+    delta_of: Callable[[str, str], torch.Tensor | None],
+    leaf: str,
+) -> _Entry:
     def produce() -> torch.Tensor:
         with torch.no_grad():
             out = tensor.detach()
             for adapter in adapters:
-                if leaf == "weight":
-                    delta = layer.get_delta_weight(adapter)
-                elif leaf == "bias" and layer.lora_bias.get(adapter, False):
-                    delta = layer.lora_B[adapter].bias * layer.scaling[adapter]
-                else:
-                    continue
-                out = out + delta.to(out.dtype)
+                delta = delta_of(adapter, leaf)
+                if delta is not None:
+                    out = out + delta.to(out.dtype)
             return out
 
     return _Entry(name, tensor.dtype, tuple(tensor.shape), produce)

@@ -21,6 +21,7 @@ from arctic_platform.server.http_common import owner_of, service_error_response
 from arctic_platform.server.service import Service
 from arctic_platform.server.tinker import routes as tinker_routes
 from arctic_platform.server.tinker.operations import TinkerOps
+from arctic_platform.server.tinker.session_reaper import SESSION_TIMEOUT_S
 from arctic_platform.server_identity import new_instance_id
 
 DEFAULT_MAX_BODY_BYTES = 256 * 1024 * 1024
@@ -33,14 +34,20 @@ def create_app(
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     close_service_on_shutdown: bool = True,
     instance: str | None = None,
+    metrics_auth: TokenAuth | None = None,
+    tinker_session_timeout_s: float = SESSION_TIMEOUT_S,
 ) -> FastAPI:
     """An app serving ``service`` with the on-prem (ops and ``/jobs``), Cortex-compatible and
-    Tinker routers. ``instance`` is the id ``/health`` reports (a fresh one by default).
+    Tinker routers. ``instance`` is the id ``/health`` reports (a fresh one by default);
+    ``metrics_auth`` holds the operator's scrape token, the one that sees every job in
+    ``/metrics``; Tinker sessions without a heartbeat for ``tinker_session_timeout_s`` are
+    finished.
     """
-    tinker = TinkerOps(service)
+    tinker = TinkerOps(service, session_timeout_s=tinker_session_timeout_s)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        tinker.start()
         yield
         tinker.close()
         if close_service_on_shutdown:
@@ -49,6 +56,7 @@ def create_app(
     app = FastAPI(title="arctic-platform", lifespan=lifespan)
     app.state.service = service
     app.state.auth = auth or TokenAuth([])
+    app.state.metrics_auth = metrics_auth or TokenAuth([])
     app.state.max_body_bytes = max_body_bytes
     app.state.instance = instance or new_instance_id()
     app.state.tinker = tinker
@@ -64,9 +72,13 @@ def create_app(
 
 
 async def _metrics(request: Request) -> Response:
-    """Prometheus metrics of the Service (see server/metrics.py); needs a token like any route."""
-    owner_of(request)
-    body = request.app.state.service.metrics.exposition()
+    """Prometheus metrics of the Service (see server/metrics.py): every job's series for the
+    operator's scrape token, the caller's own jobs for a tenant's token."""
+    service = request.app.state.service
+    if request.app.state.metrics_auth.holds(request.headers.get("authorization")):
+        body = service.metrics_exposition(owner=None, every_tenant=True)
+    else:
+        body = service.metrics_exposition(owner=owner_of(request))
     return Response(content=body, media_type=CONTENT_TYPE_LATEST)
 
 

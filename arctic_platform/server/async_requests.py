@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from arctic_platform import wire
+from arctic_platform.engine.cancellation import CancelToken
 from arctic_platform.server.errors import BadRequest, Conflict, NotFound
 
 INLINE_RESULT_BYTES = 8 * 1024 * 1024
@@ -51,6 +52,8 @@ class AsyncRequest:
     stream_cursor: int = 0
     future: Future | None = field(default=None, repr=False)
     reshape: Callable[[Any], Any] | None = field(default=None, repr=False)
+    # Stops this request's op in flight (``cancel-request``); see engine/cancellation.py.
+    stop: CancelToken = field(default_factory=CancelToken, repr=False)
 
     @property
     def streaming(self) -> bool:
@@ -68,7 +71,7 @@ class RequestStore:
 
     def track(
         self,
-        future: Future,
+        submit: Callable[[CancelToken], Future],
         *,
         job_id: str,
         sub_job_id: str,
@@ -76,8 +79,11 @@ class RequestStore:
         binary_result: bool,
         reshape: Callable[[Any], Any] | None = None,
     ) -> AsyncRequest:
-        """Register ``future`` and return its request; its outcome is recorded when it resolves
-        (passed through ``reshape`` first, when given: the result form the client asked for)."""
+        """Start an op with ``submit(stop)`` (``stop``: the token that cancels it in flight) and
+        return its request; its outcome is recorded when it resolves (passed through ``reshape``
+        first, when given: the result form the client asked for)."""
+        stop = CancelToken()
+        future = submit(stop)
         request = AsyncRequest(
             request_id=uuid.uuid4().hex,
             job_id=job_id,
@@ -86,6 +92,7 @@ class RequestStore:
             binary_result=binary_result,
             future=future,
             reshape=reshape,
+            stop=stop,
         )
         with self._lock:
             self._requests[request.request_id] = request
@@ -101,10 +108,17 @@ class RequestStore:
         return request
 
     def cancel(self, job_id: str, request_id: str) -> dict:
-        """Cancel a request that has not started yet; a running op finishes (it is not safe to
-        interrupt an engine half-way through a step)."""
+        """Cancel a request: a queued one never runs; a running one stops at its next decode
+        step or microbatch (the points where stopping leaves the engine as it was before the
+        op: a stopped ``forward-backward`` adds no gradient), and its poll then says
+        ``cancelled``. An op without such points (``step``, ``save``, a weight sync) finishes.
+        ``cancelled`` is false only for a request that had already ended."""
         request = self.get(job_id, request_id)
-        cancelled = request.future.cancel() if request.future is not None else False
+        future = request.future
+        cancelled = future is not None and future.cancel()
+        if not cancelled and future is not None and not future.done():
+            request.stop.cancel(f"request {request_id} was cancelled")
+            cancelled = True
         return {"request_id": request_id, "cancelled": cancelled, "status": request.status}
 
     def poll(self, job_id: str, request_id: str, *, cursor: str | None, max_events: int | None):
@@ -149,7 +163,9 @@ class RequestStore:
             try:
                 result, events = self._outcome(request, future)
             except Exception as exc:
-                status, error = "failed", f"{type(exc).__name__}: {exc}"
+                stopped = isinstance(exc, Conflict) and exc.code == "op_cancelled"
+                status = "cancelled" if stopped and request.stop.cancelled else "failed"
+                error = f"{type(exc).__name__}: {exc}"
         with self._lock:
             request.updated_at = time.time()
             request.status = status

@@ -25,17 +25,18 @@ class TokenAuth:
         self._tokens = [t.encode() for t in tokens if t]
 
     @classmethod
-    def from_env(cls, name: str | None) -> TokenAuth:
-        """Tokens from environment variable ``name`` (comma-separated); none if ``name`` is None."""
+    def from_env(cls, name: str | None, *, flag: str = "--token-env") -> TokenAuth:
+        """Tokens from environment variable ``name`` (comma-separated); none if ``name`` is None.
+        ``flag`` is the option that named the variable, for error messages."""
         if name is None:
             return cls([])
         value = os.environ.get(name)
         if not value:
-            raise ValueError(f"--token-env {name}: the environment variable is unset or empty")
+            raise ValueError(f"{flag} {name}: the environment variable is unset or empty")
         tokens = [t.strip() for t in value.split(",") if t.strip()]
         if not tokens:
             # Only separators would otherwise mean "no tokens", i.e. no authentication at all.
-            raise ValueError(f"--token-env {name}: the environment variable holds no token")
+            raise ValueError(f"{flag} {name}: the environment variable holds no token")
         return cls(tokens)
 
     @property
@@ -46,6 +47,14 @@ class TokenAuth:
     def tenants(self) -> int:
         """How many tenants can call (1 without authentication)."""
         return max(1, len(set(self._tokens)))
+
+    def holds(self, authorization: str | None) -> bool:
+        """Whether these headers carry one of the tokens (never true when there are none)."""
+        scheme, _, token = (authorization or "").partition(" ")
+        if not self.enabled or scheme.lower() != "bearer":
+            return False
+        candidate = token.strip().encode()
+        return any([hmac.compare_digest(candidate, known) for known in self._tokens])
 
     def owner(self, authorization: str | None, token_type: str | None = None) -> str | None:
         """The owner id for these headers; None when auth is off. Raises :class:`Unauthorized`."""

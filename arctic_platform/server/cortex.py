@@ -190,7 +190,7 @@ def _queue(service, job_id: str, sub, op: str, body: Any, *, reshape=None) -> st
     """Queue ``op`` on ``sub`` as an async request the client polls; its ``request_id``.
     ``reshape`` turns the op's result into the form the client asked for."""
     record = service.requests.track(
-        service.submit(sub, op, body),
+        lambda stop: service.submit(sub, op, body, stop=stop),
         job_id=job_id,
         sub_job_id=sub.sub_job_id,
         op=op,

@@ -6,6 +6,10 @@
 * ``arctic_queue_depth{job_id}``: ops submitted to a job and not finished (running or waiting);
 * ``arctic_jobs{state}``: jobs by state.
 
+Who sees which jobs: the scrape credential (``serve --metrics-token-env``) sees every job; a
+tenant's token sees the server-wide op series and the two job gauges of its own jobs only, so no
+tenant learns another's job ids (the same scoping as every other route).
+
 Each Service has its own registry, so several Services in one process (tests, the in-process
 backend) do not collide; the gauges are read from the Service when scraped.
 """
@@ -15,7 +19,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
@@ -27,8 +31,7 @@ LATENCY_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 1800)
 class ServiceMetrics:
     """The counters the Service updates as ops run, and its registry."""
 
-    def __init__(self, jobs: Callable[[], list[tuple[str, str, int]]]) -> None:
-        """``jobs()`` lists ``(job_id, state, ops in flight)`` for the scrape-time gauges."""
+    def __init__(self) -> None:
         self.registry = CollectorRegistry()
         self.ops = Counter(
             "arctic_ops",
@@ -49,7 +52,6 @@ class ServiceMetrics:
             ["op"],
             registry=self.registry,
         )
-        self.registry.register(_JobGauges(jobs))
 
     @contextlib.contextmanager
     def op(self, name: str) -> Iterator[None]:
@@ -69,16 +71,22 @@ class ServiceMetrics:
         if count > 0:
             self.tokens.labels(op).inc(count)
 
-    def exposition(self) -> bytes:
-        return generate_latest(self.registry)
+    def exposition(self, jobs: list[tuple[str, str, int]]) -> bytes:
+        """The text a scrape gets: the op series and the gauges of ``jobs``, the ``(job_id,
+        state, ops in flight)`` of the jobs this caller may see."""
+        return generate_latest(_Scrape(self.registry, jobs))
 
 
-class _JobGauges(Collector):
-    def __init__(self, jobs: Callable[[], list[tuple[str, str, int]]]) -> None:
+class _Scrape(Collector):
+    """One scrape's families: the registry's, then the job gauges of the caller's jobs."""
+
+    def __init__(self, registry: CollectorRegistry, jobs: list[tuple[str, str, int]]) -> None:
+        self._registry = registry
         self._jobs = jobs
 
     def collect(self):
-        jobs = self._jobs()
+        yield from self._registry.collect()
+        jobs = self._jobs
         depth = GaugeMetricFamily(
             "arctic_queue_depth", "Ops submitted to a job and not finished.", labels=["job_id"]
         )

@@ -4,8 +4,14 @@ A shared server holds several tenants' checkpoints on one disk. Every path a cli
 or load ``path``, a ``model_name`` that is a local folder, a checkpoint behind
 ``source_checkpoint_info`` or an export) resolves, symlinks followed, inside the caller's tenant
 folder ``<data-dir>/tenants/<owner>/``, or, for reading only, under a prefix the operator passed
-with ``--allow-path`` (shared model folders). Anything else is a 400 naming the field, raised before
+with ``--allow-path`` (shared model folders), or, for saving and reading back, under a prefix the
+operator passed with ``--allow-write-path``. Anything else is a 400 naming the field, raised before
 any file is touched. Relative paths are taken relative to the tenant folder.
+
+A server a user's own driver launches for itself (``launch_local_server``, the ray backend's state
+actor) runs as that user and serves only that driver: it allows ``/`` both ways
+(``server_identity.OWN_USER_PREFIXES``), so a framework's absolute checkpoint folder (SkyRL's
+``trainer.ckpt_path``) means what it says, while relative paths still land in the data folder.
 
 An in-process Service (``confine=False``) belongs to the one user whose process it runs in: there
 paths mean what they mean to that user's program, and only the default layout applies.
@@ -38,10 +44,13 @@ class PathPolicy:
         data_dir: Path,
         allowed_prefixes: Iterable[os.PathLike | str] = (),
         *,
+        writable_prefixes: Iterable[os.PathLike | str] = (),
         confine: bool = True,
     ) -> None:
         self.root = Path(data_dir).resolve() / TENANTS_DIR
-        self.allowed = tuple(Path(p).resolve() for p in allowed_prefixes)
+        self.writable_prefixes = tuple(Path(p).resolve() for p in writable_prefixes)
+        # What may be saved may be loaded back.
+        self.allowed = tuple(Path(p).resolve() for p in allowed_prefixes) + self.writable_prefixes
         self.confine = confine
 
     def tenant_root(self, owner: str | None) -> Path:
@@ -55,30 +64,27 @@ class PathPolicy:
         return self.tenant_root(owner) / CHECKPOINTS_DIR
 
     def writable(self, owner: str | None, value: str, *, field: str) -> Path:
-        """``value`` as a path inside the caller's tenant folder; else a 400 naming ``field``."""
-        if not self.confine:
-            return Path(value)
-        path = self._resolve(owner, value, field=field)
-        if not self._inside_tenant(owner, path):
-            raise BadRequest(
-                f"{field}: {value!r} is outside your space ({self.tenant_root(owner)}); "
-                "give a path relative to it",
-                code="path_not_allowed",
-                field=field,
-            )
-        return path
+        """``value`` as a path inside the caller's tenant folder or a writable prefix; else a 400
+        naming ``field``."""
+        return self._checked(owner, value, self.writable_prefixes, "writable", field=field)
 
     def readable(self, owner: str | None, value: str, *, field: str) -> Path:
         """``value`` inside the caller's tenant folder or an allowed prefix; else a 400."""
+        return self._checked(owner, value, self.allowed, "readable", field=field)
+
+    def _checked(
+        self, owner: str | None, value: str, prefixes: tuple[Path, ...], kind: str, *, field: str
+    ) -> Path:
+        """``value`` resolved, if inside the tenant folder or under one of ``prefixes``."""
         if not self.confine:
             return Path(value)
         path = self._resolve(owner, value, field=field)
-        if self._inside_tenant(owner, path) or any(path.is_relative_to(p) for p in self.allowed):
+        if self._inside_tenant(owner, path) or any(path.is_relative_to(p) for p in prefixes):
             return path
-        allowed = ", ".join(str(p) for p in self.allowed) or "none configured"
+        named = ", ".join(str(p) for p in prefixes) or "none configured"
         raise BadRequest(
             f"{field}: {value!r} is outside your space ({self.tenant_root(owner)}) and the "
-            f"server's allowed model folders ({allowed})",
+            f"server's {kind} folders ({named}); give a path relative to your space",
             code="path_not_allowed",
             field=field,
         )

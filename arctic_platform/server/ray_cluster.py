@@ -68,13 +68,6 @@ def _gcs_address() -> str:
     return "unknown address"
 
 
-def free_port() -> int:
-    """A TCP port nobody listens on right now (for a process group's rendezvous)."""
-    with socket.socket() as sock:
-        sock.bind(("", 0))
-        return sock.getsockname()[1]
-
-
 def _probe(address: str, field: str, *, hint: str) -> None:
     """Fail fast, naming ``field``, unless a Ray cluster answers at ``address``.
 

@@ -136,7 +136,9 @@ class RayTrainingEngine:
             addr, port = "", 0
             if workers > 1:
                 first = self.actors.gather(
-                    {0: handles[0].rendezvous.remote()}, "startup", START_TIMEOUT_S
+                    {0: handles[0].rendezvous.remote(COLLECTIVE_TIMEOUT_S)},
+                    "startup",
+                    START_TIMEOUT_S,
                 )
                 addr, port = first[0]
             started = self.actors.gather(

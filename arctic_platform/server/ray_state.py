@@ -32,7 +32,9 @@ class ServerState:
         self, data_dir: str, *, device: str, max_concurrent_ops: int, colocate: bool
     ) -> None:
         from arctic_platform.server.service import Service, ServiceSettings
+        from arctic_platform.server_identity import OWN_USER_PREFIXES
 
+        own = tuple(Path(p) for p in OWN_USER_PREFIXES)  # the driver's user's own actor
         self.service = Service(
             ServiceSettings(
                 data_dir=Path(data_dir),
@@ -40,6 +42,8 @@ class ServerState:
                 max_concurrent_ops=max_concurrent_ops,
                 engine_backend="ray",
                 colocate=colocate,
+                allowed_paths=own,
+                writable_paths=own,
             )
         )
 

@@ -58,14 +58,17 @@ class TrainingWorker:
         self.rank = rank
         self.world_size = world_size
         self.engine = None
+        self.store = None  # rank 0's rendezvous store (see ``rendezvous``)
 
-    def rendezvous(self) -> tuple[str, int]:
-        """Rank 0: this node's address and a free port for the process group."""
+    def rendezvous(self, timeout_s: float) -> tuple[str, int]:
+        """Rank 0: open the process group's store; its address and port for the other ranks."""
         import ray
 
-        from arctic_platform.server.ray_cluster import free_port
+        from arctic_platform.engine.data_parallel import open_rendezvous
 
-        return ray.util.get_node_ip_address(), free_port()
+        host = ray.util.get_node_ip_address()
+        self.store = open_rendezvous(host, self.world_size, timeout_s=timeout_s)
+        return host, self.store.port
 
     def start(
         self, config, strategy: str, master_addr: str, master_port: int, timeout_s: float
@@ -79,7 +82,12 @@ class TrainingWorker:
             parallel = data_parallel_strategy(strategy, rank=self.rank, world_size=self.world_size)
             if self.world_size > 1:
                 backend = join_process_group(
-                    self.rank, self.world_size, master_addr, master_port, timeout_s=timeout_s
+                    self.rank,
+                    self.world_size,
+                    master_addr,
+                    master_port,
+                    timeout_s=timeout_s,
+                    store=self.store,
                 )
             self.engine = TrainingEngine(config, parallel=parallel)
             return {"vocab_size": self.engine.vocab_size, "backend": backend, "pid": os.getpid()}
@@ -130,6 +138,7 @@ class TrainingWorker:
 
         self.engine = None
         leave_process_group()
+        self.store = None
 
 
 class InferenceWorker:

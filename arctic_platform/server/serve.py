@@ -30,6 +30,7 @@ def serve(
     port: int,
     token_env: str | None,
     data_dir: Path,
+    metrics_token_env: str | None = None,
     device: str,
     max_body_mb: int,
     max_concurrent_ops: int,
@@ -41,6 +42,7 @@ def serve(
     sampling_engine: str = "torch",
     vllm_python: str | None = None,
     allowed_paths: tuple[Path, ...] = (),
+    writable_paths: tuple[Path, ...] = (),
     max_ops_per_tenant: int | None = None,
     drain_timeout: float = 30.0,
     limits: ServerLimits | None = None,
@@ -53,7 +55,8 @@ def serve(
     the id ``/health`` reports (the launcher's, to recognise its server); with ``parent_pid`` the
     server stops when that process dies (:mod:`arctic_platform.server.parent_watch`).
     ``sampling_engine`` is the engine of sampling jobs that choose none; ``vllm_python`` the
-    interpreter that runs vLLM for them.
+    interpreter that runs vLLM for them. ``metrics_token_env`` names the variable holding the
+    operator's scrape token for ``/metrics``.
     """
     import uvicorn
 
@@ -62,6 +65,7 @@ def serve(
 
     try:
         auth = TokenAuth.from_env(token_env)
+        metrics_auth = TokenAuth.from_env(metrics_token_env, flag="--metrics-token-env")
     except ValueError as exc:
         raise SystemExit(str(exc)) from None
     if not auth.enabled and host not in LOOPBACK:
@@ -90,13 +94,18 @@ def serve(
             sampling_engine=sampling_engine,
             vllm_python=vllm_python,
             allowed_paths=allowed_paths,
+            writable_paths=writable_paths,
             limits=limits or ServerLimits(),
             max_ops_per_tenant=max_ops_per_tenant or default_share(max_concurrent_ops, auth),
             drain_timeout_s=drain_timeout,
         )
     )
     app = create_app(
-        service, auth=auth, max_body_bytes=max_body_mb * 1024 * 1024, instance=instance
+        service,
+        auth=auth,
+        max_body_bytes=max_body_mb * 1024 * 1024,
+        instance=instance,
+        metrics_auth=metrics_auth,
     )
     engines = "in this process" if ray_address is None else f"on Ray ({ray_address})"
     log.info(

@@ -77,6 +77,8 @@ class ServiceSettings:
     # in-process Service, owned by the one user of its process, does not confine them (and only
     # there may a job name the interpreter that runs its vLLM engine).
     allowed_paths: tuple[Path, ...] = ()
+    # Prefixes where clients may also save (and load back): ``serve --allow-write-path``.
+    writable_paths: tuple[Path, ...] = ()
     confine_paths: bool = True
     limits: ServerLimits = field(default_factory=ServerLimits)
     # The engine of sampling sub-jobs that do not choose one, and the interpreter that runs vLLM
@@ -181,9 +183,12 @@ class Service:
         self.settings = settings
         settings.data_dir.mkdir(parents=True, exist_ok=True)
         self.limits = settings.limits
-        self.metrics = ServiceMetrics(self._job_gauges)
+        self.metrics = ServiceMetrics()
         self.paths = PathPolicy(
-            settings.data_dir, settings.allowed_paths, confine=settings.confine_paths
+            settings.data_dir,
+            settings.allowed_paths,
+            writable_prefixes=settings.writable_paths,
+            confine=settings.confine_paths,
         )
         self.store = MetadataStore(settings.data_dir / "metadata.sqlite3")
         self.requests = RequestStore()
@@ -196,6 +201,7 @@ class Service:
         self._closed = False
         self._closing: threading.Event | None = None
         self._restore()
+        self._adopt_legacy_checkpoints()
         self._remove_stale_staging()
 
     # -- jobs -------------------------------------------------------------------------------
@@ -433,18 +439,28 @@ class Service:
             )
         return matches[0]
 
-    def submit(self, sub: SubJob, op: str, body: Any) -> Future:
+    def submit(self, sub: SubJob, op: str, body: Any, *, stop: CancelToken | None = None) -> Future:
         """Queue ``op`` on ``sub``; the future resolves to the op's result or its error.
 
         The body is validated on the caller's thread first, so a bad request fails at once (400)
         without entering the queue. Engine errors on bad tensors also fail only the request.
+        ``stop`` cancels this op alone (a Cortex ``cancel-request``), as ``job.stop`` cancels
+        every op of the job: it ends with 409 ``op_cancelled`` at its next decode step or
+        microbatch, leaving the job running and its engine as before the op.
         """
         from arctic_platform.server.ops import prepare_op
 
         self.require_running(sub)
-        return self.submit_runner(sub, op, prepare_op(self, sub, op, body))
+        return self.submit_runner(sub, op, prepare_op(self, sub, op, body), stop=stop)
 
-    def submit_runner(self, sub: SubJob, op: str, runner: Callable[[], Any]) -> Future:
+    def submit_runner(
+        self,
+        sub: SubJob,
+        op: str,
+        runner: Callable[[], Any],
+        *,
+        stop: CancelToken | None = None,
+    ) -> Future:
         """Queue ``runner`` (already validated) on ``sub`` under the name ``op``, with the same
         guards as :meth:`submit`: queue order, the concurrency slots and failure handling. Other
         APIs (Tinker) build their own runners over the engines this way."""
@@ -452,7 +468,8 @@ class Service:
         self._require_running(job)
         if sub.queue is None:
             raise Conflict(f"sub-job {sub.sub_job_id} has no engine", code="job_not_running")
-        future = sub.queue.submit(self._guarded, job, sub, op, runner)
+        stops = (job.stop,) if stop is None else (job.stop, stop)
+        future = sub.queue.submit(self._guarded, job, sub, op, runner, stops)
         with self._lock:
             job.in_flight.add(future)
         future.add_done_callback(lambda f: self._op_done(job, f))
@@ -472,7 +489,9 @@ class Service:
             raise Conflict(f"sub-job {sub.sub_job_id} has no engine", code="job_not_running")
         return sub.queue.submit(fn, *args).result()
 
-    def _guarded(self, job: Job, sub: SubJob, op: str, runner) -> Any:
+    def _guarded(
+        self, job: Job, sub: SubJob, op: str, runner, stops: tuple[CancelToken, ...]
+    ) -> Any:
         from arctic_platform.engine.errors import EngineInputError, SamplerStateError
 
         if job.cancelled.is_set():
@@ -481,7 +500,8 @@ class Service:
             self._require_running(job)
             job.last_op, job.last_op_at = op, time.time()
             try:
-                with cancellation.scope(job.stop):
+                with cancellation.scope(*stops):
+                    cancellation.check()  # cancelled while it waited for a slot
                     return runner()
             except ServiceError:
                 raise
@@ -623,9 +643,16 @@ class Service:
             self._release(job)
         self.store.close()
 
-    def _job_gauges(self) -> list[tuple[str, str, int]]:
+    def metrics_exposition(self, *, owner: str | None, every_tenant: bool = False) -> bytes:
+        """``GET /metrics``: op series of the whole server, job gauges of ``owner``'s jobs (of
+        every tenant's for the operator's scrape credential)."""
         with self._lock:
-            return [(j.job_id, j.status, len(j.in_flight)) for j in self._jobs.values()]
+            jobs = [
+                (j.job_id, j.status, len(j.in_flight))
+                for j in self._jobs.values()
+                if every_tenant or j.owner == owner
+            ]
+        return self.metrics.exposition(jobs)
 
     def busy(self) -> int:
         """Ops submitted and not yet finished, across jobs."""
@@ -742,6 +769,38 @@ class Service:
                 self._set_status(job, "terminated", "server restarted")
                 for sub in subs:
                     sub.status = "terminated"
+
+    def _adopt_legacy_checkpoints(self) -> None:
+        """Move checkpoints of the layout before tenant folders (``<data-dir>/checkpoints/<sub-job
+        folder>``) into their job owner's space, where that owner (and only they) can load and
+        export them. A folder whose job this server does not know stays where it is, served to
+        no one, and the log names it for the operator."""
+        legacy = self.settings.data_dir.resolve() / CHECKPOINTS_DIR
+        if not legacy.is_dir() or legacy.is_symlink():
+            return
+        for folder in sorted(legacy.iterdir()):
+            job = self._jobs.get(folder.name.split("-", 1)[0])
+            target = None if job is None else self.paths.checkpoint_root(job.owner) / folder.name
+            if job is None or folder.is_symlink() or not folder.is_dir() or target.exists():
+                log.warning(
+                    "%s: checkpoints of the layout before tenant folders whose owner is not "
+                    "known; not served to any tenant (move it into %s/<tenant>/%s/ to give it "
+                    "to one)",
+                    folder,
+                    self.paths.root,
+                    CHECKPOINTS_DIR,
+                )
+                continue
+            target.parent.mkdir(parents=True, exist_ok=True)
+            folder.rename(target)
+            for record in self.store.checkpoints(job.job_id):
+                old = Path(record["path"]).resolve()
+                if old.is_relative_to(folder):
+                    self.store.put_checkpoint(
+                        record
+                        | {"job_id": job.job_id, "path": str(target / old.relative_to(folder))}
+                    )
+            log.info("moved %s into its owner's space: %s", folder, target)
 
     def _remove_stale_staging(self) -> None:
         """Staging folders of saves killed with an earlier server process (they are otherwise

@@ -7,7 +7,9 @@ import math
 import pytest
 import torch
 
+from arctic_platform.engine import cancellation
 from arctic_platform.engine.batching import plan_microbatches, validate_batch
+from arctic_platform.engine.cancellation import CancelToken
 from arctic_platform.engine.config import LoraConfig, ModelConfig
 from arctic_platform.engine.errors import EngineInputError
 from arctic_platform.engine.models import load_causal_lm
@@ -313,3 +315,36 @@ def test_bad_input_names_the_field_and_changes_no_state(batch):
     for a, b in zip(optimizer_state(engine), state[2], strict=True):
         assert_all_equal(a, b)
     assert engine.global_steps == state[3]
+
+
+class _CancelAfterChecks(CancelToken):
+    """A cancel token that reads as cancelled from its ``after``-th check on: it stops an op at
+    a chosen microbatch boundary, as a ``cancel-request`` arriving mid-op would."""
+
+    def __init__(self, after: int) -> None:
+        super().__init__()
+        self.reason = "request cancelled"
+        self._left = after
+
+    @property
+    def cancelled(self) -> bool:
+        self._left -= 1
+        return self._left < 0
+
+
+def test_a_forward_backward_stopped_between_microbatches_adds_no_gradient(batch):
+    engine = TrainingEngine(engine_config(max_tokens_per_microbatch=30))
+    meta = {"batch_num_tokens": batch["response_mask"].sum(), "global_batch_size": 8}
+    engine.forward_backward(rows_of(batch, slice(0, 3)), meta)
+    accumulated = grads(engine)
+    later = rows_of(batch, slice(3, 8))
+    with cancellation.scope(_CancelAfterChecks(2)), pytest.raises(cancellation.OpCancelled):
+        engine.forward_backward(later, meta)  # two microbatches ran backward, then it stopped
+    assert_all_equal(grads(engine), accumulated)
+    # The job goes on as if the stopped call never happened: the same call again accumulates
+    # what an engine that never saw the stopped call accumulates.
+    engine.forward_backward(later, meta)
+    uninterrupted = TrainingEngine(engine_config(max_tokens_per_microbatch=30))
+    uninterrupted.forward_backward(rows_of(batch, slice(0, 3)), meta)
+    uninterrupted.forward_backward(later, meta)
+    assert_all_equal(grads(engine), grads(uninterrupted))

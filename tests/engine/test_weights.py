@@ -19,6 +19,7 @@ from arctic_platform.engine.weights import (
     WeightLoadError,
     export_weights,
     iter_weights_from_chunks,
+    snapshot_adapters,
     stream_weights,
     sync_in_process,
 )
@@ -153,6 +154,29 @@ def test_lora_sync_merges_adapters(sampler, lora_trainer):
     assert _sample(sampler) != after
     sampler.load_weights(iter_weights_from_chunks(stream_weights(lora_trainer, chunk_bytes=50_000)))
     assert _sample(sampler) == after
+
+
+def test_adapter_snapshot_exports_the_weights_of_its_time():
+    """A snapshot of the adapters exports, merged, exactly what the live export gave at snapshot
+    time (peft's own merge), and keeps doing so after the adapters move on."""
+    model = load_causal_lm(MODEL.model_copy(update={"lora": LoraConfig(r=4, alpha=8.0)}))
+    torch.manual_seed(0)
+    lora = [p for n, p in model.named_parameters() if "lora_" in n]
+    with torch.no_grad():
+        for p in lora:
+            p.copy_(torch.randn_like(p) * 0.1)  # peft starts B at zero: make the delta real
+    then = {n: t.clone() for n, t in export_weights(model)}
+    snapshot = snapshot_adapters(model)
+    assert {n: t for n, t in export_weights(model, adapters=snapshot)}.keys() == then.keys()
+    for name, tensor in export_weights(model, adapters=snapshot):
+        assert torch.equal(tensor, then[name]), name
+    with torch.no_grad():
+        for p in lora:
+            p.add_(0.5)
+    moved = dict(export_weights(model))
+    assert any(not torch.equal(moved[n], then[n]) for n in then)
+    for name, tensor in export_weights(model, adapters=snapshot):
+        assert torch.equal(tensor, then[name]), name
 
 
 def _module_with(name_path: str, shape):

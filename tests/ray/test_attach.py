@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from arctic_platform.server.ray_cluster import free_port
+from arctic_platform.client.local_server import free_port
 
 pytest.importorskip("ray")
 pytestmark = pytest.mark.slow

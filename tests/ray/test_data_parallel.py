@@ -19,9 +19,7 @@ import pytest
 from safetensors.numpy import load_file
 
 from arctic_platform.client import create_arctic_rl_client
-from arctic_platform.engine.prompt_sharing import SAVED_METRIC
 from arctic_platform.layout import training_batch
-from tests.engine.rl_batches import GROUPS, saved_prompt_tokens, shared_prompt_batch
 from tests.ray.cluster import ray_backend
 
 pytest.importorskip("ray")
@@ -279,40 +277,6 @@ def test_bad_input_changes_nothing_on_any_rank(runs, batches, ddp):
     assert steps["grad_norm"] == 0.0
     after = ddp.fwd_no_grad({"batch": batches[2]})["batch"]["logprobs"]
     np.testing.assert_array_equal(after, before)
-
-
-@pytest.fixture(scope="module")
-def ddp_fresh(ray_cluster, tmp_path_factory):
-    backend = ray_backend(tmp_path_factory.mktemp("ddp_shared"), num_training_workers=2)
-    client = create_arctic_rl_client(client_config(backend), blocking_calls=True)
-    yield client
-    client.shutdown()
-
-
-def test_two_ddp_workers_share_prompts_like_one_unshared_engine(ddp_fresh, tmp_path_factory):
-    """Each prompt group stays on one worker, which computes the prompt once; the gradient
-    equals one engine scoring every row whole (prompt_sharing off)."""
-    batch = shared_prompt_batch(seed=3)
-    reference = client_config(
-        {"type": "inprocess", "data_dir": str(tmp_path_factory.mktemp("s")), "device": "cpu"},
-    )
-    reference["training"] = {**reference["training"], "prompt_sharing": "off"}
-    request = {"batch": batch, "processing": {"loss_fn": "verl_grpo"}}
-    with create_arctic_rl_client(reference, blocking_calls=True) as one:
-        want = one.fwd_bwd(request)
-        want_step = one.step()
-        want_logprobs = one.fwd_no_grad({"batch": batch})["batch"]["logprobs"]
-    got = ddp_fresh.fwd_bwd(request)
-    got_step = ddp_fresh.step()
-    got_logprobs = ddp_fresh.fwd_no_grad({"batch": batch})["batch"]["logprobs"]
-    saved = saved_prompt_tokens(GROUPS)
-    # Every group's prompt was computed once: no group was split across the workers.
-    assert got["metrics"][SAVED_METRIC] == pytest.approx(saved / batch["attention_mask"].sum())
-    assert want["metrics"][SAVED_METRIC] == 0.0
-    del got["metrics"][SAVED_METRIC], want["metrics"][SAVED_METRIC]
-    assert_close_metrics(got["metrics"], want["metrics"], "shared fwd_bwd")
-    assert got_step["grad_norm"] == pytest.approx(want_step["grad_norm"], rel=REL)
-    np.testing.assert_allclose(got_logprobs, want_logprobs, atol=2e-5)
 
 
 def test_shutdown_gives_the_devices_back(fsdp):

@@ -104,6 +104,24 @@ def test_a_token_env_of_only_separators_is_refused(monkeypatch, value, tmp_path)
     assert not any(tmp_path.iterdir())
 
 
+def test_an_unset_scrape_token_variable_stops_serve_naming_its_flag(monkeypatch, tmp_path):
+    from arctic_platform.server.serve import serve
+
+    monkeypatch.delenv("ARCTIC_TEST_SCRAPE", raising=False)
+    with pytest.raises(SystemExit, match="--metrics-token-env ARCTIC_TEST_SCRAPE"):
+        serve(
+            host="127.0.0.1",
+            port=1,
+            token_env=None,
+            metrics_token_env="ARCTIC_TEST_SCRAPE",
+            data_dir=tmp_path,
+            device="cpu",
+            max_body_mb=1,
+            max_concurrent_ops=1,
+        )
+    assert not any(tmp_path.iterdir())
+
+
 def test_bodies_above_the_limit_are_refused_with_413(service):
     with (
         serve_app(make_app(service, max_body_bytes=4096)) as url,

@@ -10,12 +10,13 @@ from concurrent.futures import Future
 import httpx
 import pytest
 
+from arctic_platform import wire
 from arctic_platform.server.errors import Conflict, PayloadTooLarge
 from arctic_platform.server.limits import ServerLimits
 from arctic_platform.server.scheduler import FairSlots
 from arctic_platform.server.service import Service, ServiceSettings
 from tests.live_server import serve_app
-from tests.server.conftest import CORTEX, job_request, make_app
+from tests.server.conftest import CORTEX, OCTET, job_request, make_app
 from tests.server.test_paths import running
 
 # A generation that runs for minutes on the tiny model: thousands of full-length samples.
@@ -104,6 +105,38 @@ def test_cancelling_a_job_stops_its_running_generate(service):
     service.cancel_job(job_id)
     assert "cancelled" in ended_by(future, "op_cancelled")
     assert service.get_job(job_id)["status"] == "cancelled"
+
+
+def test_cancel_request_stops_a_running_generate_and_the_job_goes_on(service, http):
+    job_id = running(service, None, "sampling")
+    generate = f"{CORTEX}/{job_id}/generate"
+
+    def poll(request_id: str, until) -> dict:
+        deadline = time.monotonic() + 120
+        while not until(body := http.get(f"{CORTEX}/{job_id}/requests/{request_id}").json()):
+            assert time.monotonic() < deadline, body
+            time.sleep(0.02)
+        return body
+
+    def finished(body: dict) -> bool:
+        return body["status"] not in ("pending", "running")
+
+    endless = wire.dumps({"prompts": ["1+2="], "sampling_params": ENDLESS})
+    request_id = http.post(generate, content=endless, headers=OCTET).json()["request_id"]
+    poll(request_id, lambda body: body["status"] == "running")
+    cancel = {"operation_type": "cancel-request", "payload": {"request_id": request_id}}
+    answer = http.post(f"{CORTEX}/{job_id}/operation", json=cancel).json()
+    assert answer["cancelled"] is True
+    ended = poll(request_id, finished)
+    assert ended["status"] == "cancelled"
+    assert f"request {request_id} was cancelled" in ended["error"]
+    # The job is untouched: the same sampler answers the next request.
+    short = wire.dumps({"prompts": ["1+2="], "sampling_params": {"max_tokens": 3}})
+    again = http.post(generate, content=short, headers=OCTET).json()["request_id"]
+    assert poll(again, finished)["status"] == "done"
+    assert service.get_job(job_id)["status"] == "running"
+    late = http.post(f"{CORTEX}/{job_id}/operation", json=cancel).json()
+    assert late["cancelled"] is False and late["status"] == "cancelled"
 
 
 def test_the_slot_scheduler_serves_waiting_tenants_in_turn():

@@ -6,10 +6,14 @@ from __future__ import annotations
 import json
 import logging
 
+import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from arctic_platform import wire
+from arctic_platform.server.app import create_app
+from arctic_platform.server.auth import TokenAuth
+from tests.live_server import serve_app
 from tests.server.conftest import CORTEX, OCTET, job_request
 
 
@@ -80,3 +84,38 @@ def test_the_client_logs_the_request_id_of_a_failed_request(http, service, caplo
         transport.shutdown()
     logged = [r.getMessage() for r in caplog.records if "server request id" in r.getMessage()]
     assert logged and all("none" not in line for line in logged)
+
+
+def test_metrics_show_a_tenant_its_own_jobs_and_the_scrape_token_every_job(service):
+    app = create_app(
+        service,
+        auth=TokenAuth(["alice-token", "bob-token"]),
+        metrics_auth=TokenAuth(["scrape-token"]),
+        close_service_on_shutdown=False,
+    )
+    with serve_app(app) as url, httpx.Client(base_url=url, timeout=60) as http:
+
+        def bearer(token: str) -> dict:
+            return {"authorization": f"Bearer {token}"}
+
+        def create(token: str) -> str:
+            answer = http.post(CORTEX, json=job_request("sampling"), headers=bearer(token))
+            assert answer.status_code == 200, answer.text
+            return answer.json()["job_id"]
+
+        def jobs_seen(token: str) -> tuple[set, float]:
+            http.headers.update(bearer(token))
+            metrics = scrape(http)
+            ids = {
+                dict(labels)["job_id"] for name, labels in metrics if name == "arctic_queue_depth"
+            }
+            total = sum(v for (name, _), v in metrics.items() if name == "arctic_jobs")
+            return ids, total
+
+        alice, bob = create("alice-token"), create("bob-token")
+        assert jobs_seen("alice-token") == ({alice}, 1)
+        assert jobs_seen("bob-token") == ({bob}, 1)
+        assert jobs_seen("scrape-token") == ({alice, bob}, 2)
+        # The scrape token opens /metrics only; no token opens nothing.
+        assert http.get(CORTEX, headers=bearer("scrape-token")).status_code == 401
+        assert http.get("/metrics", headers={"authorization": ""}).status_code == 401

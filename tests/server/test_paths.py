@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from arctic_platform.engine.builtin import builtin_model_path
-from arctic_platform.server.errors import BadRequest
+from arctic_platform.server.errors import BadRequest, NotFound
 from arctic_platform.server.service import Service, ServiceSettings
 from tests.server.conftest import TINY, job_request, sub_job
 
@@ -189,3 +189,74 @@ def test_an_unconfined_in_process_service_keeps_the_callers_paths(tmp_path):
 def test_default_job_requests_are_unaffected(service):
     job_id = service.create_job(job_request("training"))["job_id"]
     assert service.wait_until_running(job_id, timeout=120)["status"] == "running"
+
+
+def test_checkpoints_of_the_layout_before_tenant_folders_move_to_their_owner(tmp_path, caplog):
+    # What a server of the earlier layout left: alice's job and its checkpoint record pointing at
+    # <data-dir>/checkpoints/<sub-job>/, plus a folder no job of this server owns.
+    from arctic_platform.server.store import MetadataStore
+
+    data = tmp_path / "data"
+    legacy = data / "checkpoints"
+    saved = legacy / "a11ce0000000-training-0" / "checkpoint-1"
+    saved.mkdir(parents=True)
+    (saved / "model.safetensors").write_bytes(b"weights")
+    stray = legacy / "0123456789ab-training-0" / "checkpoint-1"
+    stray.mkdir(parents=True)
+    store = MetadataStore(data / "metadata.sqlite3")
+    store.put_job(
+        {
+            "job_id": "a11ce0000000",
+            "owner": ALICE,
+            "status": "running",
+            "reason": None,
+            "experiment_name": None,
+            "request": job_request("training"),
+            "sub_jobs": [{"sub_job_id": "a11ce0000000:training:0", "kind": "training"}],
+            "created_at": 1.0,
+            "updated_at": 1.0,
+        }
+    )
+    record = {"job_id": "a11ce0000000", "sub_job_id": "a11ce0000000:training:0"}
+    record |= {"checkpoint_id": "checkpoint-1", "path": str(saved), "global_steps": 1}
+    store.put_checkpoint(record | {"avg_loss": 0.5, "checkpoint_type": "full", "created_at": 2.0})
+    store.close()
+
+    service = Service(ServiceSettings(data_dir=data, device="cpu"))
+    try:
+        files = service.checkpoint_files("a11ce0000000", "checkpoint-1", owner=ALICE)
+        moved = service.paths.checkpoint_root(ALICE) / "a11ce0000000-training-0" / "checkpoint-1"
+        assert [(f["filename"], f["path"]) for f in files] == [
+            ("model.safetensors", str(moved / "model.safetensors"))
+        ]
+        assert not saved.exists() and stray.exists()
+        with pytest.raises(NotFound):
+            service.checkpoint_files("a11ce0000000", "checkpoint-1", owner=BOB)
+        with pytest.raises(BadRequest, match="load_path"):  # not handed to anyone by path
+            service.paths.readable(BOB, str(stray), field="load_path")
+        warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+        assert any(str(stray.parent) in m and "not served" in m for m in warned), warned
+    finally:
+        service.close()
+
+
+def test_an_operator_writable_prefix_takes_absolute_saves_and_nothing_beyond(tmp_path):
+    writable = tmp_path / "ckpts"
+    service = Service(
+        ServiceSettings(data_dir=tmp_path / "data", device="cpu", writable_paths=(writable,))
+    )
+    try:
+        job = running(service, ALICE)
+        target = writable / "run-1"  # absolute, as SkyRL's trainer.ckpt_path
+        saved = service.execute(job, "save", {"path": str(target)}, owner=ALICE)
+        assert Path(saved["path"]) == target / "checkpoint-0" and Path(saved["path"]).is_dir()
+        loaded = service.execute(job, "load-checkpoint", {"path": str(target)}, owner=ALICE)
+        assert loaded["global_step"] == 0
+        for path in (str(tmp_path / "elsewhere"), f"{writable}/../elsewhere"):
+            error = refused(
+                lambda p=path: service.execute(job, "save", {"path": p}, owner=ALICE), "save.path"
+            )
+            assert error.code == "path_not_allowed" and str(writable) in error.message
+        assert not (tmp_path / "elsewhere").exists()
+    finally:
+        service.close()

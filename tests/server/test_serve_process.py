@@ -2,68 +2,20 @@
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
 import threading
 import time
-from contextlib import contextmanager
 
 import httpx
 import pytest
 
 from arctic_platform import wire
-from arctic_platform.client.local_server import free_port
+from tests.live_server import serve_process, stopped
 from tests.server.conftest import CORTEX, OCTET, TINY, job_request
 
 pytestmark = pytest.mark.slow
-
-
-@contextmanager
-def serve_process(data_dir, *extra: str, env: dict | None = None):
-    port = free_port()
-    command = [
-        sys.executable,
-        "-m",
-        "arctic_platform.cli",
-        "serve",
-        "--port",
-        str(port),
-        "--data-dir",
-        str(data_dir),
-        "--device",
-        "cpu",
-        "--log-level",
-        "warning",
-        *extra,
-    ]
-    process = subprocess.Popen(
-        command, env={**os.environ, **(env or {})}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
-    )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        if process.poll() is not None or time.monotonic() > deadline:
-            output = process.stdout.read().decode(errors="replace")
-            process.kill()
-            raise RuntimeError(f"server did not start:\n{output}")
-        time.sleep(0.1)
-    try:
-        yield process, url
-    finally:
-        if process.poll() is None:
-            process.send_signal(signal.SIGTERM)
-            try:
-                process.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                process.kill()
-        process.stdout.close()
 
 
 def wait_request(http, job_id, request_id):
@@ -228,14 +180,25 @@ def test_sigterm_with_a_long_generate_in_flight_exits_after_the_drain_timeout(tm
         http.close()
 
 
-def test_a_stopped_server_is_reported_while_an_op_waits_on_it(tmp_path):
+@pytest.mark.parametrize(
+    ("backend", "probe"),
+    [
+        ({"type": "http"}, "/health"),
+        (
+            {"type": "cortex", "database": "DB", "schema": "RL", "poll_max_interval": 0.2},
+            "/capacity",
+        ),
+    ],
+)
+def test_a_stopped_server_is_reported_while_an_op_waits_on_it(tmp_path, backend, probe):
     from arctic_platform.client import SyncArcticRLClient
     from arctic_platform.client.config import load_config
     from arctic_platform.client.transports.liveness import ServerUnresponsiveError
 
     with serve_process(tmp_path / "data") as (process, url):
-        backend = {"type": "http", "url": url, "liveness_timeout": 2}
-        config = load_config({"model": TINY, "seed": 0, "backend": backend, "sampling": {}})
+        address = {"url": url} if backend["type"] == "http" else {"base_url": url}
+        section = {**backend, **address, "liveness_timeout": 2}
+        config = load_config({"model": TINY, "seed": 0, "backend": section, "sampling": {}})
         with SyncArcticRLClient(config) as client:
             errors: list[BaseException] = []
 
@@ -248,11 +211,10 @@ def test_a_stopped_server_is_reported_while_an_op_waits_on_it(tmp_path):
 
             waiting = threading.Thread(target=generate)
             waiting.start()
-            process.send_signal(signal.SIGSTOP)
-            try:
+            with stopped(process):
+                # Without the watch the client waits its request timeout (1800 s on http; 300 s
+                # per poll, retried, on cortex).
                 waiting.join(timeout=120)
                 assert not waiting.is_alive(), "the client kept waiting on a stopped server"
-            finally:
-                process.send_signal(signal.SIGCONT)
-            assert len(errors) == 1 and isinstance(errors[0], ServerUnresponsiveError)
-            assert "has not answered /health for 2s" in str(errors[0])
+            assert len(errors) == 1 and isinstance(errors[0], ServerUnresponsiveError), errors
+            assert f"has not answered {probe} for 2s" in str(errors[0])

@@ -68,6 +68,7 @@ from arctic_platform.client.transports.http_common import (
     octet_request,
     retry_wait,
 )
+from arctic_platform.client.transports.liveness import LivenessWatch
 from arctic_platform.contract.job_config import SHORT_JOB_TYPE
 from arctic_platform.contract.ops import OPERATION
 from arctic_platform.contract.ops import op as contract_op
@@ -141,6 +142,15 @@ class CortexTransport(Transport):
             verify=backend.verify_tls,
             transport=http_transport,
         )
+        self._watch: LivenessWatch | None = None
+        if backend.liveness_timeout is not None:
+            self._watch = LivenessWatch(
+                backend.prefix,
+                headers,
+                backend.liveness_timeout,
+                probe="/capacity",
+                verify=backend.verify_tls,
+            )
 
     @property
     def _job_url(self) -> str:
@@ -192,15 +202,20 @@ class CortexTransport(Transport):
         if self._client is None:
             return
         if self._owns_job and self.job_id is not None:
+            url = f"{self._job_url}:cancel"
             try:
-                self._request(
-                    "POST", f"{self._job_url}:cancel", op="cancel job", policy=NOT_REPEATABLE
+                self._watched(
+                    lambda: self._request("POST", url, op="cancel job", policy=NOT_REPEATABLE),
+                    op="cancel job",
                 )
             except ArcticRLError as exc:
                 log.warning("could not cancel job %s: %s", self.job_id, exc)
         self._owns_job = False
         self._client.close()
         self._client = None
+        if self._watch is not None:
+            self._watch.close()
+            self._watch = None
         self.jobs = JobHandles()
 
     def _wait_running(self) -> dict:
@@ -233,6 +248,16 @@ class CortexTransport(Transport):
     # -- ops --------------------------------------------------------------------------------
 
     def call(self, request: Request) -> Any:
+        return self._watched(lambda: self._call(request), op=request.op)
+
+    def _watched(self, call, *, op: str) -> Any:
+        """``call()``, failing with :class:`ServerUnresponsiveError` once the server stays silent
+        for ``liveness_timeout`` (see :mod:`arctic_platform.client.transports.liveness`)."""
+        if self._watch is None:
+            return call()
+        return self._watch.run(call, op=op)
+
+    def _call(self, request: Request) -> Any:
         op = request.op
         if op == OPERATION:
             return self._operation(request.body)

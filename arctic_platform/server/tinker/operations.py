@@ -30,6 +30,7 @@ from arctic_platform.server.tinker.checkpoints import (
 from arctic_platform.server.tinker.downloads import DownloadSigner
 from arctic_platform.server.tinker.futures import FutureStore, OpResult
 from arctic_platform.server.tinker.sample_batcher import SampleBatcher
+from arctic_platform.server.tinker.session_reaper import SESSION_TIMEOUT_S, SessionReaper
 from arctic_platform.server.tinker.state import Sampler, TinkerState, TrainingRun
 
 # How long create_model (and sampling on a fresh sampler) waits for the engines to load.
@@ -43,9 +44,10 @@ MLP_MODULES = ["gate_proj", "up_proj", "down_proj"]
 class TinkerOps:
     """Every Tinker op over one Service (see module doc)."""
 
-    def __init__(self, service: Service) -> None:
+    def __init__(self, service: Service, session_timeout_s: float = SESSION_TIMEOUT_S) -> None:
         self.service = service
         self.state = TinkerState()
+        self.reaper = SessionReaper(self.state, self.finish_session, session_timeout_s)
         self.futures = FutureStore()
         self.checkpoints = CheckpointStore(
             lambda owner: service.paths.tenant_root(owner) / "tinker"
@@ -55,18 +57,27 @@ class TinkerOps:
         self._waiters = ThreadPoolExecutor(max_workers=8, thread_name_prefix="tinker-wait")
         self._shared_lock = threading.Lock()
         self._batcher = SampleBatcher()
+        # sampling sub-job -> the (run, snapshot) whose weights it holds; written on its queue
+        self._loaded_snapshots: dict[str, tuple[str, int]] = {}
+
+    def start(self) -> None:
+        """Start the background work (the stale-session reaper); the app does at startup."""
+        self.reaper.start()
 
     def close(self) -> None:
+        self.reaper.stop()
         self._waiters.shutdown(wait=False, cancel_futures=True)
 
     # -- sessions ---------------------------------------------------------------------------
 
     def finish_session(self, session_id: str, owner: str | None) -> None:
-        """Finish a session (idempotent) and cancel the jobs it created."""
+        """Finish a session (idempotent): cancel the jobs it created, drop its runs' snapshots."""
         session = self.state.session(session_id, owner, active=False)
         if session.finished:
             return
         session.finished = True
+        for run in self.state.runs_of(session_id):
+            run.drop_snapshots()
         for job_id in session.job_ids:
             # a job that already ended on its own (failed, shut down) has nothing to cancel
             with contextlib.suppress(ServiceError):
@@ -265,22 +276,50 @@ class TinkerOps:
             self.checkpoints.set_ttl(path, owner, ttl_seconds)
 
     def _sync_to_sampler(self, run: TrainingRun, owner):
-        """``save_weights_and_get_sampling_client``: the run's sampler gets the trainer's merged
-        weights; the new sampling session names it."""
+        """``save_weights_and_get_sampling_client``: a snapshot of the trainer's adapters, which
+        the run's sampler loads before sampling for it (:mod:`.state`). A trainer whose weights
+        live elsewhere (Ray workers) syncs them into the sampler instead, latest weights only."""
         from arctic_platform.server.ops import prepare_op
 
         def runner(engine) -> OpResult:
-            sub = self.service.resolve(run.training_sub_job, owner=owner)
-            sync = prepare_op(
-                self.service, sub, "weight-sync", {"target_sub_job_ids": [run.sampling_sub_job]}
-            )
-            sync()
+            snapshot = None
+            if getattr(engine, "sync_weights_to", None) is None:
+                from arctic_platform.engine.weights import snapshot_adapters
+
+                snapshot = (run.model_id, run.add_snapshot(snapshot_adapters(engine.model)))
+            else:
+                sub = self.service.resolve(run.training_sub_job, owner=owner)
+                body = {"target_sub_job_ids": [run.sampling_sub_job]}
+                prepare_op(self.service, sub, "weight-sync", body)()
             sampler = self.state.add_sampler(
-                Sampler(uuid.uuid4().hex, owner, run.base_model, run.sampling_sub_job)
+                Sampler(
+                    uuid.uuid4().hex, owner, run.base_model, run.sampling_sub_job, snapshot=snapshot
+                )
             )
             return OpResult(json={"sampling_session_id": sampler.sampler_id})
 
         return runner
+
+    def _snapshot_loader(self, sampler: Sampler, owner):
+        """``(batch key, load)`` for a snapshot sampler: ``load(engine)`` runs on the sampling
+        sub-job's queue before a batch of this snapshot and loads its merged weights unless they
+        are the ones loaded."""
+        model_id, number = sampler.snapshot
+        run = self.state.run(model_id, owner)
+        adapters = run.snapshot(number)  # a dropped snapshot is refused before a request id
+        wanted = (model_id, number)
+
+        def load(engine) -> None:
+            from arctic_platform.engine.weights import export_weights
+
+            if self._loaded_snapshots.get(sampler.sub_job_id) == wanted:
+                return
+            trainer = self.service.resolve(run.training_sub_job, owner=owner).engine
+            # the trainer's base weights are frozen, so reading them beside its training is safe
+            engine.load_weights(export_weights(trainer.model, adapters=adapters))
+            self._loaded_snapshots[sampler.sub_job_id] = wanted
+
+        return f"{sampler.sub_job_id}@{number}", load
 
     def load_weights(self, body: bodies.LoadWeightsBody, owner: str | None) -> str:
         def checked_path():
@@ -380,13 +419,18 @@ class TinkerOps:
         want_prompt_logprobs = bool(body.prompt_logprobs)
         if body.topk_prompt_logprobs or body.topk_sample_logprobs:
             raise BadRequest("topk_prompt_logprobs/topk_sample_logprobs: not supported here")
+        key, load = sampler.sub_job_id, None
+        if sampler.snapshot is not None:
+            key, load = self._snapshot_loader(sampler, owner)
         job_id = sampler.sub_job_id.split(":", 1)[0]
         outer: Future = Future()
 
         def attach() -> None:
             sub = self.service.resolve(sampler.sub_job_id, owner=owner)
             submit = partial(self.service.submit_runner, sub, "generate")
-            done = self._batcher.add(sub, prompt, params, want_prompt_logprobs, submit)
+            done = self._batcher.add(
+                sub, prompt, params, want_prompt_logprobs, submit, key=key, before=load
+            )
             done.add_done_callback(lambda f: _sample_result(f, outer))
 
         if self.service.get_job(job_id, owner=owner)["status"] == "running":

@@ -4,10 +4,16 @@
   10 s and finishes it (``/sessions/{id}/finish``) when the script ends, which cancels the Service
   jobs it created so their engines are freed. A finished session answers 410, as the SDK expects.
 * A **training run** (Tinker's model id ``<session>:train:<n>``) is one Service job with a LoRA
-  training sub-job and a sampling sub-job on the same base model; the sampling sub-job receives
-  the trainer's merged weights for ``save_weights_and_get_sampling_client``.
-* A **sampler** (``sampling_session_id``) names the sampling sub-job a ``SamplingClient`` uses: a
-  run's own, one per base model, or one per saved ``sampler_weights`` checkpoint.
+  training sub-job and a sampling sub-job on the same base model.
+  ``save_weights_and_get_sampling_client`` takes a **snapshot** of the trainer's LoRA adapters
+  (small copies, :func:`~arctic_platform.engine.weights.snapshot_adapters`); the run keeps the
+  latest :data:`MAX_SNAPSHOTS`, and its sampling sub-job loads a snapshot's merged weights before
+  it samples for it. So a sampling client keeps sampling the weights it was created with after
+  the trainer moved on and saved again, as Tinker's are (a sampler whose snapshot was dropped is
+  refused with 409 rather than answered from other weights).
+* A **sampler** (``sampling_session_id``) names the sampling sub-job a ``SamplingClient`` uses (a
+  run's own with one of its snapshots, one per base model, or one per saved ``sampler_weights``
+  checkpoint).
 * :class:`Sequencer` starts a training client's requests in ``seq_id`` order whatever order they
   arrive in (the SDK sends the chunks of one ``forward_backward`` concurrently), and maps a
   retried ``seq_id`` to the request id it already has.
@@ -19,10 +25,15 @@ import contextlib
 import threading
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from arctic_platform.server.errors import Conflict, NotFound, ServiceError
+
+# Adapter snapshots a training run keeps for its sampling clients (the newest ones).
+MAX_SNAPSHOTS = 8
 
 
 class SessionGone(ServiceError):
@@ -86,6 +97,35 @@ class TrainingRun:
     job_id: str
     sequencer: Sequencer = field(default_factory=Sequencer)
     last_request_time: float = field(default_factory=time.time)
+    _snapshots: OrderedDict[int, Any] = field(default_factory=OrderedDict)
+    _snapshot_count: int = 0
+    _snapshot_lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def add_snapshot(self, adapters: Any) -> int:
+        """Keep ``adapters`` as the run's newest snapshot; returns its number."""
+        with self._snapshot_lock:
+            self._snapshot_count += 1
+            self._snapshots[self._snapshot_count] = adapters
+            while len(self._snapshots) > MAX_SNAPSHOTS:
+                self._snapshots.popitem(last=False)
+            return self._snapshot_count
+
+    def drop_snapshots(self) -> None:
+        """Release the snapshots (the run's session ended)."""
+        with self._snapshot_lock:
+            self._snapshots.clear()
+
+    def snapshot(self, number: int) -> Any:
+        """The adapters of snapshot ``number``; 409 once newer ones have replaced it."""
+        with self._snapshot_lock:
+            adapters = self._snapshots.get(number)
+        if adapters is None:
+            raise Conflict(
+                f"sampler weights snapshot {number} of {self.model_id} was dropped (a run keeps "
+                f"its latest {MAX_SNAPSHOTS}, none after its session ended); create a new "
+                "sampling client"
+            )
+        return adapters
 
     @property
     def training_sub_job(self) -> str:
@@ -103,6 +143,8 @@ class Sampler:
     base_model: str
     sub_job_id: str
     model_path: str | None = None
+    # (training run model id, snapshot number) for a run's sampler; None: the job's own weights
+    snapshot: tuple[str, int] | None = None
 
 
 class TinkerState:
@@ -121,6 +163,14 @@ class TinkerState:
         with self._lock:
             self.sessions[session.session_id] = session
         return session
+
+    def active_sessions(self) -> list[Session]:
+        with self._lock:
+            return [s for s in self.sessions.values() if not s.finished]
+
+    def runs_of(self, session_id: str) -> list[TrainingRun]:
+        with self._lock:
+            return [r for r in self.runs.values() if r.session_id == session_id]
 
     def session(self, session_id: str, owner: str | None, *, active: bool = True) -> Session:
         """The caller's session; 404 if unknown, 410 if finished (when ``active``)."""

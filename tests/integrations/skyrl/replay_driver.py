@@ -20,6 +20,7 @@ import asyncio
 import json
 import sys
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import numpy as np
 
@@ -34,9 +35,9 @@ def build_rl_config(protocol: str) -> dict:
         "model_name": "builtin:tiny",
         "backend": "local",
         "comm_protocol": protocol,
-        # SkyRL's trainer.ckpt_path is absolute (~/ckpts/...). Served jobs (http and ray) keep
-        # every path inside the tenant's folder on the server, so the replay names a relative one.
-        "checkpoint_path": "ckpts",
+        # Absolute, as SkyRL's trainer.ckpt_path (~/ckpts/...): outside the server's data folder,
+        # which the server this driver launched (http) or its state actor (ray) accepts.
+        "checkpoint_path": str(Path.cwd() / "ckpts"),
         "training_gpus": 1,
         "sampling_gpus": 1,
         "log_prob_gpus": 0,

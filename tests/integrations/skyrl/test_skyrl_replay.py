@@ -86,6 +86,8 @@ def test_skyrl_driver_sequence_on_http_and_ray_leaves_nothing_behind(tmp_path):
         )
         assert math.isfinite(answer["grad_norm"]) and answer["grad_norm"] > 0
         assert answer["saved"]["global_step"] == 1
+        saved = Path(answer["saved"]["path"])  # where SkyRL's absolute ckpt_path points
+        assert saved.parent == tmp_path / protocol / "ckpts" and saved.is_dir()
         assert answer["job_ids"][0] and answer["job_ids"][1] and answer["job_ids"][2] is None
     http, ray = answers["http"], answers["ray"]
     assert http["outputs"] == ray["outputs"]  # same seeds, same engines: same step

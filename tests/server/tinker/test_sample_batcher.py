@@ -82,3 +82,46 @@ def test_a_failed_drain_fails_the_requests_it_held(engine):
     for future in (first, second):
         with pytest.raises(BadRequest, match="stopped"):
             future.result()
+
+
+def test_requests_arriving_while_a_drain_starts_join_it(engine):
+    """The SDK's requests of one group arrive milliseconds apart; the first one's drain, started
+    on an idle sampler, waits for the others instead of decoding alone (two decode loops)."""
+    import threading
+    import time
+
+    calls = []
+
+    def counting_generate(prompts, params):
+        calls.append(len(prompts))
+        return engine.generate(prompts, params)
+
+    sub = SimpleNamespace(
+        sub_job_id="j:sampling:2",
+        engine=SimpleNamespace(
+            generate=counting_generate,
+            prompt_logprobs=engine.prompt_logprobs,
+            vocab_size=engine.vocab_size,
+        ),
+    )
+
+    def submit(runner) -> Future:  # an idle sub-job queue: the drain starts at once
+        future: Future = Future()
+        started = threading.Event()
+
+        def run():
+            started.set()
+            runner()
+            future.set_result(None)
+
+        threading.Thread(target=run, daemon=True).start()
+        started.wait()
+        time.sleep(0.05)  # the drain is under way before the next request arrives
+        return future
+
+    batcher = SampleBatcher(linger_gap_s=0.5, linger_max_s=5.0)
+    params = {"n": 1, "max_tokens": 2, "seed": 0}
+    futures = [batcher.add(sub, [10 + i], params, False, submit) for i in range(3)]
+    for future in futures:
+        future.result(timeout=60)
+    assert calls == [3]

@@ -1,0 +1,49 @@
+"""Sessions whose client stopped heartbeating are finished and their jobs freed."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+
+from arctic_platform.server.app import create_app
+from arctic_platform.server.service import Service, ServiceSettings
+from arctic_platform.server.tinker.session_reaper import SessionReaper
+from arctic_platform.server.tinker.state import TinkerState
+from tests.live_server import serve_app
+from tests.server.tinker.conftest import TINY
+
+
+def test_a_silent_session_is_finished_and_its_jobs_cancelled(tmp_path):
+    service = Service(ServiceSettings(data_dir=tmp_path, device="cpu"))
+    app = create_app(service, tinker_session_timeout_s=1.0)
+    with (
+        serve_app(app) as url,
+        httpx.Client(base_url=f"{url}/api/v1", headers={"X-API-Key": "tml-a"}) as http,
+    ):
+        silent, live = (http.post("/create_session", json={}).json()["session_id"] for _ in "ab")
+        model = {"model_seq_id": 0, "base_model": TINY, "lora_config": {"rank": 4}}
+        for session in (silent, live):
+            assert http.post("/create_model", json={"session_id": session, **model}).is_success
+        runs = app.state.tinker.state.runs
+        silent_job, live_job = (runs[f"{s}:train:0"].job_id for s in (silent, live))
+        deadline = time.monotonic() + 60
+        while service.get_job(silent_job)["status"] != "cancelled":
+            assert time.monotonic() < deadline, "the silent session was never finished"
+            assert http.post("/session_heartbeat", json={"session_id": live}).status_code == 200
+            time.sleep(0.1)
+        assert http.post("/session_heartbeat", json={"session_id": silent}).status_code == 410
+        assert http.post("/session_heartbeat", json={"session_id": live}).status_code == 200
+        assert service.get_job(live_job)["status"] != "cancelled"
+
+
+def test_the_reaper_finishes_only_sessions_past_the_timeout():
+    state, finished = TinkerState(), []
+    reaper = SessionReaper(state, lambda sid, owner: finished.append(sid), timeout_s=30)
+    old, fresh = state.new_session("o"), state.new_session("o")
+    old.last_heartbeat = fresh.last_heartbeat - 31
+    assert reaper.reap(now=fresh.last_heartbeat) == [old.session_id]
+    assert finished == [old.session_id]
+    with pytest.raises(ValueError, match="session timeout"):
+        SessionReaper(state, lambda *_: None, timeout_s=0)
