@@ -7,7 +7,7 @@ client-only install). Nothing here imports torch unless torch is the chosen type
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 from collections.abc import Mapping
 from typing import Any, Literal
 
@@ -19,10 +19,14 @@ TensorType = Literal["numpy", "torch"]
 
 
 def resolve_tensor_type(setting: str) -> TensorType:
-    """``numpy`` or ``torch`` for a config value (``auto``: whether torch is installed)."""
+    """``numpy`` or ``torch`` for a config value (``auto`` probes whether torch imports)."""
     if setting in ("numpy", "torch"):
         return setting  # type: ignore[return-value]
-    return "torch" if importlib.util.find_spec("torch") is not None else "numpy"
+    try:
+        importlib.import_module("torch")  # torch is what the caller's tensors will be
+    except ImportError:
+        return "numpy"
+    return "torch"
 
 
 is_torch_tensor = wire.is_torch_tensor
