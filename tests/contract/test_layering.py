@@ -20,9 +20,6 @@ TORCH_OUTSIDE_ENGINE = {
     "integrations/verl/": "verl's batches and losses are torch",
     # The tensorboard tracker writes through torch's own SummaryWriter (imported when named).
     "recipes/trackers/tensorboard_tracker.py": "torch.utils.tensorboard is the writer",
-    # Not yet ported: the SnowAPI context's widening for rows scored past their end arrived in
-    # torch concurrently with the numpy port; it belongs in numpy like the rest of the edge.
-    "server/cortex_context.py": "to be ported to numpy",
 }
 
 # (importing file or folder, imported package) pairs the table's "never" column allows anyway.
