@@ -23,7 +23,8 @@ from typing import Any, ClassVar, Literal
 
 import numpy as np
 
-from arctic_platform.engine.errors import EngineInputError, SamplerStateError
+from arctic_platform.engine.errors import EngineInputError, PeerRejected, SamplerStateError
+from arctic_platform.tensor_tree import to_object_store
 
 
 @dataclass(frozen=True)
@@ -39,10 +40,8 @@ class Rejected:
 
 def _replying(fn: Callable[[], Any]) -> Any:
     """``fn()`` with results as numpy and refusals as :class:`Rejected` (see module doc)."""
-    from arctic_platform.server.data_parallel import PeerRejected
-
     try:
-        return to_numpy(fn())
+        return to_object_store(fn())
     except EngineInputError as exc:
         return Rejected("input", exc.field, exc.message)
     except SamplerStateError as exc:
@@ -52,7 +51,8 @@ def _replying(fn: Callable[[], Any]) -> Any:
 
 
 class TrainingWorker:
-    """One rank of a data-parallel training job (a :class:`DataParallelEngine`)."""
+    """One rank of a data-parallel training job: a ``TrainingEngine`` composed with the rank's
+    :mod:`~arctic_platform.engine.data_parallel` strategy."""
 
     def __init__(self, rank: int, world_size: int) -> None:
         self.rank = rank
@@ -64,7 +64,7 @@ class TrainingWorker:
         """Rank 0: open the process group's store; its address and port for the other ranks."""
         import ray
 
-        from arctic_platform.server.data_parallel import open_rendezvous
+        from arctic_platform.engine.data_parallel import open_rendezvous
 
         host = ray.util.get_node_ip_address()
         self.store = open_rendezvous(host, self.world_size, timeout_s=timeout_s)
@@ -74,10 +74,12 @@ class TrainingWorker:
         self, config, strategy: str, master_addr: str, master_port: int, timeout_s: float
     ) -> Any:
         """Join the process group and build the engine; ``{vocab_size, backend, pid}``."""
-        from arctic_platform.server.data_parallel import DataParallelEngine, join_process_group
+        from arctic_platform.engine.data_parallel import data_parallel_strategy, join_process_group
+        from arctic_platform.engine.trainer import TrainingEngine
 
         def build() -> dict:
             backend = None
+            parallel = data_parallel_strategy(strategy, rank=self.rank, world_size=self.world_size)
             if self.world_size > 1:
                 backend = join_process_group(
                     self.rank,
@@ -87,9 +89,7 @@ class TrainingWorker:
                     timeout_s=timeout_s,
                     store=self.store,
                 )
-            self.engine = DataParallelEngine(
-                config, strategy=strategy, rank=self.rank, world_size=self.world_size
-            )
+            self.engine = TrainingEngine(config, parallel=parallel)
             return {"vocab_size": self.engine.vocab_size, "backend": backend, "pid": os.getpid()}
 
         return _replying(build)
@@ -134,7 +134,7 @@ class TrainingWorker:
 
     def stop(self) -> None:
         """Leave the process group so the rank exits cleanly (the actor is killed after)."""
-        from arctic_platform.server.data_parallel import leave_process_group
+        from arctic_platform.engine.data_parallel import leave_process_group
 
         self.engine = None
         leave_process_group()
@@ -190,20 +190,4 @@ def _writable(value: Any) -> Any:
         return value.copy()
     if isinstance(value, Mapping):
         return {k: _writable(v) for k, v in value.items()}
-    return value
-
-
-def to_numpy(value: Any) -> Any:
-    """Torch tensors as numpy arrays, recursively through dicts, lists and tuples."""
-    import torch
-
-    if isinstance(value, torch.Tensor):
-        value = value.detach().cpu()
-        return value.numpy() if value.dtype != torch.bfloat16 else value
-    if isinstance(value, Mapping):
-        return {k: to_numpy(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [to_numpy(v) for v in value]
-    if isinstance(value, tuple):
-        return tuple(to_numpy(v) for v in value)
     return value
