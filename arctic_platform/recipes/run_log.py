@@ -33,12 +33,19 @@ class MetricsLog:
             handle.write(json.dumps(record) + "\n")
 
 
-# The panels under the reward plot: title, then the (phase, metric, label) series drawn on it.
+# The panels under the reward plot: title, the (phase, metric, label) series drawn on it, and what
+# a panel whose every value is exactly 0 means (None: nothing to say). With one update per batch
+# the loss takes its ratio against the current policy, so the old-vs-new KL is 0 by construction;
+# the note keeps a flat line from reading as a broken metric.
 LOSS_PANELS = (
-    ("SFT loss", (("sft", "loss", "cross-entropy"),)),
-    ("GRPO loss", (("grpo", "loss", "policy loss"),)),
-    ("GRPO KL", (("grpo", "kl", "old vs new policy"), ("grpo", "kl_loss", "vs reference"))),
-    ("GRPO entropy", (("grpo", "entropy", "token entropy"),)),
+    ("SFT loss", (("sft", "loss", "cross-entropy"),), None),
+    ("GRPO loss", (("grpo", "loss", "policy loss"),), None),
+    (
+        "GRPO KL",
+        (("grpo", "kl", "old vs new policy"), ("grpo", "kl_loss", "vs reference")),
+        "0 by construction: one update per batch\n(the ratio is against the current policy)",
+    ),
+    ("GRPO entropy", (("grpo", "entropy", "token entropy"),), None),
 )
 
 
@@ -72,18 +79,21 @@ def run_figure(records: list[dict[str, Any]], *, title: str):
     )
     top.set(xlabel="step", ylabel="reward", ylim=(-0.02, 1.02), title=title)
     top.legend(loc="upper left")
-    for index, (panel, series) in enumerate(LOSS_PANELS):
+    for index, (panel, series, zero_note) in enumerate(LOSS_PANELS):
         axis = fig.add_subplot(grid[1 + index // 2, index % 2])
-        drawn = False
+        values: list[float] = []
         for phase, key, label in series:
             points = [r for r in records if r["phase"] == phase and r.get(key) is not None]
             if points:
                 axis.plot([r["step"] for r in points], [r[key] for r in points], label=label)
-                drawn = True
-        if drawn and len(series) > 1:
+                values += [r[key] for r in points]
+        if values and len(series) > 1:
             axis.legend(loc="upper right", fontsize=8)
-        if not drawn:
-            axis.text(0.5, 0.5, "no data yet", ha="center", va="center", transform=axis.transAxes)
+        note = "no data yet" if not values else None
+        if values and zero_note and not any(values):
+            note = zero_note
+        if note:
+            axis.text(0.5, 0.5, note, ha="center", va="center", transform=axis.transAxes)
         axis.set_title(panel, fontsize=10)
         axis.set_xlabel("step")
     fig.tight_layout()

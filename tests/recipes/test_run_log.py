@@ -60,3 +60,13 @@ def test_an_sft_only_run_draws_empty_grpo_panels(tmp_path):
 @pytest.mark.parametrize("records", [[], RECORDS[:1]])
 def test_a_plot_of_a_run_that_just_started(tmp_path, records):
     assert plot_run(records, tmp_path / "p.png", title="t").stat().st_size > 0
+
+
+def test_a_kl_that_is_zero_by_construction_says_so():
+    """One update per batch: the old-vs-new KL is exactly 0 every step; the panel says why."""
+    on_policy = [dict(r, kl=0.0) for r in RECORDS if r["phase"] == "grpo"]
+    for r in on_policy:
+        r.pop("kl_loss", None)
+    texts = [t.get_text() for t in run_figure(on_policy, title="t").axes[3].texts]
+    assert len(texts) == 1 and "by construction" in texts[0]
+    assert not run_figure(RECORDS, title="t").axes[3].texts  # a moving KL gets no note
