@@ -92,8 +92,9 @@ def run_figure(records: list[dict[str, Any]], *, title: str):
         note = "no data yet" if not values else None
         if values and zero_note and not any(values):
             note = zero_note
-        if note:
-            axis.text(0.5, 0.5, note, ha="center", va="center", transform=axis.transAxes)
+        if note:  # above a drawn (flat) line, centred on an empty axis
+            height = 0.75 if values else 0.5
+            axis.text(0.5, height, note, ha="center", va="center", transform=axis.transAxes)
         axis.set_title(panel, fontsize=10)
         axis.set_xlabel("step")
     fig.tight_layout()
