@@ -14,6 +14,12 @@ What makes N ranks equal one engine on the whole batch:
   microbatch count; a rank with fewer microbatches (or no rows at all) runs zero-weight dummy
   calls to match. Gradients are only synchronised on the last call, so they accumulate locally
   first, and across ``forward_backward`` calls until ``step`` as on one engine.
+* **Stopping together.** A rank never stops alone (the others would wait for it in the next
+  collective): the microbatch loop runs under :func:`cancellation.deferred` and, before each
+  model call, the ranks agree (one small all-reduce) whether any was asked to stop; then all
+  stop at that call and put their gradients back as they were, which holds because gradients
+  are only synchronised on the last call. FSDP keeps unsynchronised gradients inside its own
+  state, so a sharded ``forward_backward`` (and ``forward``) agrees only before its first call.
 * **Validation first.** A shard that fails validation makes every rank reject the request before
   any state changes (the rejecting rank raises its :class:`EngineInputError`, the others
   :class:`PeerRejected`).
@@ -42,6 +48,7 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
+from arctic_platform.engine import cancellation
 from arctic_platform.engine import checkpoint as ckpt
 from arctic_platform.engine.config import TrainingEngineConfig
 from arctic_platform.engine.errors import EngineInputError
@@ -167,14 +174,17 @@ class DataParallelEngine(TrainingEngine):
         if request is not None:
             sums.add(request.sharing_metrics())
         batches = self._microbatches(request)
-        for i in range(calls):
-            with self._gradient_sync(i == calls - 1):
-                item = next(batches, None)  # the forward runs inside the sync context
-                if item is None:
-                    self._dummy_call(backward=True)
-                    continue
-                _, outputs, rows = item
-                self._backward(request, outputs, rows, sums)
+        with self._gradients_unchanged_unless_finished(), cancellation.deferred() as requested:
+            for i in range(calls):
+                if i == 0 or not self._sharded:
+                    self._agree_to_go_on(requested())
+                with self._gradient_sync(i == calls - 1):
+                    item = next(batches, None)  # the forward runs inside the sync context
+                    if item is None:
+                        self._dummy_call(backward=True)
+                        continue
+                    _, outputs, rows = item
+                    self._backward(request, outputs, rows, sums)
         return self._backward_answer(sums)
 
     def forward(
@@ -185,9 +195,13 @@ class DataParallelEngine(TrainingEngine):
             return super().forward(batch, meta, processing)
         request, calls = self._prepare_shard(batch, meta, processing, backward=False)
         self._wake_if_offloaded()
-        out = forward_no_grad(self.model, request, self.device) if request else None
-        if self._sharded:
-            # Sharded parameters are gathered on every forward: match the busiest rank's count.
+        if not self._sharded:  # no collectives: each rank may stop on its own
+            return forward_no_grad(self.model, request, self.device) if request else None
+        # Sharded parameters are gathered on every forward: every rank makes the busiest rank's
+        # number of calls, so none stops part-way (see :meth:`forward_backward`).
+        with cancellation.deferred() as requested:
+            self._agree_to_go_on(requested())
+            out = forward_no_grad(self.model, request, self.device) if request else None
             with torch.no_grad():
                 for _ in range(calls - (len(request.plan) if request else 0)):
                     self._dummy_call(backward=False)
@@ -332,6 +346,18 @@ class DataParallelEngine(TrainingEngine):
                 raise problem
             raise PeerRejected("another data-parallel rank rejected its shard of this request")
         return max(int(flags[1]), 1)
+
+    def _agree_to_go_on(self, reason: str | None) -> None:
+        """All ranks: stop together (:class:`OpCancelled` everywhere) if any rank's op was asked
+        to stop; a rank that stopped alone would leave the others waiting in a collective."""
+        flag = torch.tensor([int(reason is not None)], dtype=torch.int64)
+        if self.device.type == "cuda":
+            flag = flag.to(self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if int(flag[0]):
+            raise cancellation.OpCancelled(
+                reason or "another data-parallel rank of this op was stopped"
+            )
 
     def _microbatches(self, request: Request | None):
         if request is None:
