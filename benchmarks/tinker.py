@@ -15,13 +15,14 @@ alternate in one run (the machine may be shared; alternation spreads outside loa
 Reported: the median step time of each after a warm-up step, their ratio (target: Tinker <= 1.2x
 ours) and the ratio of each alternated pair.
 
-Run: ``python -m benchmarks.tinker [--model builtin:small --groups 8 --samples 8 --steps 5]``;
+Run: ``OMP_NUM_THREADS=1 python -m benchmarks.tinker [--model builtin:tiny --steps 10]``;
 writes ``benchmarks/results/tinker.json``. Needs the ``tinker`` extra (Python >= 3.11).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import tempfile
 import time
@@ -204,6 +205,9 @@ def main() -> None:
         "tinker",
         {
             "model": args.model,
+            # torch threads of both processes (1 keeps a shared machine's load from stalling
+            # OpenMP barriers; both loops run on the same server, so the ratio is unaffected)
+            "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
             "step": {
                 "groups": args.groups,
                 "samples_per_group": args.samples,

@@ -292,11 +292,11 @@ class TrainingJob(_Job, TrainingSettings):
     plus the job's model, dtype and seed).
 
     ``checkpoint_dir`` is the folder (on the machine running the engines) that
-    ``save_checkpoint``/``load_checkpoint`` use when called without ``path``; by default the
+    ``save_checkpoint``/``load_checkpoint`` use when called without ``path``: this client passes
+    it as the path of each such call, so it is not sent as the server-side root; by default the
     server's own checkpoint folder.
     """
 
-    checkpoint_dir: str | None = None
     JOB_KEYS: ClassVar[frozenset[str]] = frozenset({"model", "dtype", "seed", "checkpoint_dir"})
 
 

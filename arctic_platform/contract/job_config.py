@@ -133,6 +133,9 @@ class TrainingSettings(_WithPassthrough):
     save_total_limit: PositiveInt | None = None
     load_optimizer_states: bool = True
     data_parallel: Literal["ddp", "fsdp"] | None = None
+    # The root a save or load without ``path`` uses (the job's own folder is made inside it);
+    # None: the server's checkpoint folder of the job's owner. The server checks it is writable.
+    checkpoint_dir: str | None = Field(None, min_length=1)
 
     @classmethod
     def known_keys(cls) -> set[str]:

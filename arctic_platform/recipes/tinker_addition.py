@@ -133,6 +133,15 @@ def warm_up(
     return client.save_state("warmup").result().path
 
 
+def response_budget(model_name: str, max_operand: int) -> int:
+    """Tokens a sample needs to be rewarded: the longest answer, then the renderer's stop sequence
+    (the cookbook scores the format only when the stop sequence was sampled)."""
+    renderer = renderers.get_renderer(RENDERER, get_tokenizer(model_name))
+    message = {"role": "assistant", "content": str(2 * max_operand)}
+    datum = conversation_to_datum([{"role": "user", "content": "?"}, message], renderer, None)
+    return int((datum.loss_fn_inputs["weights"].to_numpy() > 0).sum())
+
+
 def rl_config(
     base_url: str,
     model_name: str,
@@ -159,7 +168,7 @@ def rl_config(
         model_name=model_name,
         recipe_name="arctic_platform_tinker_addition",
         renderer_name=RENDERER,
-        max_tokens=8,
+        max_tokens=response_budget(model_name, max_operand),
         log_path=log_path,
         eval_every=0,
         save_every=0,

@@ -46,10 +46,13 @@ def training_config_for(service, sub, source: dict | None, *, device: str) -> Tr
             "training_config.load_optimizer_states: starting from a checkpoint restores its "
             "optimizer state; false is not supported"
         )
+    root = sub.spec.training_config.checkpoint_dir  # checked at creation (Service.create_job)
+    if root is None:
+        root = str(service.paths.checkpoint_root(service.owner_of(sub.job_id)))
     return training_engine_config(
         sub.spec,
         device=device,
-        checkpoint_dir=str(service.paths.checkpoint_root(service.owner_of(sub.job_id))),
+        checkpoint_dir=root,
         job_name=sub.sub_job_id.replace(":", "-"),
         default_seed=service.settings.default_seed,
         model_name=sub.model_path,

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import functools
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -34,7 +36,8 @@ router = APIRouter()
 # Fields of the reference server's JobConfig (the form the reference client's /initialize sends).
 # A body with any of them is read the way the client reads the same legacy fields
 # (:mod:`arctic_platform.client.legacy`): optimizer, clipping, scheduler, token budget and
-# attention are honoured; what has no meaning here is reported back as ``ignored_settings``.
+# attention are honoured, and ``checkpoint_path`` is a training job's default checkpoint root;
+# what has no meaning here is reported back as ``ignored_settings``.
 REFERENCE_INIT_FIELDS = frozenset(
     {
         "num_devices",
@@ -75,8 +78,9 @@ async def initialize(request: Request) -> dict:
     """Create a job with one sub-job and wait until its engine is ready (as the reference does)."""
     owner = owner_of(request)
     body = decode_json(await read_body(request), what="initialize")
-    spec, ignored = _sub_job_from_init(body)
     service = _service(request)
+    writable = functools.partial(service.paths.writable, owner)
+    spec, ignored = await run_in_threadpool(_sub_job_from_init, body, writable)
     info = await run_in_threadpool(service.create_job, {"sub_job_configs": [spec]}, owner=owner)
     await run_in_threadpool(
         service.wait_until_running, info["job_id"], owner=owner, timeout=STARTUP_TIMEOUT_S
@@ -143,12 +147,13 @@ def _onprem_info(job: dict, sub: dict) -> dict:
     }
 
 
-def _sub_job_from_init(body: Any) -> tuple[dict, dict]:
-    """The reference ``JobConfig`` (or our sub-job config) as ``(sub-job config, ignored)``."""
+def _sub_job_from_init(body: Any, writable: Callable[..., Path]) -> tuple[dict, dict]:
+    """The reference ``JobConfig`` (or our sub-job config) as ``(sub-job config, ignored)``;
+    ``writable(path, field=)`` checks a folder the caller may save in (the server's paths)."""
     if not isinstance(body, dict):
         raise BadRequest("initialize: body must be a JSON object")
     if REFERENCE_INIT_FIELDS & set(body):
-        return _fold_reference_job(body)
+        return _fold_reference_job(body, writable)
     spec = dict(body)
     spec.setdefault("job_type", "training")
     vllm = spec.pop("vllm_config", None)
@@ -159,8 +164,13 @@ def _sub_job_from_init(body: Any) -> tuple[dict, dict]:
     return spec, {}
 
 
-def _fold_reference_job(body: dict) -> tuple[dict, dict]:
-    """A reference ``JobConfig`` through the client's legacy folding (see REFERENCE_INIT_FIELDS)."""
+def _fold_reference_job(body: dict, writable: Callable[..., Path]) -> tuple[dict, dict]:
+    """A reference ``JobConfig`` through the client's legacy folding (see REFERENCE_INIT_FIELDS).
+
+    ``checkpoint_path`` is, as on the reference server, the root where a training job saves and
+    loads when a call names no path: it becomes the sub-job's ``checkpoint_dir`` once
+    ``writable`` accepts it (a 400 naming ``checkpoint_path`` otherwise, before any job exists).
+    """
     from pydantic import ValidationError
 
     from arctic_platform.client.config import ArcticRLClientConfig
@@ -176,10 +186,11 @@ def _fold_reference_job(body: dict) -> tuple[dict, dict]:
     for key, value in body.items():
         if key in ("job_type", "num_devices") or value is None:
             continue
-        # log_prob_config: a DeepSpeed log-prob job's; checkpoint_path: saves go where each save
-        # call says (or to the server's default folder).
-        if key in ("log_prob_config", "checkpoint_path"):
+        # log_prob_config: a DeepSpeed log-prob job's; checkpoint_path: only a trainer saves.
+        if key == "log_prob_config" or (key == "checkpoint_path" and role != "training"):
             ignored[key] = value
+        elif key == "checkpoint_path":
+            continue  # placed below, once the rest of the config is valid
         else:
             flat[key] = value
     try:
@@ -187,4 +198,7 @@ def _fold_reference_job(body: dict) -> tuple[dict, dict]:
     except ValidationError as exc:
         raise BadRequest(f"initialize: {describe(exc)}") from None
     (spec,) = config.sub_job_configs()
+    if role == "training" and body.get("checkpoint_path") is not None:
+        root = writable(body["checkpoint_path"], field="checkpoint_path")
+        spec["training_config"]["checkpoint_dir"] = str(root)
     return spec, {**config.ignored_settings, **ignored}

@@ -217,6 +217,7 @@ class Service:
             if spec.source_checkpoint_info is not None:
                 self._source_checkpoint(spec, owner, field=f"sub_job_configs.{i}")
             self._settle_sampling_engine(spec, field=f"sub_job_configs.{i}")
+            self._settle_checkpoint_dir(spec, owner, field=f"sub_job_configs.{i}")
             model_paths.append(
                 self.paths.model_name(
                     owner, spec.model_name, field=f"sub_job_configs.{i}.model_name"
@@ -257,6 +258,17 @@ class Service:
             self._builders.add(builder)
         builder.start()
         return job.info()
+
+    def _settle_checkpoint_dir(self, spec: SubJobConfig, owner: str | None, *, field: str) -> None:
+        """Resolve a training sub-job's own checkpoint root where its owner may write (a 400
+        naming the field otherwise), so the job records, and its engine uses, the checked path."""
+        settings = spec.training_config
+        if settings is None or settings.checkpoint_dir is None:
+            return
+        where = f"{field}.training_config.checkpoint_dir"
+        settings.checkpoint_dir = str(
+            self.paths.writable(owner, settings.checkpoint_dir, field=where)
+        )
 
     def _settle_sampling_engine(self, spec: SubJobConfig, *, field: str) -> None:
         """Record the server's default engine in a sampling sub-job that chose none, and refuse

@@ -46,3 +46,16 @@ def test_cookbook_rl_loop_runs_on_our_server(tmp_path):
     assert all(-0.1 <= r <= 1.0 for r in rewards)
     assert {final["state_path"], final["sampler_path"]} <= listed
     assert Path(log_path / "metrics.jsonl").is_file()
+
+
+def test_rl_samples_have_room_for_the_longest_answer_and_the_stop_sequence():
+    """The cookbook rewards the format only when a sample ends in the renderer's stop sequence;
+    with fewer tokens than answer + stop sequence no sample could ever be rewarded."""
+    from tinker_cookbook.tokenizer_utils import get_tokenizer
+
+    model = builtin_model_path("builtin:tiny")
+    tokenizer = get_tokenizer(model)
+    renderer = tinker_addition.renderers.get_renderer(tinker_addition.RENDERER, tokenizer)
+    (stop,) = renderer.get_stop_sequences()
+    needed = len(tokenizer.encode(" 18" + stop, add_special_tokens=False))
+    assert tinker_addition.response_budget(model, max_operand=9) == needed

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import httpx
 import numpy as np
 import torch
 
 from arctic_platform import wire
-from tests.server.conftest import OCTET, TINY
+from arctic_platform.server.service import Service, ServiceSettings
+from tests.live_server import serve_app
+from tests.server.conftest import OCTET, TINY, make_app
 from tests.server.helpers import PROMPTS, SAMPLING, grpo_batch, same_weights, weights_of
 
 
@@ -195,13 +200,14 @@ REFERENCE_TRAINING_INIT = {  # what the reference client's /initialize sends for
     },
     "training_config": None,
     "ds_worker_config": {"use_liger": True, "attn_implementation": "eager"},
-    "checkpoint_path": "/ckpt",
+    "checkpoint_path": "runs/reference",  # relative: inside the caller's space
     "cuda_ipc": False,
     "low_memory": False,
 }
 
 
 def test_initialize_honours_the_reference_ds_config_and_reports_the_rest(http, service):
+    """ds_config is honoured, and checkpoint_path is where saves and loads without path go."""
     response = http.post("/initialize", json=REFERENCE_TRAINING_INIT)
     assert response.status_code == 200, response.text
     answer = response.json()
@@ -221,8 +227,39 @@ def test_initialize_honours_the_reference_ds_config_and_reports_the_rest(http, s
         "full_determinism",
         "cuda_ipc",
         "low_memory",
-        "checkpoint_path",
     }
+    root = service.paths.tenant_root(None) / "runs" / "reference"
+    assert Path(config.checkpoint_dir) == root.resolve()
+    job_id = answer["job_id"]
+    saved = http.post(f"/save?job_id={job_id}", json={})
+    assert saved.status_code == 200, saved.text
+    assert Path(saved.json()["path"]).is_relative_to(root) and Path(saved.json()["path"]).is_dir()
+    loaded = http.post(f"/load-checkpoint?job_id={job_id}", json={})
+    assert loaded.status_code == 200, loaded.text
+    assert loaded.json()["path"] == saved.json()["path"]
+
+
+def test_initialize_refuses_a_checkpoint_path_outside_the_callers_space(http, service, tmp_path):
+    body = {**REFERENCE_TRAINING_INIT, "checkpoint_path": str(tmp_path / "elsewhere")}
+    response = http.post("/initialize", json=body)
+    assert response.status_code == 400 and "checkpoint_path" in response.text
+    assert http.get("/status").json()["jobs"] == {}
+    assert not (tmp_path / "elsewhere").exists()
+
+
+def test_a_checkpoint_path_under_an_operator_writable_prefix_is_the_jobs_root(tmp_path):
+    writable = tmp_path / "shared-ckpt"
+    settings = ServiceSettings(data_dir=tmp_path / "data", device="cpu", writable_paths=(writable,))
+    service = Service(settings)
+    try:
+        body = {**REFERENCE_TRAINING_INIT, "checkpoint_path": str(writable / "run")}
+        with serve_app(make_app(service)) as url, httpx.Client(base_url=url, timeout=120) as http:
+            response = http.post("/initialize", json=body)
+            assert response.status_code == 200, response.text
+            trainer = service.resolve(response.json()["job_id"], owner=None).engine
+            assert Path(trainer.config.checkpoint_dir) == (writable / "run").resolve()
+    finally:
+        service.close()
 
 
 def test_initialize_with_a_bad_reference_field_names_it(http, service):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import uuid
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
@@ -210,62 +211,84 @@ class TinkerOps:
         return self._sequenced(run, body.seq_id, owner, "step", prepare)
 
     def save_state(self, body: bodies.SaveWeightsBody, owner: str | None) -> str:
+        """``save_state``: LoRA weights and Adam state under ``weights/<name>``."""
         run = self.state.run(body.model_id, owner)
-
-        def prepare():
-            check_ttl(body.ttl_seconds)
-            path = TinkerPath(run.model_id, "weights", check_name(body.path or None))
-
-            def runner(engine) -> OpResult:
-                engine.save_checkpoint(
-                    self.checkpoints.target(path, owner, overwrite=body.overwrite)
-                )
-                self._expire(path, owner, body.ttl_seconds)
-                return OpResult(json={"path": str(path), "type": "save_weights"})
-
-            return runner
-
-        return self._sequenced(run, body.seq_id, owner, "save", prepare)
+        return self._save(
+            run,
+            body,
+            owner,
+            "weights",
+            body.path or None,
+            overwrite=body.overwrite,
+            export_hf=False,
+            answer=lambda path: {"type": "save_weights"},
+        )
 
     def save_for_sampler(self, body: bodies.SaveForSamplerBody, owner: str | None) -> str:
+        """``save_weights_for_sampler``: merged HF weights under ``sampler_weights/<name>``, or
+        without a name a snapshot for a sampling client (:meth:`_sync_to_sampler`)."""
         run = self.state.run(body.model_id, owner)
         if body.path is None:
             return self._sequenced(
                 run, body.seq_id, owner, "weight-sync", lambda: self._sync_to_sampler(run, owner)
             )
-
-        def prepare():
-            check_ttl(body.ttl_seconds)
-            path = TinkerPath(run.model_id, "sampler_weights", check_name(body.path))
-
-            def runner(engine) -> OpResult:
-                target = self.checkpoints.target(path, owner, overwrite=True)
-                engine.save_checkpoint(target, export_hf=True)
-                self._expire(path, owner, body.ttl_seconds)
-                return OpResult(json={"path": str(path), "type": "save_weights_for_sampler"})
-
-            return runner
-
-        return self._sequenced(run, body.seq_id, owner, "save", prepare)
+        return self._save(
+            run,
+            body,
+            owner,
+            "sampler_weights",
+            body.path,
+            overwrite=True,
+            export_hf=True,
+            answer=lambda path: {"type": "save_weights_for_sampler"},
+        )
 
     def save_external(self, body: bodies.SaveWeightsBody, owner: str | None) -> str:
         """``save_weights_external``: merged HF weights under ``external_weights/<name>``."""
         run = self.state.run(body.model_id, owner)
 
+        def answer(path: TinkerPath) -> dict:
+            files = self.checkpoints.exported_files(path, owner).values()
+            return {
+                "size_bytes": sum(f.stat().st_size for f in files),
+                "type": "save_weights_external",
+            }
+
+        return self._save(
+            run,
+            body,
+            owner,
+            "external_weights",
+            body.path,
+            overwrite=True,
+            export_hf=True,
+            answer=answer,
+        )
+
+    def _save(
+        self,
+        run: TrainingRun,
+        body: bodies.SaveWeightsBody | bodies.SaveForSamplerBody,
+        owner: str | None,
+        kind: str,
+        name: str | None,
+        *,
+        overwrite: bool,
+        export_hf: bool,
+        answer: Callable[[TinkerPath], dict],
+    ) -> str:
+        """Save the run's trainer as ``tinker://<run>/<kind>/<name>`` in the client's op order;
+        the future answers ``{"path", **answer(path)}``."""
+
         def prepare():
             check_ttl(body.ttl_seconds)
-            path = TinkerPath(run.model_id, "external_weights", check_name(body.path))
+            path = TinkerPath(run.model_id, kind, check_name(name))
 
             def runner(engine) -> OpResult:
-                target = self.checkpoints.target(path, owner, overwrite=True)
-                engine.save_checkpoint(target, export_hf=True)
+                target = self.checkpoints.target(path, owner, overwrite=overwrite)
+                engine.save_checkpoint(target, export_hf=export_hf)
                 self._expire(path, owner, body.ttl_seconds)
-                size = sum(
-                    p.stat().st_size for p in self.checkpoints.exported_files(path, owner).values()
-                )
-                return OpResult(
-                    json={"path": str(path), "size_bytes": size, "type": "save_weights_external"}
-                )
+                return OpResult(json={"path": str(path), **answer(path)})
 
             return runner
 

@@ -170,32 +170,28 @@ async def forward_backward(request: Request) -> dict:
     return _future(request_id, model_id=parsed.model_id)
 
 
-@router.post("/optim_step")
-async def optim_step(request: Request) -> dict:
-    owner = _owner(request)
-    body = await _parse(request, bodies.OptimStepBody, "optim_step")
-    return _future(_ops(request).optim_step(body, owner), model_id=body.model_id)
+# Training-client ops with a JSON body that answer their future and model id: the route, its body
+# model and the TinkerOps method that queues it.
+_MODEL_OPS = (
+    ("optim_step", bodies.OptimStepBody, TinkerOps.optim_step),
+    ("save_weights", bodies.SaveWeightsBody, TinkerOps.save_state),
+    ("save_weights_for_sampler", bodies.SaveForSamplerBody, TinkerOps.save_for_sampler),
+    ("save_weights_external", bodies.SaveWeightsBody, TinkerOps.save_external),
+)
 
 
-@router.post("/save_weights")
-async def save_weights(request: Request) -> dict:
-    owner = _owner(request)
-    body = await _parse(request, bodies.SaveWeightsBody, "save_weights")
-    return _future(_ops(request).save_state(body, owner), model_id=body.model_id)
+def _model_op_route(name: str, model: type[BaseModel], method):
+    async def route(request: Request) -> dict:
+        owner = _owner(request)
+        body = await _parse(request, model, name)
+        return _future(method(_ops(request), body, owner), model_id=body.model_id)
+
+    route.__name__ = name
+    return route
 
 
-@router.post("/save_weights_for_sampler")
-async def save_weights_for_sampler(request: Request) -> dict:
-    owner = _owner(request)
-    body = await _parse(request, bodies.SaveForSamplerBody, "save_weights_for_sampler")
-    return _future(_ops(request).save_for_sampler(body, owner), model_id=body.model_id)
-
-
-@router.post("/save_weights_external")
-async def save_weights_external(request: Request) -> dict:
-    owner = _owner(request)
-    body = await _parse(request, bodies.SaveWeightsBody, "save_weights_external")
-    return _future(_ops(request).save_external(body, owner), model_id=body.model_id)
+for _name, _model, _method in _MODEL_OPS:
+    router.add_api_route(f"/{_name}", _model_op_route(_name, _model, _method), methods=["POST"])
 
 
 @router.post("/load_weights")

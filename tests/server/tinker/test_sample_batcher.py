@@ -20,22 +20,22 @@ def engine():
     )
 
 
-def test_requests_queued_together_run_in_one_generate_call(engine):
-    calls = []
-    original = engine.generate
+def counting_sub(engine, sub_job_id: str) -> tuple[SimpleNamespace, list[int]]:
+    """A sampling sub-job over ``engine`` that records how many prompts each generate got."""
+    calls: list[int] = []
 
     def counting_generate(prompts, params):
         calls.append(len(prompts))
-        return original(prompts, params)
+        return engine.generate(prompts, params)
 
-    sub = SimpleNamespace(
-        sub_job_id="j:sampling:0",
-        engine=SimpleNamespace(
-            generate=counting_generate,
-            prompt_logprobs=engine.prompt_logprobs,
-            vocab_size=engine.vocab_size,
-        ),
-    )
+    fields = {"generate": counting_generate, "prompt_logprobs": engine.prompt_logprobs}
+    sub_engine = SimpleNamespace(**fields, vocab_size=engine.vocab_size)
+    return SimpleNamespace(sub_job_id=sub_job_id, engine=sub_engine), calls
+
+
+def test_requests_queued_together_run_in_one_generate_call(engine):
+    original = engine.generate
+    sub, calls = counting_sub(engine, "j:sampling:0")
     held: list = []
 
     def submit(runner) -> Future:  # the sub-job queue, held until every request is in
@@ -90,20 +90,7 @@ def test_requests_arriving_while_a_drain_starts_join_it(engine):
     import threading
     import time
 
-    calls = []
-
-    def counting_generate(prompts, params):
-        calls.append(len(prompts))
-        return engine.generate(prompts, params)
-
-    sub = SimpleNamespace(
-        sub_job_id="j:sampling:2",
-        engine=SimpleNamespace(
-            generate=counting_generate,
-            prompt_logprobs=engine.prompt_logprobs,
-            vocab_size=engine.vocab_size,
-        ),
-    )
+    sub, calls = counting_sub(engine, "j:sampling:2")
 
     def submit(runner) -> Future:  # an idle sub-job queue: the drain starts at once
         future: Future = Future()
