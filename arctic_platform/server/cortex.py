@@ -35,7 +35,7 @@ from arctic_platform.server.http_common import (
     read_body,
 )
 from arctic_platform.server.op_bodies import parse
-from arctic_platform.server.reference_logprobs import as_reference_logprobs
+from arctic_platform.server.reference_logprobs import as_reference_logprobs, reference_samples
 
 PREFIX = "/api/v2/databases/{database}/schemas/{schema}/{endpoint}"
 EXPORT_TTL_S = 900
@@ -179,10 +179,15 @@ async def _chunked_octet_op(request: Request, job_id: str, op: str) -> dict:
     return {"request_id": request_id, "job_id": job_id}
 
 
+# What turns a generate op's result into the reference's form (``generate``: ``{job_id, results}``;
+# ``generate-stream``: the list of samples its events carry).
+_REFERENCE_SHAPED = {"generate": as_reference_logprobs, "generate-stream": reference_samples}
+
+
 def _submit(service, job_id: str, op: str, body: Any, owner: str | None, *, reshape=None) -> str:
     sub, op, body = service.dispatch(job_id, op, body, owner=owner)
-    if op == "generate" and reshape is None:  # the reference form: vLLM-shaped log-probs
-        reshape = functools.partial(as_reference_logprobs, model_name=sub.spec.model_name)
+    if reshape is None and op in _REFERENCE_SHAPED:  # the reference form: vLLM-shaped log-probs
+        reshape = functools.partial(_REFERENCE_SHAPED[op], model_name=sub.spec.model_name)
     return _queue(service, job_id, sub, op, body, reshape=reshape)
 
 

@@ -10,8 +10,15 @@ Per-token context tensors follow the SnowAPI *shifted* convention, the layout of
 The engine's batch is position-indexed (column ``i`` belongs to ``input_ids[:, i]``), so each one
 is moved one column right here, once, and renamed to the engine's field
 (``old_log_probs_shifted`` -> ``old_log_probs``, ``ref_log_probs_shifted`` -> ``ref_log_prob``).
-A shifted mask that selects the last column would score a token past the end of the row; that is
-refused, naming the field. Scalars (``dp_size``, ``batch_num_tokens``, ``global_batch_size``,
+
+The reference takes its log-probs against ``roll(input_ids, -1)`` and never realigns a mask, so a
+``loss_mask`` aligned with the tokens (a SkyRL shim's response mask) is read as shifted there too:
+the mask on a row's last real token scores the token after it, the client's padding id, or, on a
+row that fills the width, ``input_ids[:, 0]`` (the roll wraps). The reference trains on those
+terms, so this server does the same: the batch gets one more column holding ``input_ids[:, 0]``,
+and each such row's attention is extended by that one token (causal attention keeps every earlier
+log-prob unchanged). A mask selecting columns further into the padding is refused by the engine,
+naming ``batch.loss_mask``. Scalars (``dp_size``, ``batch_num_tokens``, ``global_batch_size``,
 ``temperature``, ...) become ``meta``. Context keys this server has no use for (async PPO
 ``versions``, ECHO masks, ...) are refused rather than dropped, so a client never trains an
 objective it did not ask for.
@@ -47,6 +54,7 @@ def context_into_batch(
     """``(batch, meta)``: ``batch`` plus the context's per-token fields, and its scalars."""
     out = dict(batch)
     meta: dict[str, Any] = {}
+    extend = _rows_scoring_past_their_end(batch, context.get("loss_mask"), op=op)
     for key, value in context.items():
         if key == "input_ids":
             _check_same_ids(batch, value, op=op)
@@ -54,7 +62,7 @@ def context_into_batch(
             name = SHIFTED_FIELDS[key]
             if name in out:
                 raise BadRequest(f"{op}: {name} is given both in kwargs and (as {key}) in context")
-            out[name] = _unshift(key, value, batch, op=op)
+            out[name] = _unshift(key, value, batch, widen=extend is not None, op=op)
         elif key in SCALAR_FIELDS:
             meta[key] = value
         else:
@@ -62,6 +70,8 @@ def context_into_batch(
             raise BadRequest(
                 f"{op}: context.{key}: not supported by this server (known context keys: {known})"
             )
+    if extend is not None:
+        _widen_inputs(out, batch, extend)
     return out, meta
 
 
@@ -82,8 +92,57 @@ def _check_same_ids(batch: Mapping, value: Any, *, op: str) -> None:
         raise BadRequest(f"{op}: context.input_ids differs from kwargs.input_ids")
 
 
-def _unshift(name: str, value: Any, batch: Mapping, *, op: str) -> torch.Tensor:
-    """Shifted ``[B, S]`` -> position-indexed ``[B, S]`` (column ``i`` moves to ``i + 1``)."""
+def _rows_scoring_past_their_end(batch: Mapping, loss_mask: Any, *, op: str) -> torch.Tensor | None:
+    """The ``[B]`` rows whose shifted ``loss_mask`` selects their last real token (so scores the
+    token after it, see module doc), or None when no row does (the batch keeps its width)."""
+    if loss_mask is None or "input_ids" not in batch or "attention_mask" not in batch:
+        return None
+    mask = _as_tensor("loss_mask", loss_mask, op=op)
+    attention = _as_tensor("attention_mask", batch["attention_mask"], op=op)
+    if mask.ndim != 2 or mask.shape != attention.shape:
+        return None  # refused with its shape by _unshift
+    real = attention.bool()
+    columns = torch.arange(real.shape[1])
+    last = torch.where(real, columns, -1).max(dim=1).values  # -1: a row without tokens
+    selected = mask.bool().gather(1, last.clamp(min=0)[:, None])[:, 0] & (last >= 0)
+    if not selected.any() and not mask[:, -1].bool().any():
+        return None
+    if op != "forward-backward" or "labels" in batch:
+        raise BadRequest(
+            f"{op}: context.loss_mask selects the last token of a row, whose target (the next "
+            "token) only a forward-backward without kwargs.labels takes, as the reference does, "
+            "from input_ids rolled by one (context tensors are shifted: column i scores "
+            "input_ids[:, i+1])"
+        )
+    return selected  # a mask on the last column of a shorter row: refused by the engine
+
+
+def _widen_inputs(out: dict, batch: Mapping, extend: torch.Tensor) -> None:
+    """One more column for the model inputs: ``input_ids[:, 0]`` (the reference's rolled target
+    of the last column), attention on it only where a row's own next token is scored (``extend``;
+    a shorter row's next token is already in the batch: the client's padding)."""
+    shape = tuple(_as_tensor("input_ids", batch["input_ids"], op="forward-backward").shape)
+    for name, value in batch.items():
+        if not isinstance(value, np.ndarray | torch.Tensor) or tuple(value.shape) != shape:
+            continue  # not a per-token input
+        tensor = _as_tensor(name, value, op="forward-backward")
+        if name == "input_ids":
+            column = tensor[:, :1]
+        elif name == "position_ids":
+            column = tensor[:, -1:] + 1
+        else:
+            column = torch.zeros_like(tensor[:, :1])
+        widened = torch.cat([tensor, column], dim=1)
+        if name == "attention_mask":
+            real = tensor.bool()
+            after_last = real.long().cumsum(1).argmax(1) + 1  # the column after each row's last
+            widened[extend, after_last[extend]] = 1
+        out[name] = widened
+
+
+def _unshift(name: str, value: Any, batch: Mapping, *, widen: bool, op: str) -> torch.Tensor:
+    """Shifted ``[B, S]`` -> position-indexed (column ``i`` moves to ``i + 1``): ``[B, S + 1]``
+    when ``widen`` (a row scores past its end, see module doc), else ``[B, S]``."""
     shifted = _as_tensor(name, value, op=op)
     ids = batch.get("input_ids")
     width = None if ids is None else tuple(ids.shape)
@@ -92,12 +151,11 @@ def _unshift(name: str, value: Any, batch: Mapping, *, op: str) -> torch.Tensor:
             f"{op}: context.{name}: expected shape {list(width or ['B', 'S'])} like input_ids, "
             f"got {list(shifted.shape)}"
         )
-    selects_last = name == "loss_mask" and bool(shifted[:, -1].bool().any())
-    if selects_last:
-        raise BadRequest(
-            f"{op}: context.loss_mask selects the last column, which would score a token past "
-            "the end of the row (context tensors are shifted: column i scores input_ids[:, i+1])"
-        )
-    out = torch.zeros_like(shifted)
-    out[:, 1:] = shifted[:, :-1]
-    return out
+    if name == "loss_mask" and (
+        shifted.is_complex() or not ((shifted == 0) | (shifted == 1)).all()
+    ):
+        raise BadRequest(f"{op}: context.loss_mask: must be binary (0 or 1)")
+    rows, columns = shifted.shape
+    out = shifted.new_zeros((rows, columns + 1))
+    out[:, 1:] = shifted
+    return out if widen else out[:, :columns].clone()

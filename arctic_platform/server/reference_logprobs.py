@@ -5,7 +5,8 @@ likeliest ``[token_id, logprob]`` pairs), which this project's client receives a
 (:mod:`arctic_platform.contract.generate_columns`). The reference server answers vLLM's
 per-position shape instead, ``{token_id: {logprob, rank, decoded_token}}`` for the sampled token
 and the ``k`` likeliest, and reference users index it that way; so a reference-form answer
-(``{job_id, results}``) of the on-prem and Cortex APIs is rewritten here. ``decoded_token`` is the
+(``{job_id, results}``) of the on-prem and Cortex APIs, and each sample a Cortex
+``generate-stream`` delivers as an event, is rewritten here. ``decoded_token`` is the
 token decoded on its own by the sub-job model's tokenizer.
 """
 
@@ -27,19 +28,25 @@ def _tokenizer(model_name: str):
 def as_reference_logprobs(result: Mapping, model_name: str) -> Mapping:
     """``result`` (``{job_id, results}``) with every sample's log-probs in vLLM's shape."""
     results = result.get("results")
-    if not isinstance(results, list) or not any(
-        isinstance(r, Mapping) and r.get("logprobs") for r in results
-    ):
+    if not isinstance(results, list):
         return result
+    return {**result, "results": reference_samples(results, model_name)}
+
+
+def reference_samples(samples: list, model_name: str) -> list:
+    """``samples`` (generate's per-sample dicts, as a result holds them or a Cortex
+    ``generate-stream`` delivers them as events) with their log-probs in vLLM's shape."""
+    if not any(isinstance(s, Mapping) and s.get("logprobs") for s in samples):
+        return samples
     tokenizer = _tokenizer(model_name)
     decode = functools.lru_cache(maxsize=None)(lambda token: tokenizer.decode([token]))
     shaped = []
-    for sample in results:
+    for sample in samples:
         entries = sample.get("logprobs") if isinstance(sample, Mapping) else None
         if entries:
             sample = {**sample, "logprobs": [_position(entry, decode) for entry in entries]}
         shaped.append(sample)
-    return {**result, "results": shaped}
+    return shaped
 
 
 def _position(entry: Mapping, decode: Callable[[int], str]) -> dict[int, dict[str, Any]]:

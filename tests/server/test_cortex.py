@@ -10,8 +10,10 @@ import pytest
 import torch
 
 from arctic_platform import wire
+from arctic_platform.engine.config import ModelConfig
+from arctic_platform.engine.models import load_tokenizer
 from arctic_platform.server import async_requests
-from tests.server.conftest import CORTEX, OCTET, job_request
+from tests.server.conftest import CORTEX, OCTET, TINY, job_request
 from tests.server.helpers import PROMPTS, SAMPLING, grpo_batch, same_weights, weights_of
 
 RESPONSE_OPTIONS = {"response_options": {"format": "dssst1", "delivery": "chunked"}}
@@ -238,11 +240,13 @@ def test_large_results_arrive_as_result_chunks(http, service, monkeypatch):
     assert torch.equal(decoded["batch"]["logprobs"], direct)
 
 
-def test_generate_stream_events_drain_by_server_cursor(http):
+def test_generate_stream_events_drain_by_server_cursor(http, service):
+    """Events come in order, each sample's log-probs in the reference's (vLLM's) shape."""
     job_id = create(http, job_request("sampling"))
+    params = {"n": 3, "max_tokens": 3, "seed": 1}
     reply = http.post(
         f"{CORTEX}/{job_id}/generate-stream",
-        content=b'{"prompts": ["1+1="], "sampling_params": {"n": 3, "max_tokens": 3, "seed": 1}}',
+        json={"prompts": ["1+1="], "sampling_params": {**params, "logprobs": 2}},
         headers=OCTET,
     ).json()
     assert reply["count"] == 3
@@ -256,6 +260,20 @@ def test_generate_stream_events_drain_by_server_cursor(http):
         assert time.monotonic() < deadline
     assert [e["type"] for e in events] == ["result", "result", "result", "done"]
     assert [e["index"] for e in events[:3]] == [0, 1, 2]
+    direct = service.resolve(job_id, owner=None, kind="sampling").engine.generate(
+        ["1+1="], {**params, "logprobs": 2}
+    )
+    decode = load_tokenizer(ModelConfig(name=TINY)).decode
+    for event, sample in zip(events[:3], direct, strict=True):
+        positions = event["output"]["logprobs"]
+        assert event["output"]["token_ids"] == sample["token_ids"]
+        assert len(positions) == len(sample["logprobs"]) == len(sample["token_ids"])
+        for position, flat in zip(positions, sample["logprobs"], strict=True):
+            assert position[str(flat["token_id"])]["rank"] == flat["rank"]
+            assert position[str(flat["token_id"])]["logprob"] == pytest.approx(flat["logprob"])
+            for token, entry in position.items():
+                assert set(entry) == {"logprob", "rank", "decoded_token"}
+                assert entry["decoded_token"] == decode([int(token)])
 
 
 def test_control_plane_routes(http):

@@ -175,6 +175,10 @@ def test_context_wins_and_a_conflict_is_refused(http, service):
     ("change", "message"),
     [
         ({"processing": {"loss_fn": "grpo_typo"}}, "unknown loss 'grpo_typo'"),
+        (
+            {"processing": {"loss_fn": "grpo_echo_v1", "config": {"aux_ce_weight": 0.1}}},
+            "loss 'grpo_echo_v1' is not supported by this server",
+        ),
         ({"processing": {"post": ["compute_logprob"], "loss_fn": "grpo"}}, "compute_logprob"),
         ({"context_extra": {"versions": torch.zeros(4, WIDTH)}}, "context.versions"),
         (
@@ -182,6 +186,11 @@ def test_context_wins_and_a_conflict_is_refused(http, service):
             "processing.config.aux_ce_weight",
         ),
         ({"context_extra": {"input_ids": torch.ones(4, WIDTH, dtype=torch.long)}}, "differs"),
+        (
+            {"context_extra": {"loss_mask": torch.full((4, WIDTH), 0.5).tril(diagonal=WIDTH - 2)}},
+            "context.loss_mask: must be binary",
+        ),
+        ({"context_extra": {"loss_mask": torch.ones(4, WIDTH - 1)}}, "context.loss_mask"),
     ],
 )
 def test_bad_contract_requests_are_refused_at_submit(http, service, change, message):
@@ -203,12 +212,46 @@ def test_bad_contract_requests_are_refused_at_submit(http, service, change, mess
         assert response.status_code == 400 and message in response.text, response.text
 
 
-def test_a_shifted_mask_on_the_last_column_is_refused(http, service):
+def test_a_token_aligned_loss_mask_is_read_as_the_reference_reads_it(http, service):
+    """A SkyRL shim's response mask (token-aligned, one row filling the width) is taken as shifted,
+    as the reference takes it: column i scores ``roll(input_ids, -1)[:, i]``, so a row's last
+    response token scores the padding after it, or, on the full row, ``input_ids[:, 0]``."""
     job_id = create(http, job_request("training"))
-    kwargs, context = contract_request()
-    context["loss_mask"][0, -1] = True
-    body = {"args": [], "kwargs": kwargs, "context": context, "processing": {"loss_fn": "grpo"}}
-    response = http.post(
-        f"{CORTEX}/{job_id}/forward-backward", content=wire.dumps(body), headers=OCTET
-    )
-    assert response.status_code == 400 and "context.loss_mask" in response.text
+    trainer = service.resolve(job_id, owner=None, kind="training").engine
+    model = load_causal_lm(ModelConfig(name=TINY, device="cpu"))
+    model.load_state_dict(trainer.model.state_dict())
+    lengths = [(3, 4), (4, WIDTH - 4)]  # the second row fills the width
+    g = torch.Generator().manual_seed(3)
+    ids = torch.zeros(len(lengths), WIDTH, dtype=torch.long)
+    attention = torch.zeros_like(ids)
+    response = torch.zeros_like(ids)
+    for b, (p, r) in enumerate(lengths):
+        ids[b, : p + r] = torch.randint(5, 90, (p + r,), generator=g)
+        attention[b, : p + r] = 1
+        response[b, p : p + r] = 1  # token-aligned
+    advantages = torch.tensor([[0.7], [-1.3]]) * response
+    tokens = int(response.sum())
+    body = {
+        "args": [],
+        "kwargs": {"input_ids": ids, "attention_mask": attention},
+        "context": {"input_ids": ids, "advantages": advantages, "loss_mask": response.bool()},
+        "processing": {
+            "post": ["compute_logprobs"],
+            "loss_fn": "grpo",
+            "config": {"batch_num_tokens": tokens},
+        },
+    }
+    result = submit_frame(http, job_id, "forward-backward", body)
+
+    target = torch.roll(ids, -1, dims=1)
+    objective = 0.0
+    for b, (p, r) in enumerate(lengths):
+        logp = torch.log_softmax(model(input_ids=ids[b : b + 1, : p + r]).logits[0].float(), -1)
+        for i in range(p, p + r):  # old log-probs omitted: ratio 1, the term is -A * logp / N
+            lp = logp[i, target[b, i]]
+            objective = objective - advantages[b, i] * torch.exp(lp - lp.detach()) / tokens
+    objective.backward()
+    assert result["avg_loss"] == pytest.approx(-float(advantages.sum()) / tokens, abs=1e-6)
+    served = dict(trainer.model.named_parameters())
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(served[name].grad, param.grad, atol=2e-5, rtol=1e-3)

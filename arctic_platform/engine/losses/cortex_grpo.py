@@ -40,6 +40,7 @@ from arctic_platform.engine.batching import Batch
 from arctic_platform.engine.errors import EngineInputError
 from arctic_platform.engine.losses.aggregation import make_aggregation
 from arctic_platform.engine.losses.base import (
+    UNSUPPORTED_LOSSES,
     LossOutput,
     add_token_counts,
     masked,
@@ -236,3 +237,7 @@ class CortexGrpoLoss:
 
 
 register_loss("grpo")(CortexGrpoLoss)
+UNSUPPORTED_LOSSES["grpo_echo_v1"] = (
+    "the reference's ECHO variant of grpo (an environment-prediction cross-entropy on "
+    "sft_mask tokens) is not implemented; send 'grpo' without the ECHO keys"
+)
