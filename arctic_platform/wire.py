@@ -137,6 +137,12 @@ def _torch_module():
     return sys.modules.get("torch")
 
 
+def is_torch_tensor(value: Any) -> bool:
+    """Whether ``value`` is a torch tensor (never imports torch: a tensor implies it is loaded)."""
+    torch = _torch_module()
+    return torch is not None and isinstance(value, torch.Tensor)
+
+
 def _torch_code(tensor) -> str:
     name = str(tensor.dtype).removeprefix("torch.")
     for code, torch_name in _TORCH_DTYPE_NAMES.items():

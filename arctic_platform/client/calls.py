@@ -14,7 +14,6 @@ naming the same outputs; ``generate`` returns the list of results with tensors a
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -23,7 +22,13 @@ from arctic_platform.client.config import ArcticRLClientConfig, did_you_mean
 from arctic_platform.client.errors import ArcticRLError
 from arctic_platform.client.tensors import is_tensor, to_python
 from arctic_platform.client.transport import JobHandles, Request
-from arctic_platform.contract.bodies import SNOWAPI_ENVELOPE_KEYS, TRAIN_ENVELOPE_KEYS
+from arctic_platform.contract.bodies import (
+    SNOWAPI_ENVELOPE_KEYS,
+    TRAIN_ENVELOPE_KEYS,
+    Problem,
+    learning_rate_problem,
+    prompts_problem,
+)
 from arctic_platform.contract.generate_columns import COLUMNS_KEY, request_columns, results_of
 from arctic_platform.contract.ops import default_role
 from arctic_platform.contract.results import shape_step_result, shape_train_result
@@ -98,10 +103,7 @@ class OpCalls:
     def step(self, learning_rate: float | None) -> Call:
         body = {}
         if learning_rate is not None:
-            if isinstance(learning_rate, bool) or not isinstance(learning_rate, (int, float)):
-                raise TypeError(f"step: learning_rate must be a number, got {learning_rate!r}")
-            if not math.isfinite(learning_rate) or learning_rate <= 0:
-                raise ValueError(f"step: learning_rate must be > 0, got {learning_rate!r}")
+            _raise("step", learning_rate_problem(learning_rate))
             body["learning_rate"] = float(learning_rate)
         request = self._request("step", body)
         return Call([request], _only(shape_step_result))
@@ -332,31 +334,19 @@ def _tensors(what: str, tensors: Any, key: str) -> dict[str, Any]:
 
 
 def prompt_list(what: str, prompts: Any, *, name: str = "prompts") -> list:
-    """Prompts as a list of strings or token-id lists (arrays of ids become lists)."""
-    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
-        raise TypeError(
-            f"{what}: {name} must be a list of strings or token-id lists (wrap a single prompt "
-            f"in a list), got {type(prompts).__name__}"
-        )
-    if not prompts:
-        raise ValueError(f"{what}: {name} is empty")
-    out: list = []
-    for i, prompt in enumerate(prompts):
-        if isinstance(prompt, str):
-            out.append(prompt)
-            continue
-        ids = to_python(prompt) if is_tensor(prompt) else prompt
-        if (
-            not isinstance(ids, (list, tuple))
-            or not ids
-            or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids)
-        ):
-            raise TypeError(
-                f"{what}: {name}[{i}] must be a string or a non-empty list of token ids, got "
-                f"{type(prompt).__name__}"
-            )
-        out.append(list(ids))
-    return out
+    """Prompts as a list of strings or token-id lists (arrays of ids become lists), checked by
+    the contract's rule (:func:`arctic_platform.contract.bodies.prompts_problem`)."""
+    if isinstance(prompts, Sequence) and not isinstance(prompts, (str, bytes)):
+        prompts = [to_python(p) if is_tensor(p) else p for p in prompts]
+    _raise(what, prompts_problem(prompts, name=name))
+    return [p if isinstance(p, str) else list(p) for p in prompts]
+
+
+def _raise(what: str, problem: Problem | None) -> None:
+    """A contract rule's problem as the Python error a caller expects (TypeError for a value
+    of the wrong type, else ValueError)."""
+    if problem is not None:
+        raise (TypeError if problem.wrong_type else ValueError)(f"{what}: {problem}")
 
 
 def _prompt_ids(prompt_ids: Any) -> list:

@@ -7,7 +7,7 @@ client-only install). Nothing here imports torch unless torch is the chosen type
 
 from __future__ import annotations
 
-import sys
+import importlib
 from collections.abc import Mapping
 from typing import Any, Literal
 
@@ -23,15 +23,13 @@ def resolve_tensor_type(setting: str) -> TensorType:
     if setting in ("numpy", "torch"):
         return setting  # type: ignore[return-value]
     try:
-        import torch  # noqa: F401
+        importlib.import_module("torch")  # torch is what the caller's tensors will be
     except ImportError:
         return "numpy"
     return "torch"
 
 
-def is_torch_tensor(value: Any) -> bool:
-    torch = sys.modules.get("torch")
-    return torch is not None and isinstance(value, torch.Tensor)
+is_torch_tensor = wire.is_torch_tensor
 
 
 def is_tensor(value: Any) -> bool:

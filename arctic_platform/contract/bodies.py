@@ -4,13 +4,23 @@ The server validates each body against its model before anything runs (a typo is
 key); :mod:`arctic_platform.contract.ops` names which model each op takes. Tensor envelopes
 (forward-backward, forward) are described by :data:`TRAIN_ENVELOPE_KEYS` and
 :data:`SNOWAPI_ENVELOPE_KEYS`, which the client checks before sending and the server on receipt.
+
+Values that every edge checks are ruled on here once: :func:`learning_rate_problem` and
+:func:`prompts_problem` say what is wrong with a value (or None), and each edge raises that in its
+own kind: the body models as a validation error (a 400 naming the field), the client as a
+``TypeError``/``ValueError`` before anything is sent, the engines (called in process, e.g. by the
+Tinker API) as an ``EngineInputError``. Nothing else keeps a copy of these rules.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, NonNegativeInt
+from pydantic_core import PydanticCustomError
 
 # The tensor envelope of forward-backward / forward: the on-prem (verl) form and the SnowAPI form.
 TRAIN_ENVELOPE_KEYS = frozenset({"batch", "meta", "processing", "router_replay", "reference_model"})
@@ -19,12 +29,83 @@ SNOWAPI_ENVELOPE_KEYS = frozenset(
 )
 
 
+@dataclass(frozen=True)
+class Problem:
+    """What is wrong with a value: ``field`` (its path), ``message``, and ``wrong_type`` (the
+    value has the wrong type, a ``TypeError`` for Python callers, rather than a bad value)."""
+
+    field: str
+    message: str
+    wrong_type: bool = False
+
+    def __str__(self) -> str:
+        return f"{self.field} {self.message}"
+
+
+def learning_rate_problem(value: Any) -> Problem | None:
+    """A step's ``learning_rate``: None (keep the current one) or a finite number > 0."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return Problem("learning_rate", f"must be a number, got {value!r}", wrong_type=True)
+    if not math.isfinite(value) or value <= 0:
+        return Problem("learning_rate", f"must be > 0, got {value!r}")
+    return None
+
+
+def prompts_problem(prompts: Any, *, name: str = "prompts") -> Problem | None:
+    """``generate``/``log_probs`` prompts: a non-empty list of strings or non-empty lists of
+    token ids (the engine then checks ids against its vocabulary)."""
+    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
+        return Problem(
+            name,
+            "must be a list of strings or token-id lists (wrap a single prompt in a list), "
+            f"got {type(prompts).__name__}",
+            wrong_type=True,
+        )
+    if not prompts:
+        return Problem(name, "is empty")
+    for i, prompt in enumerate(prompts):
+        if isinstance(prompt, str):
+            continue
+        if (
+            not isinstance(prompt, (list, tuple))
+            or not prompt
+            or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+        ):
+            return Problem(
+                f"{name}[{i}]",
+                f"must be a string or a non-empty list of token ids, got {type(prompt).__name__}",
+                wrong_type=True,
+            )
+    return None
+
+
+def _ruled_by(problem_of: Callable[[Any], Problem | None]) -> BeforeValidator:
+    """A field validator that applies one of the rules above (its message, the field's path)."""
+
+    def check(value: Any) -> Any:
+        problem = problem_of(value)
+        if problem is not None:
+            raise PydanticCustomError("invalid_value", "{problem}", {"problem": str(problem)})
+        return value
+
+    return BeforeValidator(check)
+
+
+def _completions_problem(value: Any) -> Problem | None:
+    return None if value is None else prompts_problem(value, name="completions")
+
+
+Prompts = Annotated[list[str | list[int]], _ruled_by(prompts_problem)]
+
+
 class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
 class StepBody(_Body):
-    learning_rate: float | None = Field(None, gt=0.0)
+    learning_rate: Annotated[float | None, _ruled_by(learning_rate_problem)] = None
 
 
 class SaveBody(_Body):
@@ -48,15 +129,15 @@ class LoadBody(_Body):
 
 
 class GenerateBody(_Body):
-    prompts: list[str | list[int]] = Field(min_length=1)
+    prompts: Prompts
     sampling_params: dict[str, Any] | list[dict[str, Any] | None] | None = None
     routing_key: Any = None
     strict: bool = False
 
 
 class LogProbsBody(_Body):
-    prompts: list[str | list[int]] = Field(min_length=1)
-    completions: list[str | list[int]] | None = None
+    prompts: Prompts
+    completions: Annotated[list[str | list[int]] | None, _ruled_by(_completions_problem)] = None
     top_k: NonNegativeInt = 1
 
 

@@ -48,11 +48,10 @@ API_JOB_TYPE: dict[str, ApiJobType] = {
     "sampling": "sampling",
     "log_prob": "log_probability",
 }
+# Either spelling -> ours (derived from API_JOB_TYPE: the one name map).
 SHORT_JOB_TYPE: dict[str, JobType] = {
-    "training": "training",
-    "sampling": "sampling",
-    "log_probability": "log_prob",
-    "log_prob": "log_prob",
+    **{short: short for short in API_JOB_TYPE},
+    **{api: short for short, api in API_JOB_TYPE.items()},
 }
 
 # Cortex keys for its own GPU stack; accepted so Cortex clients work, recorded as ignored.

@@ -17,6 +17,11 @@ class EngineInputError(ValueError):
         self.message = message
 
 
+class PeerRejected(Exception):
+    """Another data-parallel rank rejected its shard of this request; nothing changed here
+    either."""
+
+
 class SamplerStateError(RuntimeError):
     """The sampler cannot generate in its current state (its weights are partially loaded).
 

@@ -22,7 +22,7 @@ from arctic_platform.engine.config import PromptSharing, TrainingEngineConfig
 from arctic_platform.engine.errors import EngineInputError
 from arctic_platform.engine.logprobs import top_logprobs
 from arctic_platform.engine.losses import PreparedLoss, get_loss
-from arctic_platform.engine.meta import Meta, Processing, parse_meta, parse_processing
+from arctic_platform.engine.meta import Meta, Processing, parse_request
 from arctic_platform.engine.metrics import MetricSums
 from arctic_platform.engine.postprocess import ScoringState, run_post_processors
 from arctic_platform.engine.prompt_sharing import (
@@ -74,19 +74,11 @@ def prepare_request(
 ) -> Request:
     """Validate everything about a request and plan its microbatches; no side effects."""
     parsed_batch = validate_batch(batch, vocab_size=vocab_size)
-    parsed_meta = parse_meta(meta)
-    parsed_processing = parse_processing(processing, default_loss=default_loss)
+    parsed_meta, parsed_processing = parse_request(meta, processing, default_loss=default_loss)
     loss = None
     if parsed_processing.loss_fn is not None:
         factory = get_loss(parsed_processing.loss_fn)
         loss = factory(parsed_batch, parsed_meta, parsed_processing.config)
-    asked = parsed_processing.calculate_entropy
-    if asked is None:
-        asked = parsed_meta.calculate_entropy
-    if asked is None:
-        asked = parsed_processing.explicit_post and (
-            "compute_entropy_and_logprobs" in parsed_processing.post
-        )
     targets = loss.targets if loss is not None else None
     plan, groups = plan_request(
         parsed_batch,
@@ -101,7 +93,8 @@ def prepare_request(
         processing=parsed_processing,
         loss=loss,
         plan=plan,
-        want_entropy=bool(asked) or (loss is not None and loss.needs_entropy),
+        want_entropy=bool(parsed_meta.calculate_entropy)
+        or (loss is not None and loss.needs_entropy),
         prompt_groups=groups,
     )
 

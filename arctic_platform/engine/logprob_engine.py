@@ -8,11 +8,11 @@ trains: parameters have ``requires_grad=False`` and it stays in eval mode.
 
 from __future__ import annotations
 
-import numbers
 from collections.abc import Mapping, Sequence
 
 import torch
 
+from arctic_platform.contract.bodies import prompts_problem
 from arctic_platform.engine.config import ModelConfig, SamplingEngineConfig
 from arctic_platform.engine.errors import EngineInputError
 from arctic_platform.engine.forward import Request, check_top_k, forward_no_grad, prepare_request
@@ -122,15 +122,14 @@ class LogProbEngine:
         )
 
     def _tokenize(self, prompts, completions) -> tuple[list[list[int]], list[list[int]]]:
-        if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or not prompts:
-            raise EngineInputError(
-                "prompts", "expected a non-empty list of texts or token-id lists"
-            )
-        if completions is not None and (
-            isinstance(completions, (str, bytes))
-            or not isinstance(completions, Sequence)
-            or len(completions) != len(prompts)
-        ):
+        """Token ids of the prompts and completions, whose shape is the contract's rule
+        (:func:`arctic_platform.contract.bodies.prompts_problem`); vocabulary and context are
+        checked here."""
+        for name, values in (("prompts", prompts), ("completions", completions)):
+            problem = None if values is None else prompts_problem(values, name=name)
+            if problem is not None:
+                raise EngineInputError(problem.field, problem.message)
+        if completions is not None and len(completions) != len(prompts):
             raise EngineInputError(
                 "completions", f"expected a list with one entry per prompt ({len(prompts)})"
             )
@@ -155,14 +154,10 @@ class LogProbEngine:
     def _ids(self, field: str, value, *, special: bool) -> list[int]:
         if isinstance(value, str):
             return list(self.tokenizer(value, add_special_tokens=special)["input_ids"])
-        if isinstance(value, Sequence) and all(
-            isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in value
-        ):
-            ids = [int(t) for t in value]
-            if any(not 0 <= t < self.vocab_size for t in ids):
-                raise EngineInputError(field, f"token ids must lie in [0, {self.vocab_size})")
-            return ids
-        raise EngineInputError(field, "expected a text or a list of token ids")
+        ids = list(value)
+        if any(not 0 <= t < self.vocab_size for t in ids):
+            raise EngineInputError(field, f"token ids must lie in [0, {self.vocab_size})")
+        return ids
 
 
 def _top_list(out: dict, row: int, col: int, k: int) -> list[list]:

@@ -6,20 +6,30 @@ with errors that name the field, so the forward and loss code reads typed values
 
 ``meta`` keys the engine does not use (verl sends ``rollout_n``, ``zorro_train_enable``,
 ``max_token_len_per_gpu``, ...) are accepted and ignored; the keys below are type-checked.
+
+**One knob for entropy**: ``meta.calculate_entropy``. Two older spellings are still accepted on
+the wire and folded into it by :func:`parse_request`, the one place that knows them:
+``processing.config.calculate_entropy`` (wins when given) and naming
+``compute_entropy_and_logprobs`` in an explicit ``processing.post`` (asks for entropies when
+neither flag is given). Everything after the fold reads only :attr:`Meta.calculate_entropy`.
 """
 
 from __future__ import annotations
 
 import numbers
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
 import torch
 
 from arctic_platform.engine.errors import EngineInputError
-from arctic_platform.engine.postprocess import DEFAULT_POST, POST_PROCESSORS
+from arctic_platform.engine.postprocess import (
+    DEFAULT_POST,
+    ENTROPY_AND_LOGPROBS,
+    POST_PROCESSORS,
+)
 
 
 @dataclass(frozen=True)
@@ -44,21 +54,28 @@ class Meta:
 
 @dataclass(frozen=True)
 class Processing:
-    """Typed ``processing``: post-processor names, the loss name (``None``: no loss), its config.
-
-    ``explicit_post`` records whether the client named the post-processors: naming
-    ``compute_entropy_and_logprobs`` asks for entropies unless ``calculate_entropy`` says otherwise.
-    """
+    """Typed ``processing``: post-processor names, the loss name (``None``: no loss), its config."""
 
     post: tuple[str, ...] = DEFAULT_POST
-    explicit_post: bool = False
     loss_fn: str | None = None
     config: Mapping[str, Any] = field(default_factory=dict)
 
-    @property
-    def calculate_entropy(self) -> bool | None:
-        value = self.config.get("calculate_entropy")
-        return None if value is None else to_bool("processing.config.calculate_entropy", value)
+
+def parse_request(
+    meta: Mapping | None, processing: Mapping | None, *, default_loss: str | None
+) -> tuple[Meta, Processing]:
+    """``meta`` and ``processing`` checked and typed, the entropy request folded into
+    ``meta.calculate_entropy`` (see module doc)."""
+    parsed_meta = parse_meta(meta)
+    parsed_processing = parse_processing(processing, default_loss=default_loss)
+    asked = parsed_processing.config.get("calculate_entropy")
+    if asked is not None:
+        asked = to_bool("processing.config.calculate_entropy", asked)
+    else:
+        asked = parsed_meta.calculate_entropy
+    if asked is None and isinstance(processing, Mapping) and processing.get("post") is not None:
+        asked = ENTROPY_AND_LOGPROBS in parsed_processing.post or None
+    return replace(parsed_meta, calculate_entropy=asked), parsed_processing
 
 
 def parse_meta(meta: Mapping | None) -> Meta:
@@ -109,7 +126,6 @@ def parse_processing(processing: Mapping | None, *, default_loss: str | None) ->
             f"processing.{sorted(unknown)[0]}", "unknown key (expected post, loss_fn, config)"
         )
     post = processing.get("post")
-    explicit_post = post is not None
     if post is None:
         post = DEFAULT_POST
     if isinstance(post, str) or not isinstance(post, (list, tuple)):
@@ -126,9 +142,7 @@ def parse_processing(processing: Mapping | None, *, default_loss: str | None) ->
     config = processing.get("config") or {}
     if not isinstance(config, Mapping):
         raise EngineInputError("processing.config", "expected a dict")
-    return Processing(
-        post=tuple(post), explicit_post=explicit_post, loss_fn=loss_fn, config=dict(config)
-    )
+    return Processing(post=tuple(post), loss_fn=loss_fn, config=dict(config))
 
 
 # -- scalar conversion (wire scalars may be 0-d tensors or numpy values) ----------------------

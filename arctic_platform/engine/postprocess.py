@@ -69,7 +69,12 @@ def apply_temperature(state: ScoringState) -> None:
         state.logits = state.logits.float() / state.temperature
 
 
-@register_post_processor("compute_entropy_and_logprobs")
+# The step verl names for log-probs and entropies; naming it in ``processing.post`` is also one of
+# the older spellings of an entropy request (see :func:`arctic_platform.engine.meta.parse_request`).
+ENTROPY_AND_LOGPROBS = "compute_entropy_and_logprobs"
+
+
+@register_post_processor(ENTROPY_AND_LOGPROBS)
 def compute_entropy_and_logprobs(state: ScoringState) -> None:
     """Target log-probs, and entropies when they were asked for or a loss needs them."""
     if state.want_entropy:
@@ -83,7 +88,7 @@ def compute_entropy_and_logprobs(state: ScoringState) -> None:
 register_post_processor("compute_logprobs")(compute_entropy_and_logprobs)
 
 
-DEFAULT_POST: tuple[str, ...] = ("apply_temperature", "compute_entropy_and_logprobs")
+DEFAULT_POST: tuple[str, ...] = ("apply_temperature", ENTROPY_AND_LOGPROBS)
 
 
 def run_post_processors(names: tuple[str, ...], state: ScoringState) -> None:

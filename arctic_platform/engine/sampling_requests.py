@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from arctic_platform.contract.bodies import prompts_problem
 from arctic_platform.engine.config import SamplingEngineConfig
 from arctic_platform.engine.errors import EngineInputError
 from arctic_platform.engine.sampling_params import SamplingParams
@@ -53,11 +54,17 @@ class RequestShaper:
         prompts: Sequence[str | Sequence[int]],
         sampling_params: Mapping | SamplingParams | Sequence[Mapping | None] | None,
     ) -> list[SampleRequest]:
-        """The call's requests in prompt order; :class:`EngineInputError` names a bad field."""
-        if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
-            raise EngineInputError("prompts", "expected a list of prompts (strings or token ids)")
-        if not prompts:
-            raise EngineInputError("prompts", "no prompts given")
+        """The call's requests in prompt order; :class:`EngineInputError` names a bad field.
+
+        The prompts' shape is the contract's rule
+        (:func:`arctic_platform.contract.bodies.prompts_problem`; 1-D integer tensors count as
+        token-id lists); the vocabulary and the context are checked here.
+        """
+        if isinstance(prompts, Sequence) and not isinstance(prompts, (str, bytes)):
+            prompts = [_token_list(p) for p in prompts]
+        problem = prompts_problem(prompts)
+        if problem is not None:
+            raise EngineInputError(problem.field, problem.message)
         if isinstance(sampling_params, Sequence):
             if len(sampling_params) != len(prompts):
                 raise EngineInputError(
@@ -98,20 +105,7 @@ class RequestShaper:
         by_index = dict(zip(texts, encoded, strict=True))
         for i, prompt in enumerate(prompts):
             field = f"prompts[{i}]"
-            if i in by_index:
-                ids = list(by_index[i])
-            elif (
-                isinstance(prompt, torch.Tensor)
-                and prompt.ndim == 1
-                and not prompt.is_floating_point()
-            ):
-                ids = prompt.tolist()
-            elif isinstance(prompt, Sequence) and all(
-                isinstance(t, int) and not isinstance(t, bool) for t in prompt
-            ):
-                ids = list(prompt)
-            else:
-                raise EngineInputError(field, "expected a string or a list of integer token ids")
+            ids = list(by_index[i]) if i in by_index else list(prompt)
             if not ids:
                 raise EngineInputError(field, "empty prompt")
             bad = [t for t in ids if not 0 <= t < self.vocab_size]
@@ -145,6 +139,13 @@ class RequestShaper:
                 f"{field}.min_tokens", f"{params.min_tokens} exceeds the {max_new} tokens left"
             )
         return SampleRequest(index, ids, params, max_new)
+
+
+def _token_list(prompt):
+    """A 1-D integer tensor prompt as its token-id list; anything else as it is."""
+    if isinstance(prompt, torch.Tensor) and prompt.ndim == 1 and not prompt.is_floating_point():
+        return prompt.tolist()
+    return prompt
 
 
 def model_context(model_config) -> int:

@@ -17,6 +17,12 @@ Semantics clients rely on:
 * **Determinism**: torch, Python and numpy generators are seeded from ``config.seed`` at
   construction; the same calls give bitwise-equal weights on CPU, and resuming from a checkpoint
   continues bit for bit.
+* **Data parallelism** is a strategy the engine composes
+  (:class:`~arctic_platform.engine.data_parallel.ParallelStrategy`): it wraps or shards the model,
+  makes the ranks agree before any state changes, synchronises gradients, and gathers the full
+  weights on rank 0 for checkpoints and weight streams. The default is one process; a rank of a
+  data-parallel job returns None where only rank 0 answers (saves, weight streams) and accepts
+  ``batch=None`` when it holds no rows of the request.
 """
 
 from __future__ import annotations
@@ -26,16 +32,18 @@ import functools
 import gc
 import math
 import random
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from arctic_platform.contract.bodies import learning_rate_problem
 from arctic_platform.contract.results import loss_fields
 from arctic_platform.engine import checkpoint as ckpt
 from arctic_platform.engine.config import TrainingEngineConfig
+from arctic_platform.engine.data_parallel import ParallelStrategy
 from arctic_platform.engine.errors import EngineInputError
 from arctic_platform.engine.forward import (
     Request,
@@ -43,7 +51,7 @@ from arctic_platform.engine.forward import (
     prepare_training_request,
     scored_microbatches,
 )
-from arctic_platform.engine.meta import to_float, to_int
+from arctic_platform.engine.meta import to_int
 from arctic_platform.engine.metrics import MetricSums
 from arctic_platform.engine.models import (
     MODEL_INIT_LOCK,
@@ -53,6 +61,7 @@ from arctic_platform.engine.models import (
     resolve_device,
 )
 from arctic_platform.engine.schedule import build_scheduler, lr_factor
+from arctic_platform.engine.weights import DEFAULT_CHUNK_BYTES, stream_weights
 
 SLEEP_MODES = ("all",)
 
@@ -78,7 +87,11 @@ def seed_everything(seed: int) -> None:
 class TrainingEngine:
     """A trainable causal LM with its optimizer, schedule and checkpoints (see module doc)."""
 
-    def __init__(self, config: TrainingEngineConfig) -> None:
+    def __init__(
+        self, config: TrainingEngineConfig, *, parallel: ParallelStrategy | None = None
+    ) -> None:
+        self.parallel = parallel if parallel is not None else ParallelStrategy()
+        config = self.parallel.adapt_config(config)
         self.config = config
         self.device = resolve_device(config.model.device)
         # Loading the weights draws no random numbers; seeding and the adapters' random
@@ -94,6 +107,8 @@ class TrainingEngine:
             )
         self.model = model.train()
         self.vocab_size = int(model.get_input_embeddings().num_embeddings)
+        # The module microbatches run through (the DDP wrapper, or the model sharded in place).
+        self._module = self.parallel.attach(model, config.model, self.device)
         self._trainable = [p for p in model.parameters() if p.requires_grad]
         opt = config.optimizer
         self.optimizer = torch.optim.AdamW(
@@ -108,7 +123,7 @@ class TrainingEngine:
 
     def forward_backward(
         self,
-        batch: Mapping,
+        batch: Mapping | None,
         meta: Mapping | None = None,
         processing: Mapping | None = None,
         *,
@@ -124,15 +139,27 @@ class TrainingEngine:
         :func:`arctic_platform.engine.metrics.reduce_metrics`. ``avg_loss`` and ``loss`` both equal
         ``metrics["loss"]``.
         """
-        request = self._prepare(batch, meta, processing, backward=True)
+        request, calls = self._prepare_agreed(batch, meta, processing, backward=True)
         self._wake_if_offloaded()
         self.model.train()
         sums = MetricSums()
-        sums.add(request.sharing_metrics())
-        logprobs = torch.zeros(request.batch.input_ids.shape) if with_logprobs else None
-        with self._gradients_unchanged_unless_finished():
-            for mb, outputs, rows in scored_microbatches(self.model, request, self.device):
-                self._backward(request, outputs, rows, sums)
+        logprobs = None
+        if request is not None:
+            sums.add(request.sharing_metrics())
+            if with_logprobs:
+                logprobs = torch.zeros(request.batch.input_ids.shape)
+        batches = self._microbatches(request)
+        stopping = self.parallel.stopping(backward=True)
+        with self._gradients_unchanged_unless_finished(), stopping as stop_point:
+            for i in range(calls):
+                stop_point(i)  # ranks of a process group stop together (data_parallel.py)
+                with self.parallel.gradient_sync(last=i == calls - 1):
+                    item = next(batches, None)  # the forward runs inside the sync context
+                    if item is None:  # a busier rank has more microbatches
+                        self.parallel.dummy_call(backward=True)
+                        continue
+                    mb, outputs, rows = item
+                    self._backward(request, outputs, rows, sums)
                 if logprobs is not None:
                     logprobs[mb.rows] = outputs["logprobs"].detach().float().cpu()
         answer = self._backward_answer(sums)
@@ -141,18 +168,25 @@ class TrainingEngine:
         return answer
 
     def forward(
-        self, batch: Mapping, meta: Mapping | None = None, processing: Mapping | None = None
-    ) -> dict:
+        self, batch: Mapping | None, meta: Mapping | None = None, processing: Mapping | None = None
+    ) -> dict | None:
         """Position-indexed ``logprobs`` ``[B, S]`` float32 (+ ``entropy`` when asked), no grad.
 
-        Entropy is computed when ``processing.config.calculate_entropy`` or
-        ``meta.calculate_entropy`` is true, or when ``processing.post`` names
-        ``compute_entropy_and_logprobs`` and neither says otherwise. With a ``processing.loss_fn``
-        the loss's metrics and ``avg_loss`` are returned too (no gradient).
+        Entropy is computed when ``meta.calculate_entropy`` is true (the one knob; its older
+        spellings are folded into it, :func:`arctic_platform.engine.meta.parse_request`). With a
+        ``processing.loss_fn`` the loss's metrics and ``avg_loss`` are returned too (no
+        gradient).
         """
-        request = self._prepare(batch, meta, processing, backward=False)
+        request, calls = self._prepare_agreed(batch, meta, processing, backward=False)
         self._wake_if_offloaded()
-        return forward_no_grad(self.model, request, self.device)
+        with self.parallel.stopping(backward=False) as stop_point:
+            stop_point(0)
+            if request is None:
+                self.parallel.pad_forward(calls)
+                return None
+            out = forward_no_grad(self.model, request, self.device)
+            self.parallel.pad_forward(calls - len(request.plan))
+        return out
 
     def step(self, learning_rate: float | None = None, *, adam: AdamSettings | None = None) -> dict:
         """One optimizer update from the accumulated gradients (see module doc).
@@ -163,10 +197,9 @@ class TrainingEngine:
         Returns ``grad_norm`` (before clipping), ``last_lr`` (the rate this update used),
         ``global_steps`` and ``metrics`` with the same plus ``skipped``.
         """
-        if learning_rate is not None:
-            learning_rate = to_float("learning_rate", learning_rate)
-            if learning_rate <= 0:
-                raise EngineInputError("learning_rate", f"must be > 0, got {learning_rate}")
+        problem = learning_rate_problem(learning_rate)
+        if problem is not None:
+            raise EngineInputError(problem.field, problem.message)
         self._wake_if_offloaded()
         if learning_rate is not None:
             self._set_peak_lr(learning_rate)
@@ -176,13 +209,13 @@ class TrainingEngine:
                 group.update(betas=adam.betas, eps=adam.eps, weight_decay=adam.weight_decay)
             clip = adam.grad_clip
         lr = float(self.optimizer.param_groups[0]["lr"])
-        norm = self._grad_norm()
+        norm = self.parallel.grad_norm(self._trainable)
         grad_norm = float(norm)
         if not math.isfinite(grad_norm):
             self.optimizer.zero_grad(set_to_none=True)
             return self._step_result(grad_norm, lr, skipped=True)
         if clip > 0:
-            self._clip_grads(clip, norm)
+            self.parallel.clip_grads(self._trainable, clip, norm)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
@@ -198,19 +231,27 @@ class TrainingEngine:
         step: int | None = None,
         export_hf: bool = False,
         save_total_limit: int | None = None,
-    ) -> dict:
+    ) -> dict | None:
         """Save to ``<path>/checkpoint-<step>/`` (see :mod:`arctic_platform.engine.checkpoint`).
 
         ``path`` is the job folder, by default ``<checkpoint_dir>/<job_name>``; ``step`` defaults
         to ``global_steps``; ``save_total_limit`` to the config's. Returns ``{"path",
-        "global_step", "checkpoint_id", "hf_path"}``.
+        "global_step", "checkpoint_id", "hf_path"}`` (None on the data-parallel ranks that do not
+        write; with FSDP every rank must call, they gather the weights).
         """
         job_dir, step, save_total_limit = self._save_target(path, step, save_total_limit)
-        return self._write_checkpoint(
+        full = self.parallel.full_state(self.model, self.optimizer)
+        if full is None:
+            return None
+        model, optimizer = full
+        return ckpt.save_checkpoint(
             job_dir,
             step,
-            self.model,
-            self.optimizer,
+            model=model,
+            optimizer=optimizer,
+            scheduler=self.scheduler,
+            trainer_state={"global_steps": self.global_steps, "lr_override": self._lr_override},
+            tokenizer=self._tokenizer,
             export_hf=export_hf,
             save_total_limit=save_total_limit,
         )
@@ -227,13 +268,36 @@ class TrainingEngine:
         """
         if step is not None:
             step = to_int("step", step, minimum=0)
-        directory = ckpt.resolve_checkpoint(self._job_dir(path), step)
-        state = ckpt.load_checkpoint(
-            directory, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler
+        directory, problem = None, None
+        if self.parallel.reads_checkpoints():
+            try:
+                directory = ckpt.resolve_checkpoint(self._job_dir(path), step)
+            except EngineInputError as exc:
+                problem = exc
+        directory, state = self.parallel.load_checkpoint(
+            directory,
+            problem,
+            model=self.model,
+            optimizer=self.optimizer,
+            scheduler=self.scheduler,
         )
         if not optimizer:
             self.optimizer.state.clear()
-        return self._loaded(directory, state)
+        self.optimizer.zero_grad(set_to_none=True)
+        self.global_steps = int(state["global_steps"])
+        self._lr_override = state.get("lr_override")
+        return {
+            "path": str(directory),
+            "global_step": self.global_steps,
+            "checkpoint_id": directory.name,
+        }
+
+    def weight_chunks(self, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Iterator[bytes] | None:
+        """The full weights as a safetensors chunk stream
+        (:func:`~arctic_platform.engine.weights.stream_weights`); None on the data-parallel ranks
+        other than 0 (with FSDP every rank must call, they gather the weights)."""
+        model = self.parallel.export_model(self.model)
+        return None if model is None else stream_weights(model, chunk_bytes)
 
     # -- colocation -----------------------------------------------------------------------
 
@@ -243,6 +307,7 @@ class TrainingEngine:
         On a CPU engine there is nothing to offload and the answer says so. Idempotent; compute
         calls wake the engine on demand.
         """
+        self.parallel.check_sleep(self.device)
         if mode not in SLEEP_MODES:
             raise EngineInputError("mode", f"unknown sleep mode {mode!r}; known: {SLEEP_MODES}")
         if self.device.type == "cpu":
@@ -274,10 +339,31 @@ class TrainingEngine:
 
     # -- internals ------------------------------------------------------------------------
 
-    def _prepare(self, batch, meta, processing, *, backward: bool) -> Request:
-        return prepare_training_request(
-            batch, meta, processing, self.config, vocab_size=self.vocab_size, backward=backward
-        )
+    def _prepare_agreed(
+        self, batch: Mapping | None, meta, processing, *, backward: bool
+    ) -> tuple[Request | None, int]:
+        """Validate the request (None: a data-parallel rank without rows) and agree with the other
+        ranks before anything changes: ``(request, model calls to make)``."""
+        request, problem = None, None
+        if batch is not None or self.parallel.world_size == 1:
+            try:
+                request = prepare_training_request(
+                    batch,
+                    meta,
+                    processing,
+                    self.config,
+                    vocab_size=self.vocab_size,
+                    backward=backward,
+                )
+            except EngineInputError as exc:
+                problem = exc
+        return request, self.parallel.agree(problem, len(request.plan) if request else 0)
+
+    def _microbatches(self, request: Request | None) -> Iterator:
+        """The scored microbatches of ``request`` through the strategy's module."""
+        if request is None:
+            return iter(())
+        return scored_microbatches(self._module, request, self.device)
 
     @staticmethod
     def _backward(request: Request, outputs: Mapping, rows: Mapping, sums: MetricSums) -> None:
@@ -305,15 +391,6 @@ class TrainingEngine:
         """What ``forward_backward`` returns for the microbatches ``sums`` holds."""
         metrics = sums.finalize()
         return {**loss_fields(metrics), "metrics": metrics, "metric_sums": sums.raw()}
-
-    def _grad_norm(self) -> torch.Tensor:
-        """The total 2-norm of the accumulated gradients (0 without any)."""
-        grads = [p.grad for p in self._trainable if p.grad is not None]
-        return torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
-
-    def _clip_grads(self, max_norm: float, norm: torch.Tensor) -> None:
-        """Scale the gradients so their total norm (``norm``) is at most ``max_norm``."""
-        torch.nn.utils.clip_grads_with_norm_(self._trainable, max_norm, norm)
 
     def _set_peak_lr(self, lr: float) -> None:
         self._lr_override = lr
@@ -357,40 +434,6 @@ class TrainingEngine:
         else:
             save_total_limit = self.config.save_total_limit if own else None
         return job_dir, step, save_total_limit
-
-    def _write_checkpoint(
-        self,
-        job_dir: Path,
-        step: int,
-        model: torch.nn.Module,
-        optimizer,
-        *,
-        export_hf: bool,
-        save_total_limit: int | None,
-    ) -> dict:
-        """Write ``model`` and ``optimizer`` with this engine's schedule and trainer state."""
-        return ckpt.save_checkpoint(
-            job_dir,
-            step,
-            model=model,
-            optimizer=optimizer,
-            scheduler=self.scheduler,
-            trainer_state={"global_steps": self.global_steps, "lr_override": self._lr_override},
-            tokenizer=self._tokenizer,
-            export_hf=export_hf,
-            save_total_limit=save_total_limit,
-        )
-
-    def _loaded(self, directory: Path, trainer_state: Mapping) -> dict:
-        """Finish a load: drop accumulated gradients, adopt the checkpoint's trainer state."""
-        self.optimizer.zero_grad(set_to_none=True)
-        self.global_steps = int(trainer_state["global_steps"])
-        self._lr_override = trainer_state.get("lr_override")
-        return {
-            "path": str(directory),
-            "global_step": self.global_steps,
-            "checkpoint_id": directory.name,
-        }
 
     def _job_dir(self, path) -> Path:
         if path is not None:

@@ -22,6 +22,9 @@ naming ``batch.loss_mask``. Scalars (``dp_size``, ``batch_num_tokens``, ``global
 ``temperature``, ...) become ``meta``. Context keys this server has no use for (async PPO
 ``versions``, ECHO masks, ...) are refused rather than dropped, so a client never trains an
 objective it did not ask for.
+
+The fields built here are numpy arrays (the engine takes numpy or torch per field); a tensor whose
+dtype numpy lacks (bf16, float8) is widened to float32, which holds its values exactly.
 """
 
 from __future__ import annotations
@@ -30,8 +33,8 @@ from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
-import torch
 
+from arctic_platform import wire
 from arctic_platform.server.errors import BadRequest
 
 # Shifted per-token context tensors -> the engine's position-indexed batch fields.
@@ -75,37 +78,47 @@ def context_into_batch(
     return out, meta
 
 
-def _as_tensor(name: str, value: Any, *, op: str) -> torch.Tensor:
-    if isinstance(value, np.ndarray):
-        return torch.from_numpy(np.ascontiguousarray(value))
-    if isinstance(value, torch.Tensor):
-        return value
-    raise BadRequest(f"{op}: context.{name}: expected a [B, S] tensor, got {type(value).__name__}")
+def _is_tensor(value: Any) -> bool:
+    return isinstance(value, np.ndarray) or wire.is_torch_tensor(value)
+
+
+def _as_array(name: str, value: Any, *, op: str) -> np.ndarray:
+    """A tensor (numpy, or torch as the HTTP edges decode it) as a numpy array."""
+    if wire.is_torch_tensor(value):
+        value = wire.to_numpy(value)
+    if not isinstance(value, np.ndarray):
+        raise BadRequest(
+            f"{op}: context.{name}: expected a [B, S] tensor, got {type(value).__name__}"
+        )
+    if value.dtype.kind not in "biufc":  # ml_dtypes floats (bf16, float8)
+        value = value.astype(np.float32)
+    return value
 
 
 def _check_same_ids(batch: Mapping, value: Any, *, op: str) -> None:
-    ids = _as_tensor("input_ids", value, op=op)
+    ids = _as_array("input_ids", value, op=op)
     if "input_ids" not in batch:
         raise BadRequest(f"{op}: kwargs.input_ids: required (context.input_ids is not the input)")
-    given = _as_tensor("input_ids", batch["input_ids"], op=op)
-    if ids.shape != given.shape or not torch.equal(ids.long(), given.long()):
+    given = _as_array("input_ids", batch["input_ids"], op=op)
+    if ids.shape != given.shape or not np.array_equal(ids.astype(np.int64), given.astype(np.int64)):
         raise BadRequest(f"{op}: context.input_ids differs from kwargs.input_ids")
 
 
-def _rows_scoring_past_their_end(batch: Mapping, loss_mask: Any, *, op: str) -> torch.Tensor | None:
+def _rows_scoring_past_their_end(batch: Mapping, loss_mask: Any, *, op: str) -> np.ndarray | None:
     """The ``[B]`` rows whose shifted ``loss_mask`` selects their last real token (so scores the
     token after it, see module doc), or None when no row does (the batch keeps its width)."""
     if loss_mask is None or "input_ids" not in batch or "attention_mask" not in batch:
         return None
-    mask = _as_tensor("loss_mask", loss_mask, op=op)
-    attention = _as_tensor("attention_mask", batch["attention_mask"], op=op)
+    mask = _as_array("loss_mask", loss_mask, op=op)
+    attention = _as_array("attention_mask", batch["attention_mask"], op=op)
     if mask.ndim != 2 or mask.shape != attention.shape:
         return None  # refused with its shape by _unshift
-    real = attention.bool()
-    columns = torch.arange(real.shape[1])
-    last = torch.where(real, columns, -1).max(dim=1).values  # -1: a row without tokens
-    selected = mask.bool().gather(1, last.clamp(min=0)[:, None])[:, 0] & (last >= 0)
-    if not selected.any() and not mask[:, -1].bool().any():
+    real = attention.astype(bool)
+    columns = np.arange(real.shape[1])
+    last = np.where(real, columns, -1).max(axis=1)  # -1: a row without tokens
+    at_last = np.take_along_axis(mask.astype(bool), np.clip(last, 0, None)[:, None], axis=1)
+    selected = at_last[:, 0] & (last >= 0)
+    if not selected.any() and not mask[:, -1].astype(bool).any():
         return None
     if op != "forward-backward" or "labels" in batch:
         raise BadRequest(
@@ -117,33 +130,33 @@ def _rows_scoring_past_their_end(batch: Mapping, loss_mask: Any, *, op: str) -> 
     return selected  # a mask on the last column of a shorter row: refused by the engine
 
 
-def _widen_inputs(out: dict, batch: Mapping, extend: torch.Tensor) -> None:
+def _widen_inputs(out: dict, batch: Mapping, extend: np.ndarray) -> None:
     """One more column for the model inputs: ``input_ids[:, 0]`` (the reference's rolled target
     of the last column), attention on it only where a row's own next token is scored (``extend``;
     a shorter row's next token is already in the batch: the client's padding)."""
-    shape = tuple(_as_tensor("input_ids", batch["input_ids"], op="forward-backward").shape)
+    shape = tuple(_as_array("input_ids", batch["input_ids"], op="forward-backward").shape)
     for name, value in batch.items():
-        if not isinstance(value, np.ndarray | torch.Tensor) or tuple(value.shape) != shape:
+        if not _is_tensor(value) or tuple(value.shape) != shape:
             continue  # not a per-token input
-        tensor = _as_tensor(name, value, op="forward-backward")
+        array = _as_array(name, value, op="forward-backward")
         if name == "input_ids":
-            column = tensor[:, :1]
+            column = array[:, :1]
         elif name == "position_ids":
-            column = tensor[:, -1:] + 1
+            column = array[:, -1:] + 1
         else:
-            column = torch.zeros_like(tensor[:, :1])
-        widened = torch.cat([tensor, column], dim=1)
+            column = np.zeros_like(array[:, :1])
+        widened = np.concatenate([array, column], axis=1)
         if name == "attention_mask":
-            real = tensor.bool()
-            after_last = real.long().cumsum(1).argmax(1) + 1  # the column after each row's last
+            real = array.astype(bool)
+            after_last = real.astype(np.int64).cumsum(1).argmax(1) + 1  # after each row's last
             widened[extend, after_last[extend]] = 1
         out[name] = widened
 
 
-def _unshift(name: str, value: Any, batch: Mapping, *, widen: bool, op: str) -> torch.Tensor:
+def _unshift(name: str, value: Any, batch: Mapping, *, widen: bool, op: str) -> np.ndarray:
     """Shifted ``[B, S]`` -> position-indexed (column ``i`` moves to ``i + 1``): ``[B, S + 1]``
     when ``widen`` (a row scores past its end, see module doc), else ``[B, S]``."""
-    shifted = _as_tensor(name, value, op=op)
+    shifted = _as_array(name, value, op=op)
     ids = batch.get("input_ids")
     width = None if ids is None else tuple(ids.shape)
     if shifted.ndim != 2 or (width is not None and tuple(shifted.shape) != width):
@@ -152,10 +165,10 @@ def _unshift(name: str, value: Any, batch: Mapping, *, widen: bool, op: str) -> 
             f"got {list(shifted.shape)}"
         )
     if name == "loss_mask" and (
-        shifted.is_complex() or not ((shifted == 0) | (shifted == 1)).all()
+        np.iscomplexobj(shifted) or not ((shifted == 0) | (shifted == 1)).all()
     ):
         raise BadRequest(f"{op}: context.loss_mask: must be binary (0 or 1)")
     rows, columns = shifted.shape
-    out = shifted.new_zeros((rows, columns + 1))
+    out = np.zeros((rows, columns + 1), dtype=shifted.dtype)
     out[:, 1:] = shifted
-    return out if widen else out[:, :columns].clone()
+    return out if widen else out[:, :columns].copy()

@@ -5,7 +5,7 @@ greedily, longest first, to the worker with the fewest tokens so far (ties: fewe
 rank). That keeps every worker within one sequence of the mean load and, when there are at least
 as many rows as workers, gives every worker at least one row. With fewer rows than workers the
 last workers get none; the data-parallel trainer runs them with zero-weight calls (see
-:mod:`arctic_platform.server.data_parallel`), so any batch size works. Rows that share a prompt
+:mod:`arctic_platform.engine.data_parallel`), so any batch size works. Rows that share a prompt
 travel as one unit, so their worker computes the prompt once
 (:mod:`arctic_platform.engine.prompt_sharing`); the unit's load counts the prompt once.
 

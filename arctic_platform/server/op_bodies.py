@@ -33,7 +33,9 @@ def describe(exc: ValidationError) -> str:
     parts = []
     for error in exc.errors():
         location = ".".join(str(p) for p in error["loc"]) or "body"
-        parts.append(f"{location}: {error['msg']}")
+        # The contract's rules name the field (and index) in their message already.
+        ruled = error["type"] == "invalid_value" and error["msg"].startswith(location)
+        parts.append(error["msg"] if ruled else f"{location}: {error['msg']}")
     return "; ".join(parts)
 
 

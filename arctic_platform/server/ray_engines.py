@@ -4,8 +4,8 @@ A :class:`RayTrainingEngine` and a :class:`RayInferenceEngine` have the methods 
 local engines (``forward_backward``, ``step``, ``generate``, ...) with the same results, so the
 Service, its queues, its failure handling and both HTTP APIs work unchanged over them.
 
-Training over N worker actors (a :class:`~arctic_platform.server.data_parallel.DataParallelEngine`
-each):
+Training over N worker actors (each a ``TrainingEngine`` with the rank's data-parallel strategy,
+:mod:`arctic_platform.engine.data_parallel`):
 
 * The proxy validates the whole request first (the same ``prepare_training_request`` the engine
   runs), so bad input fails before any worker is asked and names the field as on one engine.
@@ -47,6 +47,7 @@ from typing import Any
 
 import numpy as np
 
+from arctic_platform.contract.job_config import API_JOB_TYPE
 from arctic_platform.contract.results import FORWARD_OUTPUTS, loss_fields
 from arctic_platform.engine import cancellation
 from arctic_platform.server.dp_split import merge_rows, split_by_tokens, take_rows
@@ -58,6 +59,7 @@ from arctic_platform.server.ray_workers import (
     Stopped,
     TrainingWorker,
 )
+from arctic_platform.tensor_tree import numpy_to_torch, to_object_store
 
 START_TIMEOUT_S = 600.0
 # How often a proxy waiting on a stoppable op looks at the op's cancel tokens.
@@ -224,7 +226,7 @@ class RayTrainingEngine:
         for name in FORWARD_OUTPUTS:
             if name in replies[active[0]]:
                 pieces = [(parts[r], replies[r][name]) for r in active]
-                out[name] = _torch(merge_rows(pieces, request.batch.size))
+                out[name] = numpy_to_torch(merge_rows(pieces, request.batch.size))
         out["metrics"] = {}
         if request.loss is not None:
             out["metrics"] = reduce_metrics(replies[r]["metric_sums"] for r in active)
@@ -338,7 +340,7 @@ class RayTrainingEngine:
             groups=[groups.groups[k] for k in shared],
             saved=[groups.saved(k) for k in shared],
         )
-        arrays = {name: _numpy(value) for name, value in batch.items()}
+        arrays = to_object_store(dict(batch))
         shards = [take_rows(arrays, rows, size) if len(rows) else None for rows in parts]
         return parts, shards
 
@@ -391,7 +393,7 @@ class RayInferenceEngine:
         return self._call("log_probs", prompts, completions, top_k)
 
     def forward(self, batch, meta=None, processing=None) -> dict:
-        batch = {name: _numpy(value) for name, value in batch.items()}
+        batch = to_object_store(dict(batch))
         return self._call("forward", batch, meta, processing)
 
     def sleep(self, level: int = 1) -> dict:
@@ -417,7 +419,7 @@ class RayInferenceEngine:
         reply = self.actors.gather(
             {0: handle.call.remote(method, *args, op_id=op_id)}, method, op_id=op_id
         )[0]
-        return _torch_tree(reply)
+        return numpy_to_torch(reply, copy_read_only=True)
 
 
 class RayEngines:
@@ -495,7 +497,7 @@ class RayEngines:
         return JobShape(
             training_workers=workers,
             samplers=kinds.count("sampling"),
-            scorers=kinds.count("log_probability"),
+            scorers=kinds.count(API_JOB_TYPE["log_prob"]),
         )
 
 
@@ -539,32 +541,6 @@ def _combine(answers: dict[int, dict]) -> dict:
     if all(v == values[0] for v in values):
         return values[0]
     return {**values[0], "per_worker": values}
-
-
-def _numpy(value: Any) -> Any:
-    """Torch tensors as numpy (they cross the object store without pickling)."""
-    import torch
-
-    if isinstance(value, torch.Tensor) and value.dtype != torch.bfloat16:
-        return value.detach().cpu().numpy()
-    return value
-
-
-def _torch(array: np.ndarray):
-    import torch
-
-    return torch.from_numpy(np.ascontiguousarray(array))
-
-
-def _torch_tree(value: Any) -> Any:
-    """Numpy arrays back to torch tensors, as the local engines return them."""
-    if isinstance(value, np.ndarray):
-        return _torch(value.copy() if not value.flags.writeable else value)
-    if isinstance(value, Mapping):
-        return {k: _torch_tree(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_torch_tree(v) for v in value]
-    return value
 
 
 def _close(engine) -> None:

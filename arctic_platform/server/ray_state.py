@@ -81,10 +81,10 @@ class ServerState:
     @staticmethod
     def _reply(fn) -> tuple:
         from arctic_platform.server.errors import ServiceError
-        from arctic_platform.server.ray_workers import to_numpy
+        from arctic_platform.tensor_tree import to_object_store
 
         try:
-            return ("ok", to_numpy(fn()))
+            return ("ok", to_object_store(fn()))
         except ServiceError as exc:
             return (
                 "error",

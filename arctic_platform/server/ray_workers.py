@@ -35,7 +35,8 @@ import numpy as np
 
 from arctic_platform.engine import cancellation
 from arctic_platform.engine.cancellation import CancelToken
-from arctic_platform.engine.errors import EngineInputError, SamplerStateError
+from arctic_platform.engine.errors import EngineInputError, PeerRejected, SamplerStateError
+from arctic_platform.tensor_tree import to_object_store
 
 # The actors' concurrency groups: ops run one at a time in the default group, ``stop_op`` in this.
 CONCURRENCY_GROUPS = {"control": 1}
@@ -89,12 +90,10 @@ class OpStops:
 def _replying(fn: Callable[[], Any], stops: OpStops | None = None, op_id: str | None = None) -> Any:
     """``fn()`` with results as numpy, refusals as :class:`Rejected` and, when ``op_id`` names a
     stoppable op, a stop as :class:`Stopped` (see module doc)."""
-    from arctic_platform.server.data_parallel import PeerRejected
-
     tokens = () if op_id is None or stops is None else (stops.token(op_id),)
     try:
         with cancellation.scope(*tokens):
-            return to_numpy(fn())
+            return to_object_store(fn())
     except cancellation.OpCancelled as exc:
         return Stopped(exc.reason)
     except EngineInputError as exc:
@@ -120,7 +119,8 @@ class _StoppableWorker:
 
 
 class TrainingWorker(_StoppableWorker):
-    """One rank of a data-parallel training job (a :class:`DataParallelEngine`)."""
+    """One rank of a data-parallel training job: a ``TrainingEngine`` composed with the rank's
+    :mod:`~arctic_platform.engine.data_parallel` strategy."""
 
     def __init__(self, rank: int, world_size: int) -> None:
         super().__init__()
@@ -133,7 +133,7 @@ class TrainingWorker(_StoppableWorker):
         """Rank 0: open the process group's store; its address and port for the other ranks."""
         import ray
 
-        from arctic_platform.server.data_parallel import open_rendezvous
+        from arctic_platform.engine.data_parallel import open_rendezvous
 
         host = ray.util.get_node_ip_address()
         self.store = open_rendezvous(host, self.world_size, timeout_s=timeout_s)
@@ -143,10 +143,12 @@ class TrainingWorker(_StoppableWorker):
         self, config, strategy: str, master_addr: str, master_port: int, timeout_s: float
     ) -> Any:
         """Join the process group and build the engine; ``{vocab_size, backend, pid}``."""
-        from arctic_platform.server.data_parallel import DataParallelEngine, join_process_group
+        from arctic_platform.engine.data_parallel import data_parallel_strategy, join_process_group
+        from arctic_platform.engine.trainer import TrainingEngine
 
         def build() -> dict:
             backend = None
+            parallel = data_parallel_strategy(strategy, rank=self.rank, world_size=self.world_size)
             if self.world_size > 1:
                 backend = join_process_group(
                     self.rank,
@@ -156,9 +158,7 @@ class TrainingWorker(_StoppableWorker):
                     timeout_s=timeout_s,
                     store=self.store,
                 )
-            self.engine = DataParallelEngine(
-                config, strategy=strategy, rank=self.rank, world_size=self.world_size
-            )
+            self.engine = TrainingEngine(config, parallel=parallel)
             return {"vocab_size": self.engine.vocab_size, "backend": backend, "pid": os.getpid()}
 
         return _replying(build)
@@ -213,7 +213,7 @@ class TrainingWorker(_StoppableWorker):
 
     def stop(self) -> None:
         """Leave the process group so the rank exits cleanly (the actor is killed after)."""
-        from arctic_platform.server.data_parallel import leave_process_group
+        from arctic_platform.engine.data_parallel import leave_process_group
 
         self.engine = None
         leave_process_group()
@@ -270,20 +270,4 @@ def _writable(value: Any) -> Any:
         return value.copy()
     if isinstance(value, Mapping):
         return {k: _writable(v) for k, v in value.items()}
-    return value
-
-
-def to_numpy(value: Any) -> Any:
-    """Torch tensors as numpy arrays, recursively through dicts, lists and tuples."""
-    import torch
-
-    if isinstance(value, torch.Tensor):
-        value = value.detach().cpu()
-        return value.numpy() if value.dtype != torch.bfloat16 else value
-    if isinstance(value, Mapping):
-        return {k: to_numpy(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [to_numpy(v) for v in value]
-    if isinstance(value, tuple):
-        return tuple(to_numpy(v) for v in value)
     return value

@@ -8,7 +8,7 @@ import torch
 
 from arctic_platform.engine.batching import validate_batch
 from arctic_platform.engine.errors import EngineInputError
-from arctic_platform.engine.meta import parse_meta, parse_processing
+from arctic_platform.engine.meta import parse_meta, parse_processing, parse_request
 from arctic_platform.engine.postprocess import DEFAULT_POST
 from tests.engine.rl_batches import rl_batch
 
@@ -86,11 +86,10 @@ def test_meta_accepts_wire_scalars_and_rejects_bad_types():
 def test_processing_defaults_and_errors():
     default = parse_processing(None, default_loss="verl_grpo")
     assert default.post == DEFAULT_POST and default.loss_fn == "verl_grpo"
-    assert not default.explicit_post
     explicit = parse_processing(
         {"post": ["compute_entropy_and_logprobs"], "loss_fn": None}, default_loss="x"
     )
-    assert explicit.loss_fn is None and explicit.explicit_post
+    assert explicit.loss_fn is None
     for bad, field in [
         ({"post": "apply_temperature"}, "processing.post"),
         ({"post": ["nope"]}, "processing.post[0]"),
@@ -99,5 +98,23 @@ def test_processing_defaults_and_errors():
         ({"config": {"calculate_entropy": 1}}, "processing.config.calculate_entropy"),
     ]:
         with pytest.raises(EngineInputError) as info:
-            parse_processing(bad, default_loss=None).calculate_entropy  # noqa: B018
+            parse_request(None, bad, default_loss=None)
         assert info.value.field == field
+
+
+@pytest.mark.parametrize(
+    "meta, processing, wanted",
+    [
+        (None, None, None),
+        ({"calculate_entropy": True}, None, True),
+        ({"calculate_entropy": False}, {"post": ["compute_entropy_and_logprobs"]}, False),
+        (None, {"post": ["compute_entropy_and_logprobs"]}, True),
+        (None, {"post": ["compute_logprobs"]}, None),
+        # processing.config's spelling wins over meta's
+        ({"calculate_entropy": True}, {"config": {"calculate_entropy": False}}, False),
+        (None, {"config": {"calculate_entropy": True}, "post": ["compute_logprobs"]}, True),
+    ],
+)
+def test_entropy_spellings_fold_into_the_one_knob(meta, processing, wanted):
+    folded, _ = parse_request(meta, processing, default_loss=None)
+    assert folded.calculate_entropy is wanted

@@ -73,7 +73,7 @@ def wait_dead(actor, timeout: float = 60.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
-            ray.get(actor.__ray_ready__.remote(), timeout=10)  # Ray's own no-op probe
+            ray.get(actor.__ray_ready__.remote(), timeout=10)
         except ray.exceptions.RayActorError:
             return
         time.sleep(0.2)

@@ -22,15 +22,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import warnings
 from pathlib import Path
 from typing import Any
 
 from arctic_platform._extras import require
 from arctic_platform.client.config import ArcticRLClientConfig, RayBackend
 from arctic_platform.client.errors import RequestTimeoutError, TransportError, server_error
-from arctic_platform.client.tensors import is_torch_tensor, resolve_tensor_type
+from arctic_platform.client.tensors import resolve_tensor_type
 from arctic_platform.client.transport import JobHandles, Request, Transport
+from arctic_platform.tensor_tree import numpy_to_torch, to_object_store
 
 SHUTDOWN_TIMEOUT_S = 120.0
 
@@ -142,7 +142,7 @@ class RayTransport(Transport):
     def call(self, request: Request) -> Any:
         import ray
 
-        ref = self.state.execute.remote(request.job_id, request.op, _outgoing(request.body))
+        ref = self.state.execute.remote(request.job_id, request.op, to_object_store(request.body))
         try:
             reply = ray.get(ref)
         except ray.exceptions.RayActorError as exc:
@@ -153,7 +153,7 @@ class RayTransport(Transport):
         """Awaits the state actor's reply: no thread per call, any event loop."""
         import ray
 
-        ref = self.state.execute.remote(request.job_id, request.op, _outgoing(request.body))
+        ref = self.state.execute.remote(request.job_id, request.op, to_object_store(request.body))
         try:
             reply = await asyncio.wrap_future(ref.future())
         except ray.exceptions.RayActorError as exc:
@@ -188,7 +188,7 @@ class RayTransport(Transport):
         return TransportError(f"{op}: the ray backend's server-state actor is gone: {first}")
 
     def _convert(self, result: Any) -> Any:
-        return _to_torch(result) if self._tensor_type == "torch" else result
+        return numpy_to_torch(result) if self._tensor_type == "torch" else result
 
     def _stop_ray(self) -> None:
         if self._started_ray:
@@ -209,41 +209,6 @@ def _training_workers(config: ArcticRLClientConfig, backend: RayBackend) -> int:
             f"training.n_gpus: {training.n_gpus}; set one of them"
         )
     return training.n_gpus if from_job else backend.num_training_workers
-
-
-def _outgoing(value: Any) -> Any:
-    """Torch tensors as numpy arrays (zero-copy through the object store instead of pickled)."""
-    if is_torch_tensor(value):
-        import torch
-
-        if value.dtype != torch.bfloat16:
-            return value.detach().cpu().numpy()
-        return value
-    if isinstance(value, dict):
-        return {k: _outgoing(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_outgoing(v) for v in value]
-    if isinstance(value, tuple):
-        return tuple(_outgoing(v) for v in value)
-    return value
-
-
-def _to_torch(value: Any) -> Any:
-    import numpy as np
-
-    if isinstance(value, np.ndarray):
-        import torch
-
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*not writable.*")
-            return torch.from_numpy(value)
-    if isinstance(value, dict):
-        return {k: _to_torch(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_to_torch(v) for v in value]
-    if isinstance(value, tuple):
-        return tuple(_to_torch(v) for v in value)
-    return value
 
 
 def _data_parallel(config: ArcticRLClientConfig) -> str:

@@ -146,6 +146,47 @@ def policy_ratio(
     return advantages, log_ratio, torch.exp(log_ratio)
 
 
+@dataclass(frozen=True)
+class ClippedSurrogate:
+    """PPO's clipped policy term per token, as the GRPO losses build on it: ``unclipped``
+    ``-A r``, ``clipped`` ``-A clip(r, 1 - low, 1 + high)`` and ``loss`` their maximum, with the
+    ``advantages``, ``log_ratio`` and ``ratio`` they came from (:func:`policy_ratio`)."""
+
+    advantages: torch.Tensor
+    log_ratio: torch.Tensor
+    ratio: torch.Tensor
+    unclipped: torch.Tensor
+    clipped: torch.Tensor
+    loss: torch.Tensor
+
+
+def clipped_surrogate(
+    logp: torch.Tensor,
+    rows: Mapping[str, torch.Tensor],
+    mask: torch.Tensor,
+    *,
+    low: float,
+    high: float,
+) -> ClippedSurrogate:
+    """The clipped policy term of a microbatch (see :class:`ClippedSurrogate`)."""
+    advantages, log_ratio, ratio = policy_ratio(logp, rows, mask)
+    unclipped = -advantages * ratio
+    clipped = -advantages * torch.clamp(ratio, 1.0 - low, 1.0 + high)
+    return ClippedSurrogate(
+        advantages, log_ratio, ratio, unclipped, clipped, torch.maximum(unclipped, clipped)
+    )
+
+
+def rollout_weighted(
+    per_token: torch.Tensor, rows: Mapping[str, torch.Tensor], mask: torch.Tensor
+) -> torch.Tensor:
+    """``per_token`` times the batch's ``rollout_is_weights`` (rollout importance sampling), or
+    as it is when the batch has none."""
+    if "rollout_is_weights" not in rows:
+        return per_token
+    return per_token * masked(rows["rollout_is_weights"], mask)
+
+
 def add_token_counts(metrics: Metrics, tokens: torch.Tensor) -> Metrics:
     """Give every ``name.sum`` metric its ``name.tokens`` pair: the token count it averages over."""
     for name in [k for k in metrics if k.endswith(".sum")]:

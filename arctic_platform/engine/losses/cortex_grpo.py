@@ -43,9 +43,11 @@ from arctic_platform.engine.losses.base import (
     UNSUPPORTED_LOSSES,
     LossOutput,
     add_token_counts,
+    clipped_surrogate,
     masked,
     masked_sum,
     register_loss,
+    rollout_weighted,
     token_mask,
 )
 from arctic_platform.engine.losses.kl import check_kl_type, kl_penalty
@@ -203,17 +205,11 @@ class CortexGrpoLoss:
         cfg = self.cfg
         mask = rows["mask"]
         logp = outputs["logprobs"]
-        old = masked(rows["old_log_probs"], mask) if "old_log_probs" in rows else logp.detach()
-        adv = masked(rows["advantages"], mask)
-        log_ratio = torch.clamp(logp - old, min=-20.0, max=20.0)
-        ratio = torch.exp(log_ratio)
-        loss1 = -adv * ratio
-        loss2 = -adv * torch.clamp(ratio, 1.0 - cfg.eps_clip, 1.0 + cfg.eps_clip_higher)
-        pg = torch.maximum(loss1, loss2)
+        term = clipped_surrogate(logp, rows, mask, low=cfg.eps_clip, high=cfg.eps_clip_higher)
+        pg = term.loss
         if cfg.c_clip is not None:
-            pg = torch.minimum(pg, cfg.c_clip * adv.abs())
-        if "rollout_is_weights" in rows:
-            pg = pg * masked(rows["rollout_is_weights"], mask)
+            pg = torch.minimum(pg, cfg.c_clip * term.advantages.abs())
+        pg = rollout_weighted(pg, rows, mask)
         neg_entropy = logp.detach()
         loss = self.agg(pg, mask)
         per_token = pg
@@ -221,9 +217,9 @@ class CortexGrpoLoss:
             loss = loss + cfg.entropy_coeff * self.agg(neg_entropy, mask)
             per_token = per_token + cfg.entropy_coeff * neg_entropy
         metrics = {
-            "approx_kl.sum": masked_sum(log_ratio, mask),
-            "importance_weight.sum": masked_sum(ratio, mask),
-            "clip_ratio.sum": masked_sum((loss1 < loss2).float(), mask),
+            "approx_kl.sum": masked_sum(term.log_ratio, mask),
+            "importance_weight.sum": masked_sum(term.ratio, mask),
+            "clip_ratio.sum": masked_sum((term.unclipped < term.clipped).float(), mask),
             "entropy.sum": masked_sum(-neg_entropy, mask),
         }
         if cfg.use_kl_loss:

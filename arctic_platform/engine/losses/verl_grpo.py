@@ -35,11 +35,12 @@ from arctic_platform.engine.losses.aggregation import check_agg_mode, make_aggre
 from arctic_platform.engine.losses.base import (
     LossOutput,
     add_token_counts,
+    clipped_surrogate,
     masked,
     masked_sum,
-    policy_ratio,
     policy_tensors,
     register_loss,
+    rollout_weighted,
     token_mask,
 )
 from arctic_platform.engine.losses.kl import check_kl_type, kl_penalty
@@ -151,21 +152,19 @@ class VerlGrpoLoss:
         cfg = self.cfg
         mask = rows["mask"]
         logp = outputs["logprobs"]
-        adv, log_ratio, ratio = policy_ratio(logp, rows, mask)
-        loss1 = -adv * ratio
-        loss2 = -adv * torch.clamp(ratio, 1.0 - cfg.clip_ratio_low, 1.0 + cfg.clip_ratio_high)
-        clipped = torch.maximum(loss1, loss2)
-        loss3 = -adv * cfg.clip_ratio_c
-        negative = adv < 0
-        pg = torch.where(negative, torch.minimum(loss3, clipped), clipped)
-        if "rollout_is_weights" in rows:
-            pg = pg * masked(rows["rollout_is_weights"], mask)
+        term = clipped_surrogate(logp, rows, mask, low=cfg.clip_ratio_low, high=cfg.clip_ratio_high)
+        loss3 = -term.advantages * cfg.clip_ratio_c  # dual clip, for negative advantages
+        negative = term.advantages < 0
+        pg = torch.where(negative, torch.minimum(loss3, term.loss), term.loss)
+        pg = rollout_weighted(pg, rows, mask)
 
         metrics = {
             "actor/pg_loss.sum": masked_sum(pg, mask),
-            "actor/pg_clipfrac.sum": masked_sum((loss2 > loss1).float(), mask),
-            "actor/ppo_kl.sum": masked_sum(-log_ratio, mask),
-            "actor/pg_clipfrac_lower.sum": masked_sum(((clipped > loss3) & negative).float(), mask),
+            "actor/pg_clipfrac.sum": masked_sum((term.clipped > term.unclipped).float(), mask),
+            "actor/ppo_kl.sum": masked_sum(-term.log_ratio, mask),
+            "actor/pg_clipfrac_lower.sum": masked_sum(
+                ((term.loss > loss3) & negative).float(), mask
+            ),
         }
         loss = self.agg(pg, mask)
         per_token = pg
@@ -185,4 +184,5 @@ class VerlGrpoLoss:
         return LossOutput(loss=loss, metrics=metrics)
 
 
-register_loss("verl_grpo")(VerlGrpoLoss)
+LOSS_NAME = "verl_grpo"
+register_loss(LOSS_NAME)(VerlGrpoLoss)

@@ -34,14 +34,13 @@ from arctic_platform.engine.losses.aggregation import (  # noqa: E402
 from arctic_platform.engine.losses.kl import KL_TYPES, check_kl_type  # noqa: E402
 from arctic_platform.engine.losses.kl import kl_penalty as _engine_kl_penalty  # noqa: E402
 from arctic_platform.engine.losses.verl_grpo import (  # noqa: E402
+    LOSS_NAME,
     ActorLossConfig,
     VerlGrpoLoss,
     parse_actor_config,
 )
 from arctic_platform.engine.meta import parse_meta  # noqa: E402
 from arctic_platform.engine.metrics import MetricSums  # noqa: E402
-
-LOSS_NAME = "verl_grpo"
 
 __all__ = [
     "AGG_MODES",

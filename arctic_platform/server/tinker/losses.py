@@ -24,8 +24,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
+from arctic_platform import wire
 from arctic_platform.engine.batching import IGNORE_INDEX
 from arctic_platform.server.errors import BadRequest
 from arctic_platform.server.tinker.codec import Datum
@@ -78,8 +78,9 @@ def processing_for(loss_fn: str, config: dict) -> dict:
     return {"loss_fn": loss_fn, "config": {"loss_agg_mode": "token-sum", **config}}
 
 
-def build_batch(data: list[Datum], spec: TinkerLoss) -> dict[str, torch.Tensor]:
-    """The engine batch of ``data`` (see module doc); a datum missing an input is a 400."""
+def build_batch(data: list[Datum], spec: TinkerLoss) -> dict[str, np.ndarray]:
+    """The engine batch of ``data`` as numpy arrays (see module doc); a datum missing an input is
+    a 400."""
     if not data:
         raise BadRequest("data: no datums given")
     lengths = []
@@ -98,35 +99,37 @@ def build_batch(data: list[Datum], spec: TinkerLoss) -> dict[str, torch.Tensor]:
                 )
         lengths.append(n)
     rows, width = len(data), max(lengths) + 1
-    input_ids = torch.zeros((rows, width), dtype=torch.long)
-    attention_mask = torch.zeros((rows, width), dtype=torch.long)
-    labels = torch.full((rows, width), IGNORE_INDEX, dtype=torch.long)
+    input_ids = np.zeros((rows, width), dtype=np.int64)
+    attention_mask = np.zeros((rows, width), dtype=np.int64)
+    labels = np.full((rows, width), IGNORE_INDEX, dtype=np.int64)
     fields = {
-        _FIELDS[name]: torch.zeros((rows, width), dtype=torch.float32)
+        _FIELDS[name]: np.zeros((rows, width), dtype=np.float32)
         for name in spec.inputs
         if name in _FIELDS
     }
     for i, (datum, n) in enumerate(zip(data, lengths, strict=True)):
-        targets = torch.from_numpy(datum.inputs["target_tokens"].astype(np.int64))
-        input_ids[i, :n] = torch.from_numpy(datum.tokens)
+        targets = datum.inputs["target_tokens"].astype(np.int64)
+        input_ids[i, :n] = datum.tokens
         input_ids[i, n] = targets[-1]
         attention_mask[i, : n + 1] = 1
         labels[i, 1 : n + 1] = targets
         for name, field in _FIELDS.items():
             if field in fields:
-                fields[field][i, 1 : n + 1] = torch.from_numpy(
-                    datum.inputs[name].astype(np.float32)
-                )
+                fields[field][i, 1 : n + 1] = datum.inputs[name].astype(np.float32)
     batch = {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels, **fields}
     if "loss_weights" not in fields:
         batch["loss_mask"] = labels != IGNORE_INDEX
     return batch
 
 
-def per_datum(logprobs: torch.Tensor, data: list[Datum]) -> list[dict[str, np.ndarray]]:
-    """Each datum's target log-probs (``[N]``) from the engine's position-indexed ``[B, S]``."""
+def per_datum(logprobs, data: list[Datum]) -> list[dict[str, np.ndarray]]:
+    """Each datum's target log-probs (``[N]``) from the engine's position-indexed ``[B, S]``
+    (a torch tensor or numpy array)."""
+    if wire.is_torch_tensor(logprobs):
+        logprobs = wire.to_numpy(logprobs.detach().cpu())
     return [
-        {"logprobs": logprobs[i, 1 : d.tokens.size + 1].float().numpy()} for i, d in enumerate(data)
+        {"logprobs": np.asarray(logprobs[i, 1 : d.tokens.size + 1], dtype=np.float32)}
+        for i, d in enumerate(data)
     ]
 
 
