@@ -19,8 +19,9 @@ output predicts that row's first response token.
 
 A row's prompt is its real tokens before the response: before column ``P`` when the batch has
 verl's ``prompts`` ``[B, P]`` (the layout our client and verl send), else before the first set
-``response_mask`` (or ``loss_mask``) column. Rows share when their prompt tokens *and* the targets
-scored over the prompt are equal (targets are the tokens themselves for RL batches).
+``response_mask`` (or ``loss_mask``, or ECHO's ``sft_mask``) column. Rows share when their prompt
+tokens *and* the targets scored over the prompt are equal (targets are the tokens themselves for
+RL batches).
 
 ``prompt_sharing: auto`` uses the shared layout when it saves model work: when the planned shared
 microbatches process at most :data:`MAX_SHARED_COST` of the tokens today's padding-free path
@@ -81,6 +82,8 @@ def response_starts(tensors: dict[str, torch.Tensor], mask: torch.Tensor) -> tor
     for name in ("response_mask", "loss_mask"):
         if name in tensors:
             marked = tensors[name].bool()
+            if "sft_mask" in tensors:  # ECHO's targets are scored too: they are not prompt
+                marked = marked | tensors["sft_mask"].bool()
             cols = torch.arange(seq_len).expand(size, seq_len)
             return torch.where(marked, cols, seq_len).min(1).values
     return None

@@ -20,7 +20,7 @@ and each such row's attention is extended by that one token (causal attention ke
 log-prob unchanged). A mask selecting columns further into the padding is refused by the engine,
 naming ``batch.loss_mask``. Scalars (``dp_size``, ``batch_num_tokens``, ``global_batch_size``,
 ``temperature``, ...) become ``meta``. Context keys this server has no use for (async PPO
-``versions``, ECHO masks, ...) are refused rather than dropped, so a client never trains an
+``versions``, ...) are refused rather than dropped, so a client never trains an
 objective it did not ask for.
 
 The fields built here are numpy arrays (the engine takes numpy or torch per field); a tensor whose
@@ -44,6 +44,8 @@ SHIFTED_FIELDS = {
     "old_log_probs_shifted": "old_log_probs",
     "ref_log_probs_shifted": "ref_log_prob",
     "rollout_is_weights": "rollout_is_weights",
+    "sft_mask": "sft_mask",  # ECHO's masks (grpo_echo_v1)
+    "echo_observation_mask": "echo_observation_mask",
 }
 # Scalars the engine reads from meta.
 SCALAR_FIELDS = frozenset(

@@ -175,10 +175,6 @@ def test_context_wins_and_a_conflict_is_refused(http, service):
     ("change", "message"),
     [
         ({"processing": {"loss_fn": "grpo_typo"}}, "unknown loss 'grpo_typo'"),
-        (
-            {"processing": {"loss_fn": "grpo_echo_v1", "config": {"aux_ce_weight": 0.1}}},
-            "loss 'grpo_echo_v1' is not supported by this server",
-        ),
         ({"processing": {"post": ["compute_logprob"], "loss_fn": "grpo"}}, "compute_logprob"),
         ({"context_extra": {"versions": torch.zeros(4, WIDTH)}}, "context.versions"),
         (
@@ -255,3 +251,88 @@ def test_a_token_aligned_loss_mask_is_read_as_the_reference_reads_it(http, servi
     served = dict(trainer.model.named_parameters())
     for name, param in model.named_parameters():
         torch.testing.assert_close(served[name].grad, param.grad, atol=2e-5, rtol=1e-3)
+
+
+def test_grpo_echo_v1_adds_the_environment_prediction_term_and_keeps_its_schema(http, service):
+    """ECHO's term against a per-token computation: per row, the NLL of the target tokens O'
+    over the observation span's length |O|, summed and divided by the client's sequence count;
+    then the contract's refusals, each naming its field."""
+    job_id = create(http, job_request("training"))
+    trainer = service.resolve(job_id, owner=None, kind="training").engine
+    model = load_causal_lm(ModelConfig(name=TINY, device="cpu"))
+    model.load_state_dict(trainer.model.state_dict())
+    width, lengths = 12, [12, 10, 11]
+    g = torch.Generator().manual_seed(5)
+    ids = torch.zeros(len(lengths), width, dtype=torch.long)
+    attention = torch.zeros_like(ids)
+    policy, observation, target = (
+        torch.zeros(len(lengths), width, dtype=torch.bool) for _ in "pot"
+    )
+    for b, length in enumerate(lengths):  # prompt 0-2, policy 3-5, observation 6-8, policy 9-
+        ids[b, :length] = torch.randint(5, 90, (length,), generator=g)
+        attention[b, :length] = 1
+        policy[b, 3:6] = policy[b, 9:length] = True
+        observation[b, 6:9] = True
+        target[b, 7 + b % 2 : 9] = True  # O' inside O
+    advantages = torch.tensor([[0.9], [-0.4], [1.5]]) * policy
+
+    def shifted(t):  # position-indexed -> the context layout (column i scores token i + 1)
+        return torch.cat([t[:, 1:], torch.zeros_like(t[:, :1])], dim=1)
+
+    tokens, sequences, weight = int(policy.sum()), 4, 0.5
+    config = {"batch_num_tokens": tokens, "aux_ce_weight": weight}
+    config["echo_global_num_sequences"] = sequences
+    context = {
+        "input_ids": ids,
+        "advantages": shifted(advantages),
+        "loss_mask": shifted(policy),
+        "sft_mask": shifted(target),
+        "echo_observation_mask": shifted(observation),
+    }
+
+    def body(config, context=context):
+        processing = {"post": ["compute_logprobs"], "loss_fn": "grpo_echo_v1", "config": config}
+        kwargs = {"input_ids": ids, "attention_mask": attention}
+        return {"args": [], "kwargs": kwargs, "context": context, "processing": processing}
+
+    result = submit_frame(http, job_id, "forward-backward", body(config))
+
+    objective, nll, count = 0.0, 0.0, 0
+    for b, length in enumerate(lengths):
+        logits = model(input_ids=ids[b : b + 1, :length]).logits[0].float()
+        logp = torch.log_softmax(logits, -1)
+        env = 0.0
+        for t in range(1, length):
+            lp = logp[t - 1, ids[b, t]]
+            if policy[b, t]:  # no old log-probs: ratio 1
+                objective = objective - advantages[b, t] * torch.exp(lp - lp.detach()) / tokens
+            if target[b, t]:
+                env = env - lp
+                nll, count = nll - lp.item(), count + 1
+        objective = objective + weight * env / int(observation[b].sum()) / sequences
+    objective.backward()
+    served = dict(trainer.model.named_parameters())
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(served[name].grad, param.grad, atol=2e-5, rtol=1e-3)
+    metrics = result["metrics"]
+    assert metrics["echo_contract_version"] == 1.0 and metrics["echo_aux_ce_weight"] == weight
+    assert metrics["echo_environment_prediction_nll"] == pytest.approx(nll / count, rel=1e-5)
+
+    for bad, field in [
+        ({**config, "aux_ce_weigth": 0.1}, "processing.config.aux_ce_weigth"),
+        ({**config, "echo_global_num_sequences": None}, "echo_global_num_sequences"),
+        ({**config, "echo_global_num_sequences": 2}, "echo_global_num_sequences"),
+        ({**config, "echo_batch_denominator": "rows"}, "echo_batch_denominator"),
+    ]:
+        frame = wire.dumps(body(bad))
+        response = http.post(f"{CORTEX}/{job_id}/forward-backward", content=frame, headers=OCTET)
+        assert field in failure_of(http, job_id, response)
+    overlapping = {**context, "sft_mask": context["sft_mask"] | context["loss_mask"]}
+    frame = wire.dumps(body(config, overlapping))
+    response = http.post(f"{CORTEX}/{job_id}/forward-backward", content=frame, headers=OCTET)
+    assert "batch.sft_mask" in failure_of(http, job_id, response)
+    for bad in (body(config), body({"batch_num_tokens": tokens})):  # ECHO keys or masks on grpo
+        bad["processing"]["loss_fn"] = "grpo"
+        frame = wire.dumps(bad)
+        response = http.post(f"{CORTEX}/{job_id}/forward-backward", content=frame, headers=OCTET)
+        assert "grpo_echo_v1" in failure_of(http, job_id, response)

@@ -53,9 +53,6 @@ class PreparedLoss(Protocol):
 
 LossFactory = Callable[[Batch, Meta, Mapping[str, Any]], PreparedLoss]
 LOSSES: dict[str, LossFactory] = {}
-# Names of losses other servers offer and this one does not, with why: asking for one is refused
-# with that reason instead of "unknown", so a client learns the loss exists and is not served here.
-UNSUPPORTED_LOSSES: dict[str, str] = {}
 
 
 def register_loss(name: str) -> Callable[[LossFactory], LossFactory]:
@@ -74,11 +71,6 @@ def get_loss(name: str) -> LossFactory:
         return LOSSES[name]
     except KeyError:
         known = ", ".join(sorted(LOSSES))
-        if name in UNSUPPORTED_LOSSES:
-            raise EngineInputError(
-                "processing.loss_fn",
-                f"loss {name!r} is not supported by this server: {UNSUPPORTED_LOSSES[name]}",
-            ) from None
         raise EngineInputError(
             "processing.loss_fn", f"unknown loss {name!r}; known: {known}"
         ) from None

@@ -22,7 +22,8 @@ data-parallel width) wins over ``processing.config``, and a conflict between the
 own mean.
 
 Knobs of the reference's off-policy variants (SAPO, CISPO, M2PO, decoupled/proximal log-probs,
-sequence-level ratios) and of ECHO are refused by name rather than ignored. Metrics are token
+sequence-level ratios) are refused by name rather than ignored; so are ECHO's keys and masks,
+which only ``grpo_echo_v1`` reads (:mod:`.cortex_grpo_echo`). Metrics are token
 means over the loss mask: ``loss``, ``approx_kl``, ``importance_weight``, ``clip_ratio``,
 ``entropy`` (and ``kl_loss`` with KL).
 """
@@ -40,7 +41,6 @@ from arctic_platform.engine.batching import Batch
 from arctic_platform.engine.errors import EngineInputError
 from arctic_platform.engine.losses.aggregation import make_aggregation
 from arctic_platform.engine.losses.base import (
-    UNSUPPORTED_LOSSES,
     LossOutput,
     add_token_counts,
     clipped_surrogate,
@@ -70,6 +70,8 @@ UNSUPPORTED = {
     "is_weight_clip_max": None,
 }
 ECHO_KEYS = frozenset({"aux_ce_weight", "echo_global_num_sequences", "echo_batch_denominator"})
+# ECHO's per-token masks (batch fields): the target tokens O' and the observation span O.
+ECHO_MASKS = ("sft_mask", "echo_observation_mask")
 SCALE_KEYS = ("dp_size", "batch_num_tokens", "global_batch_size")
 KNOWN_KEYS = frozenset(
     {
@@ -107,7 +109,7 @@ def parse_grpo_config(config: Mapping[str, Any]) -> GrpoConfig:
     echo = sorted(ECHO_KEYS & set(config))
     if echo:
         raise EngineInputError(
-            f"{FIELD}.{echo[0]}", "the ECHO objective (grpo_echo_v1) is not supported here"
+            f"{FIELD}.{echo[0]}", "an ECHO key: request loss grpo_echo_v1 for the ECHO objective"
         )
     unknown = sorted(set(config) - KNOWN_KEYS)
     if unknown:
@@ -232,8 +234,12 @@ class CortexGrpoLoss:
         return LossOutput(loss=loss, metrics=metrics)
 
 
-register_loss("grpo")(CortexGrpoLoss)
-UNSUPPORTED_LOSSES["grpo_echo_v1"] = (
-    "the reference's ECHO variant of grpo (an environment-prediction cross-entropy on "
-    "sft_mask tokens) is not implemented; send 'grpo' without the ECHO keys"
-)
+def plain_grpo(batch: Batch, meta: Meta, config: Mapping[str, Any]) -> CortexGrpoLoss:
+    """``grpo``: the ECHO masks are read only by ``grpo_echo_v1``, so here they are refused."""
+    for name in ECHO_MASKS:
+        if batch.has(name):
+            raise EngineInputError(f"batch.{name}", "read only by loss grpo_echo_v1")
+    return CortexGrpoLoss(batch, meta, config)
+
+
+register_loss("grpo")(plain_grpo)
