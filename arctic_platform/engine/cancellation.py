@@ -6,6 +6,10 @@ The Service runs each op inside :func:`scope` with the op's :class:`CancelToken`
 generation, between microbatches of a forward pass), which raises :class:`OpCancelled` once the
 token is set. Code that runs outside any scope (a training loop using an engine directly) never
 stops early. The token travels in a context variable so that engine signatures need not change.
+
+Processes that must stop together (the ranks of a data-parallel job, which meet in collectives)
+run their loop under :func:`deferred`: the engine checks then raise nothing, and the loop asks
+the returned function at points where all ranks agree (one all-reduce) whether to stop.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 
 class OpCancelled(Exception):
@@ -56,8 +60,32 @@ def scope(*tokens: CancelToken) -> Iterator[None]:
         _current.reset(reset)
 
 
+def requested() -> str | None:
+    """Why the op running on this thread was cancelled, or None while it may go on."""
+    return _reason(_current.get())
+
+
 def check() -> None:
     """Raise :class:`OpCancelled` if the op running on this thread was cancelled."""
-    for token in _current.get():
+    reason = requested()
+    if reason is not None:
+        raise OpCancelled(reason)
+
+
+@contextlib.contextmanager
+def deferred() -> Iterator[Callable[[], str | None]]:
+    """Run the body with :func:`check` never raising; yields what :func:`requested` would say
+    outside, for a caller that decides together with other processes when to stop."""
+    tokens = _current.get()
+    reset = _current.set(())
+    try:
+        yield lambda: _reason(tokens)
+    finally:
+        _current.reset(reset)
+
+
+def _reason(tokens: tuple[CancelToken, ...]) -> str | None:
+    for token in tokens:
         if token.cancelled:
-            raise OpCancelled(token.reason)
+            return token.reason
+    return None

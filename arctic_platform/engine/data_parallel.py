@@ -17,6 +17,14 @@ N ranks equal one engine on the whole batch:
   valid and on the largest microbatch count; a rank with fewer microbatches (or no rows at all)
   runs zero-weight dummy calls to match. Gradients are only synchronised on the last call, so they
   accumulate locally first, and across ``forward_backward`` calls until ``step`` as on one engine.
+* **Stopping together.** A rank never stops alone where the others would wait for it in a
+  collective: a process group runs the microbatch loop under :func:`cancellation.deferred` and,
+  before each model call (:meth:`ParallelStrategy.stopping`), the ranks agree (one small
+  all-reduce) whether any was asked to stop; then all stop at that call and the trainer puts
+  their gradients back, which holds because gradients are only synchronised on the last call.
+  FSDP keeps unsynchronised gradients inside its own state and gathers on every forward, so its
+  ``forward_backward`` and ``forward`` agree only before their first call. A DDP ``forward`` has
+  no collective, so each rank stops on its own there.
 * **Validation first.** A shard that fails validation makes every rank reject the request before
   any state changes (the rejecting rank raises its :class:`EngineInputError`, the others
   :class:`PeerRejected`).
@@ -38,7 +46,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import inspect
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Literal
@@ -46,6 +54,7 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
+from arctic_platform.engine import cancellation
 from arctic_platform.engine import checkpoint as ckpt
 from arctic_platform.engine.config import ModelConfig, TrainingEngineConfig
 from arctic_platform.engine.errors import EngineInputError, PeerRejected
@@ -157,6 +166,12 @@ class ParallelStrategy:
         """The context a backward runs in: gradients are synchronised on the ``last`` call."""
         return contextlib.nullcontext()
 
+    def stopping(self, *, backward: bool) -> AbstractContextManager[Callable[[int], None]]:
+        """The context a request's model calls run in; it yields ``stop_point(i)``, called before
+        call ``i``, which raises :class:`~arctic_platform.engine.cancellation.OpCancelled` where
+        this rank stops. One process stops at the engine's own checks between microbatches."""
+        return contextlib.nullcontext(_never)
+
     def dummy_call(self, *, backward: bool) -> None:
         """A one-token model call whose loss weighs zero: a busier rank's collectives without a
         contribution (one process agrees on its own count and never needs it)."""
@@ -229,6 +244,33 @@ class _ProcessGroup(ParallelStrategy):
             raise PeerRejected("another data-parallel rank rejected its shard of this request")
         return max(int(flags[1]), 1)
 
+    # Whether every call of a request can stop (else only before the first); whether a no-grad
+    # forward has collectives. See module doc, "Stopping together".
+    stops_between_calls = True
+    gathers_on_forward = False
+
+    @contextlib.contextmanager
+    def stopping(self, *, backward: bool) -> Iterator[Callable[[int], None]]:
+        if not backward and not self.gathers_on_forward:
+            yield _never  # no collective: each rank stops at the engine's own checks
+            return
+        every_call = backward and self.stops_between_calls
+        with cancellation.deferred() as requested:
+            yield (
+                lambda call: self._agree_to_go_on(requested()) if every_call or call == 0 else None
+            )
+
+    def _agree_to_go_on(self, reason: str | None) -> None:
+        """All ranks: stop together (:class:`OpCancelled` everywhere) if any rank was asked to."""
+        flag = torch.tensor([int(reason is not None)], dtype=torch.int64)
+        if self.device.type == "cuda":
+            flag = flag.to(self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if int(flag[0]):
+            raise cancellation.OpCancelled(
+                reason or "another data-parallel rank of this op was stopped"
+            )
+
 
 class DdpStrategy(_ProcessGroup):
     """Replicas: ``DistributedDataParallel`` averages gradients on the last backward."""
@@ -295,6 +337,9 @@ class FsdpStrategy(_ProcessGroup):
     def gradient_sync(self, last: bool) -> AbstractContextManager:
         self.module.set_requires_gradient_sync(last)
         return contextlib.nullcontext()
+
+    stops_between_calls = False  # unsynchronised gradients live inside FSDP's own state
+    gathers_on_forward = True
 
     def pad_forward(self, calls: int) -> None:
         # Sharded parameters are gathered on every forward: match the busiest rank's count.
@@ -451,6 +496,10 @@ class FsdpStrategy(_ProcessGroup):
             scheduler.load_state_dict(scheduler_state)
             ckpt.restore_rng(rng)
         return Path(where), trainer_state
+
+
+def _never(call: int) -> None:
+    """A stop point that never stops (the engine's own checks decide)."""
 
 
 def _local_grads(params: Sequence[torch.nn.Parameter]) -> list[torch.Tensor]:

@@ -149,8 +149,10 @@ class TrainingEngine:
             if with_logprobs:
                 logprobs = torch.zeros(request.batch.input_ids.shape)
         batches = self._microbatches(request)
-        with self._gradients_unchanged_unless_finished():
+        stopping = self.parallel.stopping(backward=True)
+        with self._gradients_unchanged_unless_finished(), stopping as stop_point:
             for i in range(calls):
+                stop_point(i)  # ranks of a process group stop together (data_parallel.py)
                 with self.parallel.gradient_sync(last=i == calls - 1):
                     item = next(batches, None)  # the forward runs inside the sync context
                     if item is None:  # a busier rank has more microbatches
@@ -177,11 +179,13 @@ class TrainingEngine:
         """
         request, calls = self._prepare_agreed(batch, meta, processing, backward=False)
         self._wake_if_offloaded()
-        if request is None:
-            self.parallel.pad_forward(calls)
-            return None
-        out = forward_no_grad(self.model, request, self.device)
-        self.parallel.pad_forward(calls - len(request.plan))
+        with self.parallel.stopping(backward=False) as stop_point:
+            stop_point(0)
+            if request is None:
+                self.parallel.pad_forward(calls)
+                return None
+            out = forward_no_grad(self.model, request, self.device)
+            self.parallel.pad_forward(calls - len(request.plan))
         return out
 
     def step(self, learning_rate: float | None = None, *, adam: AdamSettings | None = None) -> dict:

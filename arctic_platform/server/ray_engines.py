@@ -20,6 +20,15 @@ Training over N worker actors (each a ``TrainingEngine`` with the rank's data-pa
   object store and the replica fetches them one at a time: bulk bytes go trainer -> replica
   without passing through the process that holds the Service.
 
+Stopping: an op the Service cancels (its job's or its request's token, see
+:mod:`arctic_platform.engine.cancellation`) is stopped in the actors: while the proxy waits for
+the replies of a stoppable op it polls the tokens of the op's scope and, once one is set, sends
+``stop_op`` to each of the op's actors (see :mod:`arctic_platform.server.ray_workers`). It still
+waits for every reply, so the actors are idle and consistent when the op ends with
+:class:`~arctic_platform.engine.cancellation.OpCancelled`; data-parallel ranks agree on stopping
+before each model call (:mod:`arctic_platform.server.data_parallel`). A job cancel also kills the
+job's actors; an op whose actors die that way ends as stopped too.
+
 Failures: replies are gathered as they arrive, and the first worker that died
 (``RayActorError``) or raised ends the op with :class:`WorkerFailure` naming the worker; the Service
 then marks the job failed and releases its engines, which kills the job's remaining actors and
@@ -30,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import uuid
 import warnings
 import weakref
 from collections.abc import Callable, Mapping
@@ -39,12 +49,21 @@ import numpy as np
 
 from arctic_platform.contract.job_config import API_JOB_TYPE
 from arctic_platform.contract.results import FORWARD_OUTPUTS, loss_fields
+from arctic_platform.engine import cancellation
 from arctic_platform.server.dp_split import merge_rows, split_by_tokens, take_rows
 from arctic_platform.server.ray_placement import JobShape, Placement
-from arctic_platform.server.ray_workers import InferenceWorker, Rejected, TrainingWorker
+from arctic_platform.server.ray_workers import (
+    CONCURRENCY_GROUPS,
+    InferenceWorker,
+    Rejected,
+    Stopped,
+    TrainingWorker,
+)
 from arctic_platform.tensor_tree import numpy_to_torch, to_object_store
 
 START_TIMEOUT_S = 600.0
+# How often a proxy waiting on a stoppable op looks at the op's cancel tokens.
+STOP_POLL_S = 0.1
 COLLECTIVE_TIMEOUT_S = 1800.0
 WEIGHT_CHUNK_BYTES = 64 * 1024 * 1024
 
@@ -61,20 +80,36 @@ class _Actors:
         self.role = role
         self.handles = actors
         self.names = names
+        self.killed = False
 
     def describe(self, rank: int) -> str:
         if len(self.handles) == 1:
             return f"{self.role} actor {self.names[rank]}"
         return f"{self.role} worker {rank} of {len(self.handles)} ({self.names[rank]})"
 
-    def gather(self, refs: Mapping[int, Any], what: str, timeout: float | None = None) -> dict:
-        """``{rank: reply}``; raises at the first failure or rejection (see module doc)."""
+    def gather(
+        self,
+        refs: Mapping[int, Any],
+        what: str,
+        timeout: float | None = None,
+        *,
+        op_id: str | None = None,
+    ) -> dict:
+        """``{rank: reply}``; raises at the first failure or rejection, and, for the stoppable op
+        ``op_id``, stops it when its tokens are cancelled (see module doc)."""
         import ray
 
         pending = {ref: rank for rank, ref in refs.items()}
         replies: dict[int, Any] = {}
+        watching = op_id is not None
         while pending:
-            ready, _ = ray.wait(list(pending), num_returns=1, timeout=timeout)
+            if watching and (reason := cancellation.requested()) is not None:
+                self._stop(op_id, reason, list(pending.values()))
+                watching = False
+            wait = STOP_POLL_S if watching else timeout
+            ready, _ = ray.wait(list(pending), num_returns=1, timeout=wait)
+            if not ready and watching:
+                continue
             if not ready:
                 waiting = ", ".join(self.describe(r) for r in sorted(pending.values()))
                 raise TimeoutError(
@@ -86,6 +121,9 @@ class _Actors:
                 try:
                     replies[rank] = ray.get(ref)
                 except ray.exceptions.RayActorError as exc:
+                    reason = cancellation.requested()
+                    if self.killed and reason is not None:  # a job cancel released the actors
+                        raise cancellation.OpCancelled(reason) from None
                     raise WorkerFailure(
                         f"{self.describe(rank)} died during {what}: {_first_line(exc)}"
                     ) from None
@@ -95,12 +133,22 @@ class _Actors:
                         f"{self.describe(rank)} failed during {what}: "
                         f"{type(cause).__name__}: {_first_line(cause)}"
                     ) from None
+        stopped = [r for r in replies.values() if isinstance(r, Stopped)]
+        if stopped:
+            raise cancellation.OpCancelled(cancellation.requested() or stopped[0].reason)
         _raise_rejection(replies.values())
         return replies
+
+    def _stop(self, op_id: str, reason: str, ranks: list[int]) -> None:
+        """Ask the actors of ``ranks`` to stop ``op_id`` (in their ``control`` group)."""
+        for rank in ranks:
+            stop = self.handles[rank].stop_op.options(concurrency_group="control")
+            stop.remote(op_id, reason)
 
     def kill(self) -> None:
         import ray
 
+        self.killed = True
         for actor in self.handles:
             with contextlib.suppress(Exception):  # already gone: nothing to release
                 ray.kill(actor, no_restart=True)
@@ -125,7 +173,7 @@ class RayTrainingEngine:
         self.strategy = strategy
         self.workers = workers
         self._on_close = on_close
-        remote = ray.remote(TrainingWorker)
+        remote = ray.remote(concurrency_groups=CONCURRENCY_GROUPS)(TrainingWorker)
         names = [_actor_name(sub_job_id, f"rank-{r}") for r in range(workers)]
         handles = [
             remote.options(name=names[r], **placement.options("training", r)).remote(r, workers)
@@ -254,12 +302,14 @@ class RayTrainingEngine:
         """Each worker runs ``method`` on its shard of ``batch``: ``(rows per worker, replies)``."""
         parts, shards = self._split(batch, request)
         meta_out = self._worker_meta(request, meta)
+        op_id = uuid.uuid4().hex
         replies = self.actors.gather(
             {
-                r: getattr(h, method).remote(shards[r], meta_out, processing)
+                r: getattr(h, method).remote(shards[r], meta_out, processing, op_id)
                 for r, h in enumerate(self.actors.handles)
             },
             method.replace("_", "-"),
+            op_id=op_id,
         )
         return parts, replies
 
@@ -325,7 +375,7 @@ class RayInferenceEngine:
         self._on_close = on_close
         name = _actor_name(sub_job_id, "replica")
         handle = (
-            ray.remote(InferenceWorker)
+            ray.remote(concurrency_groups=CONCURRENCY_GROUPS)(InferenceWorker)
             .options(name=name, **placement.options(kind, index))
             .remote(kind)
         )
@@ -365,7 +415,10 @@ class RayInferenceEngine:
 
     def _call(self, method: str, *args: Any) -> Any:
         handle = self.actors.handles[0]
-        reply = self.actors.gather({0: handle.call.remote(method, *args)}, method)[0]
+        op_id = uuid.uuid4().hex
+        reply = self.actors.gather(
+            {0: handle.call.remote(method, *args, op_id=op_id)}, method, op_id=op_id
+        )[0]
         return numpy_to_torch(reply, copy_read_only=True)
 
 

@@ -12,19 +12,34 @@ The classes are plain; :mod:`arctic_platform.server.ray_engines` turns them into
   the job (and a dead actor surfaces as ``RayActorError``).
 * Construction does nothing heavy; ``start`` builds the engine, so a failure to build is an
   ordinary error reply rather than an actor that died in its constructor.
+* **Stopping an op in flight.** An op that can stop (training ``forward_backward``/``forward``,
+  a replica's ``call``) gets an ``op_id`` from the proxy and runs inside
+  :func:`arctic_platform.engine.cancellation.scope` with that op's token (without an id it runs
+  to its end); the proxy stops it with ``stop_op(op_id, reason)``, which the actor runs in its
+  ``control`` concurrency group (its own thread) while the op's thread keeps the default group.
+  The op answers :class:`Stopped`.
+  ``ray.cancel`` is not used: it would also drop a data-parallel rank's op that had not started
+  yet (leaving the other ranks waiting in a collective) and replaces the reply of an op that
+  finished anyway with ``TaskCancelledError``, hiding a gradient that was added.
 """
 
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
 import numpy as np
 
+from arctic_platform.engine import cancellation
+from arctic_platform.engine.cancellation import CancelToken
 from arctic_platform.engine.errors import EngineInputError, PeerRejected, SamplerStateError
 from arctic_platform.tensor_tree import to_object_store
+
+# The actors' concurrency groups: ops run one at a time in the default group, ``stop_op`` in this.
+CONCURRENCY_GROUPS = {"control": 1}
 
 
 @dataclass(frozen=True)
@@ -38,23 +53,77 @@ class Rejected:
     message: str
 
 
-def _replying(fn: Callable[[], Any]) -> Any:
-    """``fn()`` with results as numpy and refusals as :class:`Rejected` (see module doc)."""
+@dataclass(frozen=True)
+class Stopped:
+    """An op stopped part-way at the proxy's request (see module doc), leaving no state change."""
+
+    reason: str
+
+
+class OpStops:
+    """The stop tokens of one actor's ops, by op id. A stop may arrive before its op starts (the
+    op then stops at its first check) or after it ended (the token is dropped with the oldest)."""
+
+    KEEP = 64
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._tokens: dict[str, CancelToken] = {}
+
+    def token(self, op_id: str) -> CancelToken:
+        with self._lock:
+            token = self._tokens.get(op_id)
+            if token is None:
+                token = self._tokens[op_id] = CancelToken()
+                while len(self._tokens) > self.KEEP:
+                    del self._tokens[next(iter(self._tokens))]
+            return token
+
+    def stop(self, op_id: str, reason: str) -> None:
+        self.token(op_id).cancel(reason)
+
+    def done(self, op_id: str) -> None:
+        with self._lock:
+            self._tokens.pop(op_id, None)
+
+
+def _replying(fn: Callable[[], Any], stops: OpStops | None = None, op_id: str | None = None) -> Any:
+    """``fn()`` with results as numpy, refusals as :class:`Rejected` and, when ``op_id`` names a
+    stoppable op, a stop as :class:`Stopped` (see module doc)."""
+    tokens = () if op_id is None or stops is None else (stops.token(op_id),)
     try:
-        return to_object_store(fn())
+        with cancellation.scope(*tokens):
+            return to_object_store(fn())
+    except cancellation.OpCancelled as exc:
+        return Stopped(exc.reason)
     except EngineInputError as exc:
         return Rejected("input", exc.field, exc.message)
     except SamplerStateError as exc:
         return Rejected("state", "", str(exc))
     except PeerRejected as exc:
         return Rejected("peer", "", str(exc))
+    finally:
+        if op_id is not None and stops is not None:
+            stops.done(op_id)
 
 
-class TrainingWorker:
+class _StoppableWorker:
+    """What both actor classes share: the stop tokens of their ops and the ``stop_op`` call."""
+
+    def __init__(self) -> None:
+        self.stops = OpStops()
+
+    def stop_op(self, op_id: str, reason: str) -> None:
+        """Stop the op ``op_id`` at its next check (called in the ``control`` group)."""
+        self.stops.stop(op_id, reason)
+
+
+class TrainingWorker(_StoppableWorker):
     """One rank of a data-parallel training job: a ``TrainingEngine`` composed with the rank's
     :mod:`~arctic_platform.engine.data_parallel` strategy."""
 
     def __init__(self, rank: int, world_size: int) -> None:
+        super().__init__()
         self.rank = rank
         self.world_size = world_size
         self.engine = None
@@ -94,11 +163,21 @@ class TrainingWorker:
 
         return _replying(build)
 
-    def forward_backward(self, batch: Mapping | None, meta: Mapping, processing: Mapping) -> Any:
-        return _replying(lambda: self.engine.forward_backward(_writable(batch), meta, processing))
+    def forward_backward(
+        self, batch: Mapping | None, meta: Mapping, processing: Mapping, op_id: str | None = None
+    ) -> Any:
+        return _replying(
+            lambda: self.engine.forward_backward(_writable(batch), meta, processing),
+            self.stops,
+            op_id,
+        )
 
-    def forward(self, batch: Mapping | None, meta: Mapping, processing: Mapping) -> Any:
-        return _replying(lambda: self.engine.forward(_writable(batch), meta, processing))
+    def forward(
+        self, batch: Mapping | None, meta: Mapping, processing: Mapping, op_id: str | None = None
+    ) -> Any:
+        return _replying(
+            lambda: self.engine.forward(_writable(batch), meta, processing), self.stops, op_id
+        )
 
     def step(self, learning_rate: float | None) -> Any:
         return _replying(lambda: self.engine.step(learning_rate))
@@ -141,7 +220,7 @@ class TrainingWorker:
         self.store = None
 
 
-class InferenceWorker:
+class InferenceWorker(_StoppableWorker):
     """A sampling replica (a ``SamplingEngine``) or a log-prob replica (a ``LogProbEngine``)."""
 
     METHODS: ClassVar[dict[str, frozenset[str]]] = {
@@ -150,6 +229,7 @@ class InferenceWorker:
     }
 
     def __init__(self, kind: Literal["sampling", "log_prob"]) -> None:
+        super().__init__()
         self.kind = kind
         self.engine = None
 
@@ -167,12 +247,12 @@ class InferenceWorker:
 
         return _replying(build)
 
-    def call(self, method: str, *args: Any) -> Any:
+    def call(self, method: str, *args: Any, op_id: str | None = None) -> Any:
         """``engine.<method>(*args)`` for the methods the ops use on this kind of engine."""
         if method not in self.METHODS[self.kind]:
             raise AttributeError(f"a {self.kind} replica has no method {method!r}")
         target = getattr(self.engine, method)
-        return _replying(lambda: target(*(_writable(a) for a in args)))
+        return _replying(lambda: target(*(_writable(a) for a in args)), self.stops, op_id)
 
     def load_weight_chunks(self, refs: list) -> Any:
         """Load a weight stream whose chunks sit in the object store, fetching one at a time."""

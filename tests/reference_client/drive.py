@@ -6,6 +6,7 @@ published 0.1.4. It prints one JSON line: what each op answered, reduced to plai
 """
 
 import json
+import os
 import sys
 
 import torch
@@ -21,6 +22,7 @@ from arctic_platform.client import (
 KIND, HOST, PORT = sys.argv[1], sys.argv[2], int(sys.argv[3])
 PROMPTS = [[40, 41, 42], [50, 51, 52, 53]]  # token ids of the built-in character tokenizer
 LR = 1e-3
+CHECKPOINTS = "reference-checkpoints"  # under the working directory the test gives
 
 
 def config() -> ArcticClientConfig:
@@ -37,10 +39,12 @@ def config() -> ArcticClientConfig:
         log_prob_gpus=1,
         backend=backend,
         training=TrainingConfig(
+            # on-prem: the root where save_checkpoint() goes (the Cortex API has no such field)
+            checkpoint_path=os.path.abspath(CHECKPOINTS) if KIND == "onprem" else None,
             ds_config={
                 "optimizer": {"type": "AdamW", "params": {"lr": LR}},
                 "gradient_clipping": 1.0,
-            }
+            },
         ),
         job_ready_timeout=600,
     )

@@ -80,6 +80,8 @@ def test_reference_onprem_transport_runs_every_op(reference, server, tmp_path):
     assert width[0] == 4 and answers["fwd_no_grad_ref"]["batch"]["logprobs"]["shape"] == width
     assert {"actor/pg_loss", "actor/ppo_kl", "loss"} <= set(answers["fwd_bwd"]["keys"])
     assert answers["load"]["global_step"] == 1
+    # checkpoint_path sent at /initialize is where a save without path goes
+    assert Path(answers["save"]["path"]).is_relative_to(tmp_path / "reference-checkpoints")
     assert len(answers["log_probs"]["results"][0]["logprobs"]) == 1
     for op in ("sleep_inference", "wake_inference", "reset_prefix_cache"):
         assert answers[op] == ["job_id", "sampling"], op

@@ -260,3 +260,21 @@ def test_an_operator_writable_prefix_takes_absolute_saves_and_nothing_beyond(tmp
         assert not (tmp_path / "elsewhere").exists()
     finally:
         service.close()
+
+
+def test_a_sub_jobs_own_checkpoint_root_is_confined_like_every_path(service, tmp_path):
+    """``training_config.checkpoint_dir`` (the on-prem reference's ``checkpoint_path``) is checked
+    at creation, before any job exists, and recorded resolved inside the owner's space."""
+    for outside in (str(tmp_path / "elsewhere"), "../bob/runs"):
+        spec = sub_job("training", training_config={"checkpoint_dir": outside})
+        refused(
+            lambda s=spec: service.create_job({"sub_job_configs": [s]}, owner=ALICE),
+            "sub_job_configs.0.training_config.checkpoint_dir",
+        )
+    assert service.list_jobs(owner=ALICE) == []
+    spec = sub_job("training", training_config={"checkpoint_dir": "runs"})
+    info = service.create_job({"sub_job_configs": [spec]}, owner=ALICE)
+    recorded = service.job_request(info["job_id"], owner=ALICE)["sub_job_configs"][0]
+    expected = service.paths.tenant_root(ALICE) / "runs"
+    assert recorded["training_config"]["checkpoint_dir"] == str(expected.resolve())
+    service.cancel_job(info["job_id"], owner=ALICE)

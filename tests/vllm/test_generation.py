@@ -9,9 +9,13 @@ with our errors before vLLM sees them.
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
+from arctic_platform.engine import cancellation
+from arctic_platform.engine.cancellation import CancelToken
 from arctic_platform.engine.config import ModelConfig, SamplingEngineConfig
 from arctic_platform.engine.errors import EngineInputError
 from arctic_platform.engine.logprob_engine import LogProbEngine
@@ -140,3 +144,29 @@ def test_sleep_wake_and_prefix_cache_on_cpu(engine):
         engine.sleep(3)
     assert engine.reset_prefix_cache() == {"reset": True}
     assert engine.generate(PROMPTS[:1], GREEDY)[0]["token_ids"]
+
+
+def test_a_cancelled_generate_is_aborted_in_the_vllm_process(engine):
+    """A cancel token set while a long generation runs stops it (vLLM aborts its requests), and
+    the engine then answers the next request as before."""
+    before = engine.generate(PROMPTS[:2], GREEDY)
+    token = CancelToken()
+    endless = {"n": 256, "max_tokens": 400, "ignore_eos": True, "temperature": 1.0}
+    outcome: list = []
+
+    def run() -> None:
+        with cancellation.scope(token):
+            try:
+                outcome.append(engine.generate(PROMPTS[:1], endless))
+            except cancellation.OpCancelled as exc:
+                outcome.append(exc)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    token.cancel("request r1 was cancelled")
+    thread.join(timeout=120)
+    assert not thread.is_alive()
+    (stopped,) = outcome
+    assert isinstance(stopped, cancellation.OpCancelled), "the generation ran to its end"
+    assert stopped.reason == "request r1 was cancelled"
+    assert engine.generate(PROMPTS[:2], GREEDY) == before

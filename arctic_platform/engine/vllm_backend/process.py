@@ -4,6 +4,11 @@ The channel is a Unix socket pair: the child gets one end as an inherited file d
 every message either way is one JSON object on one line. Calls are strictly one at a time (a
 sampling sub-job runs its ops in order), so a reply always belongs to the last request.
 
+Stopping: each request carries a sequence number. While it waits for a reply the parent looks at
+the cancel tokens of the op it runs (:mod:`arctic_platform.engine.cancellation`); once one is set
+it sends a ``stop`` line for that request (which gets no reply), and a ``{"stopped": reason}``
+reply raises :class:`~arctic_platform.engine.cancellation.OpCancelled`.
+
 Supervision: while waiting for a reply the parent also watches the process, so a worker that dies
 (killed, out of memory, crashed in native code) raises :class:`VllmWorkerDied` with its exit
 status and the tail of its log instead of hanging the job. The worker runs in its own session and
@@ -24,8 +29,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from arctic_platform.engine import cancellation
+
 WORKER_SCRIPT = Path(__file__).with_name("worker.py")
-_POLL_S = 0.5
+_POLL_S = 0.1  # how often a wait for a reply checks the process and the op's cancel tokens
 _LOG_TAIL_BYTES = 4000
 
 
@@ -61,6 +68,7 @@ class WorkerProcess:
         theirs.close()
         self._sock = ours
         self._buffer = bytearray()
+        self._seq = 0
 
     @property
     def pid(self) -> int:
@@ -72,11 +80,14 @@ class WorkerProcess:
     def call(self, op: str, timeout: float | None = None, **args: Any) -> Any:
         """Send ``op`` with ``args`` and wait for its result (``timeout`` seconds, or forever
         while the process lives)."""
+        self._seq += 1
         try:
-            self._sock.sendall(json.dumps({"op": op, "args": args}).encode() + b"\n")
+            self._send({"op": op, "args": args, "seq": self._seq})
         except OSError:
             raise self._died(op) from None
         reply = json.loads(self._read_line(op, timeout))
+        if "stopped" in reply:
+            raise cancellation.OpCancelled(reply["stopped"])
         if "error" in reply:
             error = reply["error"]
             raise VllmWorkerError(op, error["type"], error["message"])
@@ -90,11 +101,20 @@ class WorkerProcess:
         self._kill_group()
         self._sock.close()
 
+    def _send(self, message: dict) -> None:
+        self._sock.sendall(json.dumps(message).encode() + b"\n")
+
     def _read_line(self, op: str, timeout: float | None) -> bytes:
         deadline = None if timeout is None else time.monotonic() + timeout
+        stop_sent = False
         while b"\n" not in self._buffer:
             if deadline is not None and time.monotonic() > deadline:
                 raise TimeoutError(f"vLLM worker: no reply to {op} within {timeout:.0f} s")
+            reason = None if stop_sent else cancellation.requested()
+            if reason is not None:
+                with contextlib.suppress(OSError):  # a dead worker is reported below
+                    self._send({"op": "stop", "seq": self._seq, "reason": reason})
+                stop_sent = True
             ready, _, _ = select.select([self._sock], [], [], _POLL_S)
             if not ready:
                 if not self.alive():

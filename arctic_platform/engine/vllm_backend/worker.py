@@ -2,10 +2,16 @@
 
 It imports only the standard library and vLLM (the interpreter is a separate environment that
 does not have our package), reads one JSON request per line from the socket ``FD`` and writes one
-JSON reply per line: ``{"result": ...}`` or ``{"error": {"type", "message"}}``. Prompts arrive as
-token ids that the sampling job already validated; results go back in the shape of our sampler's
-outputs (see ``arctic_platform.engine.sampler``), so the job returns the same dictionaries
-whichever engine produced them.
+JSON reply per line: ``{"result": ...}``, ``{"error": {"type", "message"}}`` or, for a generation
+stopped part-way, ``{"stopped": reason}``. Each request carries a sequence number ``seq``; the
+line ``{"op": "stop", "seq": N, "reason": ...}`` (no reply) asks request ``N`` to stop. A reader
+thread takes lines off the socket, so a stop arrives while the op runs; ``generate`` drives the
+engine a step at a time (``LLMEngine.add_request``/``step``) and, once asked, aborts its requests
+with ``LLMEngine.abort_request`` between steps, leaving the engine idle for the next op.
+
+Prompts arrive as token ids that the sampling job already validated; results go back in the shape
+of our sampler's outputs (see ``arctic_platform.engine.sampler``), so the job returns the same
+dictionaries whichever engine produced them.
 
 Weight updates read the safetensors files of a model directory the job wrote (see
 ``staging.py``): ``restart`` builds a new ``LLM`` on that directory, ``reload`` loads the files into
@@ -18,9 +24,15 @@ from __future__ import annotations
 import dataclasses
 import gc
 import json
+import queue
 import socket
 import sys
+import threading
 import traceback
+
+
+class Stopped(Exception):
+    """The running request was asked to stop (its reason is the message)."""
 
 
 class Worker:
@@ -30,6 +42,18 @@ class Worker:
         self.llm = None
         self.model = None
         self.engine_args: dict = {}
+        self.current = -1  # seq of the request being run
+        self.stop_seq = -1  # seq of the last request asked to stop, and why
+        self.stop_reason = ""
+
+    def stop(self, seq: int, reason: str) -> None:
+        """Called by the reader thread: request ``seq`` stops at its next decode step."""
+        self.stop_reason = reason
+        self.stop_seq = seq
+
+    def _check_stop(self) -> None:
+        if self.stop_seq == self.current:
+            raise Stopped(self.stop_reason)
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -86,12 +110,32 @@ class Worker:
     # -- ops -------------------------------------------------------------------------------
 
     def generate(self, requests: list[dict]) -> list[list[dict]]:
-        """One list of sample outputs per request (``prompt_token_ids``, ``params``)."""
-        from vllm import SamplingParams
+        """One list of sample outputs per request (``prompt_token_ids``, ``params``).
 
-        prompts = [{"prompt_token_ids": r["prompt_token_ids"]} for r in requests]
-        params = [SamplingParams(**r["params"]) for r in requests]
-        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        What ``LLM.generate`` does, a step at a time so that a stop can abort the requests
+        between decode steps (see module doc)."""
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        engine = self.llm.llm_engine
+        ids: list[str] = []
+        finished: dict = {}
+        try:
+            for index, request in enumerate(requests):
+                params = SamplingParams(**request["params"])
+                params.output_kind = RequestOutputKind.FINAL_ONLY  # as LLM.generate asks
+                ids.append(f"{self.current}-{index}")
+                prompt = {"prompt_token_ids": request["prompt_token_ids"]}
+                engine.add_request(ids[-1], prompt, params)
+            while engine.has_unfinished_requests():
+                self._check_stop()
+                for output in engine.step():
+                    if output.finished:
+                        finished[output.request_id] = output
+        except BaseException:
+            engine.abort_request([i for i in ids if i not in finished], internal=False)
+            raise
+        outputs = [finished[i] for i in ids]
         return [
             [_sample(c, r["params"].get("logprobs")) for c in sorted(o.outputs, key=_index)]
             for o, r in zip(outputs, requests, strict=True)
@@ -169,11 +213,26 @@ def serve(fd: int) -> None:
     sock = socket.socket(fileno=fd)
     reader, writer = sock.makefile("rb"), sock.makefile("wb")
     worker = Worker()
-    for line in reader:
-        request = json.loads(line)
+    requests: queue.Queue = queue.Queue()
+
+    def read() -> None:
+        """Queue requests in order; apply stops at once (they get no reply)."""
+        for line in reader:
+            request = json.loads(line)
+            if request["op"] == "stop":
+                worker.stop(request["seq"], request.get("reason", "stopped"))
+            else:
+                requests.put(request)
+        requests.put(None)  # the job closed the socket
+
+    threading.Thread(target=read, name="requests", daemon=True).start()
+    while (request := requests.get()) is not None:
         op = request["op"]
+        worker.current = request.get("seq", -1)
         try:
             reply = {"result": getattr(worker, op)(**request.get("args", {}))}
+        except Stopped as exc:
+            reply = {"stopped": str(exc)}
         except Exception as exc:
             traceback.print_exc()
             reply = {"error": {"type": type(exc).__name__, "message": str(exc)}}

@@ -1,0 +1,115 @@
+"""Cancelling an op that runs in Ray actors stops it there, and the job goes on.
+
+One job on the Ray backend: a training sub-job over 2 data-parallel workers (DDP) and a sampling
+replica. A request's own token (what a Cortex ``cancel-request`` sets) stops a running generate
+in its replica and a running ``forward-backward`` on both ranks; the next ops then run on the
+same actors (no rank is left waiting in a collective), and the step after the stopped
+``forward-backward`` has the gradient of the earlier batch only: its grad norm equals the one an
+in-process engine computes for that batch alone. Cancelling the job stops its running generate
+with the same 409.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from arctic_platform.engine.cancellation import CancelToken
+from arctic_platform.layout import training_batch
+from arctic_platform.server.service import Service, ServiceSettings
+from tests.server.conftest import sub_job
+from tests.server.test_fair_sharing import ENDLESS, ended_by, endless_generate, started
+
+pytest.importorskip("ray")
+pytestmark = pytest.mark.slow
+
+# Small microbatches: the long batch below runs hundreds of model calls per rank.
+TRAINING = {"optimizer": {"name": "AdamW", "lr": 1e-3}, "max_tokens_per_microbatch": 64}
+
+
+def batch(rows: int, seed: int) -> dict:
+    rng = np.random.default_rng(seed)
+    prompts = [list(rng.integers(3, 100, 24)) for _ in range(rows)]  # distinct: no sharing
+    responses = [list(rng.integers(3, 100, 24)) for _ in range(rows)]
+    advantages = rng.standard_normal(rows).tolist()
+    out = training_batch(prompts, responses, pad_token_id=0, advantages=advantages)
+    out["old_log_probs"] = np.full(out["input_ids"].shape, -4.0, np.float32)
+    return {"batch": out, "processing": {"loss_fn": "verl_grpo"}}
+
+
+SMALL = batch(4, 0)
+LONG = batch(512, 1)
+
+
+def start(service: Service, *subs: dict) -> str:
+    job_id = service.create_job({"sub_job_configs": list(subs)})["job_id"]
+    service.wait_until_running(job_id, timeout=300)
+    return job_id
+
+
+@pytest.fixture(scope="module")
+def service(ray_cluster, tmp_path_factory):
+    svc = Service(
+        ServiceSettings(
+            data_dir=tmp_path_factory.mktemp("cancel"), device="cpu", engine_backend="ray"
+        )
+    )
+    yield svc
+    svc.close()
+
+
+@pytest.fixture(scope="module")
+def job_id(service):
+    return start(
+        service,
+        sub_job("training", training_config={**TRAINING, "n_gpus": 2}),
+        sub_job("sampling"),
+    )
+
+
+def test_a_cancelled_request_stops_a_running_generate_in_its_replica(service, job_id):
+    sub = service.resolve(job_id, owner=None, kind="sampling")
+    stop = CancelToken()
+    body = {"prompts": ["1+2="], "sampling_params": ENDLESS}
+    future = service.submit(sub, "generate", body, stop=stop)
+    started(service, future, job_id)
+    stop.cancel("request r1 was cancelled")
+    assert "request r1 was cancelled" in ended_by(future, "op_cancelled")
+    short = {"prompts": ["1+2="], "sampling_params": {"max_tokens": 3, "ignore_eos": True}}
+    (again,) = service.submit(sub, "generate", short).result(timeout=120)["results"]
+    assert len(again["token_ids"]) == 3
+    assert service.get_job(job_id)["status"] == "running"
+
+
+def test_a_stopped_fwd_bwd_adds_no_gradient_on_any_rank(service, job_id, tmp_path):
+    sub = service.resolve(job_id, owner=None, kind="training")
+    service.submit(sub, "forward-backward", SMALL).result(timeout=120)
+    stop = CancelToken()
+    future = service.submit(sub, "forward-backward", LONG, stop=stop)
+    started(service, future, job_id)
+    stop.cancel("request r2 was cancelled")
+    assert "request r2 was cancelled" in ended_by(future, "op_cancelled")
+    stepped = service.submit(sub, "step", {}).result(timeout=120)
+
+    reference = Service(ServiceSettings(data_dir=tmp_path, device="cpu"))
+    try:
+        local = reference.resolve(
+            start(reference, sub_job("training", training_config=TRAINING)),
+            owner=None,
+            kind="training",
+        )
+        reference.call(local, "forward-backward", SMALL)
+        expected = reference.call(local, "step", {})
+    finally:
+        reference.close()
+    assert stepped["grad_norm"] == pytest.approx(expected["grad_norm"], rel=1e-5)
+    # Both ranks are free and in step: the next request runs to its end on each.
+    answer = service.submit(sub, "forward-backward", SMALL).result(timeout=120)
+    assert np.isfinite(answer["loss"])
+
+
+def test_cancelling_the_job_stops_its_running_generate(service, job_id):
+    future = endless_generate(service, job_id, None)
+    service.cancel_job(job_id)
+    assert "cancelled" in ended_by(future, "op_cancelled")
+    assert service.get_job(job_id)["status"] == "cancelled"
