@@ -91,10 +91,7 @@ def parse_meta(meta: Mapping | None) -> Meta:
             "other per-token fields",
         )
 
-    def get(name: str, convert, default, **kw):
-        value = meta.get(name)
-        return default if value is None else convert(f"meta.{name}", value, **kw)
-
+    get = option_reader(meta, "meta")
     temperature = get("temperature", to_float, 1.0)
     if not temperature > 0:
         raise EngineInputError("meta.temperature", f"must be > 0, got {temperature}")
@@ -157,6 +154,18 @@ def _scalar(field_name: str, value):
     if isinstance(value, np.generic):
         return value.item()
     return value
+
+
+def option_reader(options: Mapping, prefix: str):
+    """``get(name, convert, default, **kw)`` over ``options``: a missing or None value gives
+    ``default`` (frameworks send None for "their default"), anything else goes through
+    ``convert``, whose errors name ``<prefix>.<name>``."""
+
+    def get(name: str, convert, default, **kw):
+        value = options.get(name)
+        return default if value is None else convert(f"{prefix}.{name}", value, **kw)
+
+    return get
 
 
 def to_float(field_name: str, value, *, minimum: float | None = None) -> float:

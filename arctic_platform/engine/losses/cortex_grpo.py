@@ -51,7 +51,7 @@ from arctic_platform.engine.losses.base import (
     token_mask,
 )
 from arctic_platform.engine.losses.kl import check_kl_type, kl_penalty
-from arctic_platform.engine.meta import Meta, to_bool, to_float, to_int, to_str
+from arctic_platform.engine.meta import Meta, option_reader, to_bool, to_float, to_int, to_str
 
 FIELD = "processing.config"
 # The contract's knobs that select variants this server does not implement, with the value that
@@ -123,9 +123,7 @@ def parse_grpo_config(config: Mapping[str, Any]) -> GrpoConfig:
                 f"{FIELD}.{name}", f"not supported by this server (only {off!r})"
             )
 
-    def get(name: str, convert, default):
-        value = config.get(name)
-        return default if value is None else convert(f"{FIELD}.{name}", value)
+    get = option_reader(config, FIELD)
 
     eps = get("eps_clip", to_float, 0.2)
     parsed = GrpoConfig(

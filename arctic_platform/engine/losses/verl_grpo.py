@@ -44,7 +44,7 @@ from arctic_platform.engine.losses.base import (
     token_mask,
 )
 from arctic_platform.engine.losses.kl import check_kl_type, kl_penalty
-from arctic_platform.engine.meta import Meta, to_bool, to_float, to_str
+from arctic_platform.engine.meta import Meta, option_reader, to_bool, to_float, to_str
 
 
 @dataclass(frozen=True)
@@ -75,9 +75,7 @@ def parse_actor_config(
     """
     field = "meta.actor_config"
 
-    def get(name: str, convert, default):
-        value = actor_config.get(name)
-        return default if value is None else convert(f"{field}.{name}", value)
+    get = option_reader(actor_config, field)
 
     clip = get("clip_ratio", to_float, 0.2)
     parsed = ActorLossConfig(
