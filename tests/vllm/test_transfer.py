@@ -24,6 +24,7 @@ from arctic_platform.engine.vllm_backend.transfer import (
     ipc_update_info,
     resolve_weight_sync,
     transfer_engine_args,
+    vllm_gpu,
 )
 from tests.vllm.conftest import needs_vllm, vllm_config
 
@@ -38,6 +39,9 @@ def test_auto_picks_restart_on_cpu_and_ipc_on_cuda():
     assert resolve_weight_sync("nccl", CUDA) == "nccl"
     assert transfer_engine_args("ipc") == {"weight_transfer_config": {"backend": "ipc"}}
     assert transfer_engine_args("restart") == {}
+    # vLLM runs on the first visible GPU when the job names none: that is the one to send to.
+    assert vllm_gpu(torch.device("cuda")) == CUDA
+    assert vllm_gpu(torch.device("cuda", 1)) == torch.device("cuda", 1)
 
 
 @pytest.mark.parametrize("path", ["ipc", "nccl"])

@@ -223,7 +223,7 @@ class VllmSamplingEngine:
         """A complete sync through vLLM's weight-transfer engine (untested on GPU, see
         :mod:`.transfer`): validated copies in the served dtypes, on the vLLM GPU for ``ipc``
         and where the trainer's tensors are for ``nccl``."""
-        device = self.device if self.weight_sync == "ipc" else None
+        device = self._transfer.device if self.weight_sync == "ipc" else None
         tensors, report = self._staging.validate(named_tensors, device)
         if not report["complete"]:
             raise WeightLoadError(

@@ -63,6 +63,12 @@ def resolve_weight_sync(requested: str, device: torch.device) -> str:
     return requested
 
 
+def vllm_gpu(device: torch.device) -> torch.device:
+    """The GPU vLLM runs on, as this process numbers it: the job's, or the first visible one
+    when the job names none (the worker then sees every GPU and vLLM takes the first)."""
+    return device if device.index is not None else torch.device(device.type, 0)
+
+
 def transfer_engine_args(method: str) -> dict:
     """The vLLM engine arguments ``method`` needs (vLLM builds its receiver at startup)."""
     if method in TRANSFER_PATHS:
@@ -98,8 +104,8 @@ class IpcTransfer:
 
     def __init__(self, process: WorkerProcess, device: torch.device) -> None:
         self._process = process
-        self.device = device
-        self._gpu_uuid = str(torch.cuda.get_device_properties(device).uuid)
+        self.device = vllm_gpu(device)
+        self._gpu_uuid = str(torch.cuda.get_device_properties(self.device).uuid)
         process.call("init_transfer", init_info={"packed": False})
 
     def send(self, tensors: Mapping[str, torch.Tensor]) -> None:
@@ -118,7 +124,7 @@ class NcclTransfer:
 
     def __init__(self, process: WorkerProcess, vllm_device: torch.device, workers: int) -> None:
         self._process = process
-        self._vllm_device = vllm_device
+        self._vllm_device = vllm_gpu(vllm_device)
         self._world_size = 1 + workers  # this process is rank 0, vLLM's workers follow
         self._comm = None
         self._device: torch.device | None = None
@@ -132,7 +138,8 @@ class NcclTransfer:
             raise EngineInputError(
                 "weights", f"the NCCL group was formed on {self._device}; these are on {device}"
             )
-        with ThreadPoolExecutor(max_workers=1) as pool:
+        pool = ThreadPoolExecutor(max_workers=1)
+        try:
             receiving = pool.submit(
                 self._process.call, "transfer", update_info=update_info(tensors)
             )
@@ -141,8 +148,13 @@ class NcclTransfer:
                     if receiving.done():  # the worker refused before its first receive
                         break
                     torch.cuda.nccl.broadcast([tensor], root=0, comms=[self._comm])
+                # The worker's reply first: after a failure there, broadcasts it will never
+                # receive stay queued, and waiting on them would hang (vLLM's own trainer engine
+                # has the same limit; the group is unusable after it).
+                receiving.result()
                 torch.cuda.synchronize(device)
-            receiving.result()
+        finally:
+            pool.shutdown(wait=False)  # a worker stuck in NCCL must not hang this thread too
 
     def _connect(self, device: torch.device) -> None:
         if device.type != "cuda" or device == self._vllm_device:
@@ -160,13 +172,16 @@ class NcclTransfer:
         }
         # Both sides block in ncclCommInitRank until every rank joined, so the worker's init
         # runs beside ours; then the warm-up all_reduce vLLM's communicator issues after init.
-        with ThreadPoolExecutor(max_workers=1) as pool:
+        pool = ThreadPoolExecutor(max_workers=1)
+        try:
             joining = pool.submit(self._process.call, "init_transfer", init_info=init_info)
             with torch.cuda.device(device):
                 comm = torch.cuda.nccl.init_rank(self._world_size, unique_id, 0)
                 torch.cuda.nccl.all_reduce([torch.zeros(1, device=device)], comms=[comm])
                 torch.cuda.synchronize(device)
             joining.result()
+        finally:
+            pool.shutdown(wait=False)
         self._comm, self._device = comm, device
 
     def close(self) -> None:
