@@ -221,10 +221,12 @@ class VllmSamplingEngine:
 
     def _send(self, named_tensors: Weights) -> dict:
         """A complete sync through vLLM's weight-transfer engine (untested on GPU, see
-        :mod:`.transfer`): validated copies in the served dtypes, on the vLLM GPU for ``ipc``
-        and where the trainer's tensors are for ``nccl``."""
+        :mod:`.transfer`): the validated weights in the served dtypes, on the vLLM GPU for
+        ``ipc`` and where the trainer's tensors are for ``nccl``; a tensor already there in that
+        dtype is sent as it is (vLLM reads it during this call, while the training job, whose
+        op this sync is, waits), any other is copied."""
         device = self._transfer.device if self.weight_sync == "ipc" else None
-        tensors, report = self._staging.validate(named_tensors, device)
+        tensors, report = self._staging.validate(named_tensors, device, copy=False)
         if not report["complete"]:
             raise WeightLoadError(
                 "weights",

@@ -58,11 +58,14 @@ class WeightStaging:
         save_file(tensors, str(target / WEIGHTS_FILE), metadata={"format": "pt"})
         return target, report
 
-    def validate(self, weights: Weights, device: torch.device | None) -> tuple[dict, dict]:
-        """Copies of ``weights`` in the served dtypes on ``device`` (None: where each one is),
-        tied aliases folded, and the load report; refused as our sampler would, nothing kept."""
+    def validate(
+        self, weights: Weights, device: torch.device | None, copy: bool = True
+    ) -> tuple[dict, dict]:
+        """``weights`` in the served dtypes on ``device`` (None: where each one is), tied aliases
+        folded, and the load report; refused as our sampler would, nothing kept. Copies, unless
+        ``copy`` is False and a tensor already is what is asked for."""
         try:
-            return collect_weights(self._targets, weights, device)
+            return collect_weights(self._targets, weights, device, copy)
         except WeightLoadError as err:  # nothing was staged, whatever had been read before
             raise WeightLoadError(err.field, err.reason) from err
 

@@ -15,10 +15,11 @@ by device: on CPU ``restart`` (a new vLLM engine on the staged files), on CUDA `
   tests cover the selection, the refusals and the payload fields against vLLM's own update-info
   classes, not a transfer.
 
-  ``ipc`` (the CUDA default): the weights are copied onto the vLLM GPU in the served dtype and
-  shared as CUDA IPC handles (``torch.multiprocessing.reductions.reduce_tensor``, keyed by the
-  GPU's UUID, as vLLM's receiver looks them up); the copies stay alive until vLLM confirmed the
-  update. Works whatever device the trainer's tensors are on, within one machine.
+  ``ipc`` (the CUDA default): the weights, on the vLLM GPU in the served dtype (the trainer's
+  own tensors when they already are, else copies), are shared as CUDA IPC handles
+  (``torch.multiprocessing.reductions.reduce_tensor``, keyed by the GPU's UUID, as vLLM's
+  receiver looks them up) and stay alive until vLLM confirmed the update. Works whatever device
+  the trainer's tensors are on, within one machine.
 
   ``nccl``: an NCCL group of this process (rank 0, on the GPU that holds the trainer's weights)
   and the vLLM workers, joined from an ``ncclUniqueId`` this process mints (vLLM's rendezvous for
