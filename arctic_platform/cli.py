@@ -14,6 +14,7 @@ import typer
 import arctic_platform
 from arctic_platform.jobs_cli import app as jobs_app
 from arctic_platform.server.limits import ServerLimits
+from arctic_platform.server.tinker.session_reaper import SESSION_TIMEOUT_S
 
 app = typer.Typer(
     name="arctic-platform",
@@ -230,6 +231,13 @@ def serve(
     max_batch_tokens: Annotated[
         int, typer.Option(min=1, help="Rows x sequence length of one training/forward batch.")
     ] = ServerLimits.max_batch_tokens,
+    tinker_session_timeout: Annotated[
+        float,
+        typer.Option(
+            help="Seconds a Tinker SDK session may go without a heartbeat (the SDK sends one "
+            "every 10 s) before the server finishes it and frees its engines.",
+        ),
+    ] = SESSION_TIMEOUT_S,
 ) -> None:
     """Serve the on-prem and Cortex-compatible HTTP APIs over one set of engines."""
     from arctic_platform._extras import require
@@ -246,6 +254,10 @@ def serve(
         raise typer.BadParameter("--sampling-engine vllm and --vllm-python run without --ray")
     if vllm_python is not None and not vllm_python.is_file():
         raise typer.BadParameter(f"--vllm-python: {vllm_python} is not a file")
+    if not tinker_session_timeout > 0:
+        raise typer.BadParameter(
+            f"--tinker-session-timeout: must be > 0 seconds, got {tinker_session_timeout}"
+        )
     if ray:
         require("ray", "ray", purpose="arctic-platform serve --ray")
     from arctic_platform.server.serve import serve as run_server
@@ -270,6 +282,7 @@ def serve(
         writable_paths=tuple(allow_write_path or ()),
         max_ops_per_tenant=max_ops_per_tenant,
         drain_timeout=drain_timeout,
+        tinker_session_timeout_s=tinker_session_timeout,
         limits=ServerLimits(
             max_samples_per_request=max_samples_per_request,
             max_sample_tokens=max_sample_tokens,

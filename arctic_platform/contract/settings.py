@@ -139,7 +139,9 @@ class VllmSettings(BaseModel):
     ``python`` is the interpreter of the environment that has vLLM (default:
     ``$ARCTIC_VLLM_PYTHON``, else this interpreter when it can import vllm). ``weight_sync`` picks
     how synced weights reach the running engine: ``restart`` builds a new vLLM engine on them,
-    ``reload`` loads them into the running one, ``auto`` restarts on CPU and reloads on GPU.
+    ``reload`` loads them into the running one (both from staged files), ``ipc`` / ``nccl`` send
+    them through vLLM's weight-transfer engine (CUDA only, untested on GPU), ``auto`` restarts on
+    CPU and uses ``ipc`` on CUDA.
     ``env`` adds environment variables for the vLLM process (``VLLM_CPU_KVCACHE_SPACE``, ...).
     Every other key is a vLLM engine argument (``enforce_eager``, ``gpu_memory_utilization``, ...),
     checked against the installed vLLM when the engine starts; ``max_num_seqs`` and
@@ -149,7 +151,7 @@ class VllmSettings(BaseModel):
     model_config = ConfigDict(extra="allow", validate_default=True)
 
     python: str | None = Field(None, min_length=1)
-    weight_sync: Literal["auto", "reload", "restart"] = "auto"
+    weight_sync: Literal["auto", "reload", "restart", "ipc", "nccl"] = "auto"
     env: dict[str, str] = Field(default_factory=dict)
     startup_timeout_s: PositiveFloat = 600.0
 

@@ -338,18 +338,26 @@ def load_into_model(model: torch.nn.Module, weights: Weights) -> dict:
     return apply_weights(model.state_dict(keep_vars=True), weights, copy)
 
 
-def collect_weights(targets: Mapping[str, torch.Tensor], weights: Weights) -> tuple[dict, dict]:
+def collect_weights(
+    targets: Mapping[str, torch.Tensor],
+    weights: Weights,
+    device: torch.device | str | None = "cpu",
+    copy: bool = True,
+) -> tuple[dict, dict]:
     """Validate ``weights`` against ``targets`` (a ``state_dict``, possibly of a model on the
     ``meta`` device) exactly as :func:`load_into_model` does, and return ``(tensors, report)``:
-    CPU copies in the target dtypes under the first name of each tensor (tied aliases folded),
-    and the ``{"tensors", "bytes", "complete"}`` report."""
+    contiguous copies in the target dtypes on ``device`` (None: each tensor's own) under the
+    first name of each tensor (tied aliases folded), and the ``{"tensors", "bytes", "complete"}``
+    report. With ``copy=False`` a tensor that already has that device, dtype and layout is kept
+    as it is (detached), for a caller that reads it before its owner changes it."""
     first_name = {}
     for name, target in targets.items():
         first_name.setdefault(id(target), name)
     collected: dict[str, torch.Tensor] = {}
 
     def keep(name: str, target: torch.Tensor, tensor: torch.Tensor) -> None:
-        copied = tensor.detach().to("cpu", dtype=target.dtype, copy=True).contiguous()
+        where = tensor.device if device is None else device
+        copied = tensor.detach().to(where, dtype=target.dtype, copy=copy).contiguous()
         collected[first_name[id(target)]] = copied
 
     report = apply_weights(targets, weights, keep)

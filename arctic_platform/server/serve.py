@@ -14,6 +14,7 @@ from pathlib import Path
 
 from arctic_platform.server.auth import TokenAuth
 from arctic_platform.server.limits import ServerLimits
+from arctic_platform.server.tinker.session_reaper import SESSION_TIMEOUT_S
 
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 log = logging.getLogger("arctic_platform.serve")
@@ -46,6 +47,7 @@ def serve(
     max_ops_per_tenant: int | None = None,
     drain_timeout: float = 30.0,
     limits: ServerLimits | None = None,
+    tinker_session_timeout_s: float = SESSION_TIMEOUT_S,
 ) -> None:
     """Run the server until SIGINT/SIGTERM; ops in flight get ``drain_timeout`` seconds to
     finish, then their jobs are failed and the ops stopped.
@@ -56,7 +58,8 @@ def serve(
     server stops when that process dies (:mod:`arctic_platform.server.parent_watch`).
     ``sampling_engine`` is the engine of sampling jobs that choose none; ``vllm_python`` the
     interpreter that runs vLLM for them. ``metrics_token_env`` names the variable holding the
-    operator's scrape token for ``/metrics``.
+    operator's scrape token for ``/metrics``. Tinker sessions without a heartbeat for
+    ``tinker_session_timeout_s`` are finished.
     """
     import uvicorn
 
@@ -106,6 +109,7 @@ def serve(
         max_body_bytes=max_body_mb * 1024 * 1024,
         instance=instance,
         metrics_auth=metrics_auth,
+        tinker_session_timeout_s=tinker_session_timeout_s,
     )
     engines = "in this process" if ray_address is None else f"on Ray ({ray_address})"
     log.info(

@@ -17,6 +17,7 @@ from arctic_platform.engine.models import load_causal_lm
 from arctic_platform.engine.sampler import SamplerStateError, SamplingEngine
 from arctic_platform.engine.weights import (
     WeightLoadError,
+    collect_weights,
     export_weights,
     iter_weights_from_chunks,
     snapshot_adapters,
@@ -103,6 +104,18 @@ def test_export_names_are_the_plain_model_names_with_tied_weights_once(trainer):
     names = [name for name, _ in export_weights(trainer)]
     assert sorted(names) == sorted(name for name, _ in trainer.named_parameters())
     assert "lm_head.weight" not in names and "model.embed_tokens.weight" in names
+
+
+def test_collect_copies_unless_told_a_matching_tensor_may_be_kept():
+    """The CUDA weight transfers send the trainer's own tensors where they already fit."""
+    targets = {"norm": torch.zeros(3), "head": torch.zeros(2, dtype=torch.bfloat16)}
+    weights = {"norm": torch.ones(3), "head": torch.ones(2)}
+    copied, report = collect_weights(targets, weights)
+    kept, _ = collect_weights(targets, weights, device=None, copy=False)
+    assert report["complete"] and torch.equal(kept["norm"], copied["norm"])
+    assert copied["norm"].data_ptr() != weights["norm"].data_ptr()
+    assert kept["norm"].data_ptr() == weights["norm"].data_ptr()
+    assert kept["head"].dtype == torch.bfloat16  # a dtype that differs is still converted
 
 
 def test_chunked_stream_sync(sampler, trainer):

@@ -37,6 +37,26 @@ def vllm_config(model: str, **vllm) -> SamplingEngineConfig:
     return SamplingEngineConfig(model=ModelConfig(name=model), engine="vllm", vllm=settings)
 
 
+def check_job_generates_and_syncs(config: dict, method: str) -> None:
+    """A client on ``config`` (a training job and a vLLM sampling job on ``builtin:tiny``)
+    generates what our sampler does, and still does after a weight sync by ``method``."""
+    from arctic_platform.client import create_arctic_rl_client
+    from arctic_platform.engine.sampler import SamplingEngine
+
+    greedy = {"temperature": 0.0, "max_tokens": 12}
+    prompts = ["1+1=", "hello"]
+    ours = SamplingEngine(SamplingEngineConfig(model=ModelConfig(name="builtin:tiny")))
+    expected = ours.generate(prompts, greedy)
+    client = create_arctic_rl_client(config, blocking_calls=True)
+    try:
+        assert client.generate(prompts, greedy) == expected
+        synced = client.sync_weights()["targets"][0]
+        assert synced["method"] == method and synced["complete"]
+        assert client.generate(prompts, greedy) == expected
+    finally:
+        client.shutdown()
+
+
 def save_model_dir(model, path: Path) -> str:
     """``model``'s weights as a model directory with the built-in tiny model's tokenizer."""
     model.save_pretrained(path)
@@ -57,3 +77,18 @@ def perturbed_model_dir(tmp_path_factory) -> str:
             if param.ndim == 2:
                 param.add_(torch.randn(param.shape, generator=gen) * 0.15)
     return save_model_dir(model, tmp_path_factory.mktemp("perturbed"))
+
+
+@pytest.fixture(scope="session")
+def shared_engine(perturbed_model_dir):
+    """The vLLM engine the generation and transfer tests share (each start costs seconds).
+
+    Started with vLLM's IPC weight-transfer receiver (``weight_transfer_config``, an engine
+    argument passed through), whose protocol ``test_transfer.py`` drives on CPU; our engine's
+    own syncs still go through the files (``restart``), and generation is unaffected."""
+    from arctic_platform.engine.vllm_backend.engine import VllmSamplingEngine
+    from arctic_platform.engine.vllm_backend.transfer import transfer_engine_args
+
+    engine = VllmSamplingEngine(vllm_config(perturbed_model_dir, **transfer_engine_args("ipc")))
+    yield engine
+    engine.close()

@@ -20,8 +20,7 @@ from arctic_platform.engine.config import ModelConfig, SamplingEngineConfig
 from arctic_platform.engine.errors import EngineInputError
 from arctic_platform.engine.logprob_engine import LogProbEngine
 from arctic_platform.engine.sampler import SamplingEngine
-from arctic_platform.engine.vllm_backend.engine import VllmSamplingEngine
-from tests.vllm.conftest import needs_vllm, vllm_config
+from tests.vllm.conftest import needs_vllm
 
 pytestmark = [needs_vllm, pytest.mark.slow]
 
@@ -35,10 +34,8 @@ def ours(perturbed_model_dir):
 
 
 @pytest.fixture(scope="module")
-def engine(perturbed_model_dir):
-    engine = VllmSamplingEngine(vllm_config(perturbed_model_dir))
-    yield engine
-    engine.close()
+def engine(shared_engine):
+    return shared_engine
 
 
 def test_greedy_equals_ours(engine, ours):
@@ -95,6 +92,24 @@ def test_logprobs_of_sampled_tokens_equal_our_logprob_engine(engine, perturbed_m
         assert torch.allclose(torch.tensor(got), torch.tensor(reference["logprobs"]), atol=1e-5)
         for step, top in zip(output["logprobs"], reference["top_logprobs"], strict=True):
             assert [t for t, _ in step["top"]] == [t for t, _ in top]
+
+
+def test_prompt_logprobs_equal_our_logprob_engine(engine, ours, perturbed_model_dir):
+    """``prompt_logprobs`` has our sampler's shape (None, then one float per later token) and
+    values: our log-prob engine scoring the prompt alone, within 1e-5."""
+    prompts = [ours.tokenizer(p, add_special_tokens=False)["input_ids"] for p in PROMPTS[:4]]
+    scored = LogProbEngine(ModelConfig(name=perturbed_model_dir)).log_probs(prompts)
+    for prompt, reference in zip(prompts, scored, strict=True):
+        got = engine.prompt_logprobs(prompt)
+        assert len(got) == len(prompt) and got[0] is None and reference["logprobs"][0] is None
+        assert torch.allclose(
+            torch.tensor(got[1:]), torch.tensor(reference["logprobs"][1:]), atol=1e-5
+        )
+        mine = ours.prompt_logprobs(prompt)
+        assert torch.allclose(torch.tensor(got[1:]), torch.tensor(mine[1:]), atol=1e-5)
+    with pytest.raises(EngineInputError) as info:
+        engine.prompt_logprobs([1, 10**6])
+    assert info.value.field == "prompts[0]"
 
 
 def test_logprobs_are_of_the_temperature_scaled_distribution(engine, ours):

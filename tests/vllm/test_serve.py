@@ -12,13 +12,9 @@ import pytest
 
 from arctic_platform.client import InvalidRequestError, create_arctic_rl_client
 from arctic_platform.client.local_server import LocalServer, free_port
-from arctic_platform.engine.config import ModelConfig, SamplingEngineConfig
-from arctic_platform.engine.sampler import SamplingEngine
-from tests.vllm.conftest import VLLM_ENV, VLLM_PYTHON, needs_vllm
+from tests.vllm.conftest import VLLM_ENV, VLLM_PYTHON, check_job_generates_and_syncs, needs_vllm
 
 pytestmark = [needs_vllm, pytest.mark.slow]
-
-GREEDY = {"temperature": 0.0, "max_tokens": 12}
 
 
 def test_serve_with_vllm_as_the_default_sampling_engine(tmp_path):
@@ -36,15 +32,7 @@ def test_serve_with_vllm_as_the_default_sampling_engine(tmp_path):
             "training": {"optimizer": {"lr": 1e-3}},
             "sampling": {"vllm": {"env": VLLM_ENV}},
         }
-        client = create_arctic_rl_client(config, blocking_calls=True)
-        try:
-            ours = SamplingEngine(SamplingEngineConfig(model=ModelConfig(name="builtin:tiny")))
-            prompts = ["1+1=", "hello"]
-            assert client.generate(prompts, GREEDY) == ours.generate(prompts, GREEDY)
-            synced = client.sync_weights()["targets"][0]
-            assert synced["method"] == "restart" and synced["complete"]
-        finally:
-            client.shutdown()
+        check_job_generates_and_syncs(config, "restart")
 
         named = {**config, "training": None}
         named["sampling"] = {"vllm": {"python": str(VLLM_PYTHON)}}

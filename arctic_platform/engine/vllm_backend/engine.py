@@ -7,14 +7,15 @@ the same fields, same seed stream for requests without a seed), and synced weigh
 and staged by :class:`~.staging.WeightStaging`. The vLLM process (:mod:`.worker`) only generates
 from token ids and loads staged weights.
 
-Weight sync is correct before it is fast: every sync writes the full weights as a model directory
-and the worker either builds a new engine on it (``restart``) or loads it into the running engine
-(``reload``: vLLM's ``reload_weights``, then a re-pack of the CPU kernels reload leaves stale).
-Both are tested on CPU against a vLLM engine started fresh on the same weights. ``auto`` picks
-``restart`` on CPU, the conservative choice where vLLM repacks weights into CPU kernels at load
-time, and ``reload`` on GPU, vLLM's supported in-place path. vLLM's GPU-only transfers (NCCL
-broadcast, CUDA IPC handles through its weight-transfer engine) are not used: no GPU was
-available to test them (see the README).
+Weight sync is correct before it is fast. The path is ``sampling.vllm.weight_sync``, chosen by
+device when ``auto`` (:func:`~.transfer.resolve_weight_sync`): on CPU ``restart``, which writes the
+full weights as a model directory and builds a new vLLM engine on it (the conservative choice
+where vLLM repacks weights into CPU kernels at load time); ``reload`` loads that directory into
+the running engine (vLLM's ``reload_weights``, then a re-pack of the CPU kernels reload leaves
+stale). Both are tested on CPU against a vLLM engine started fresh on the same weights. On CUDA
+``auto`` is ``ipc``: vLLM's weight-transfer engine loads CUDA IPC handles of the weights in place
+(``nccl`` broadcasts them instead); see :mod:`.transfer`. The CUDA paths are untested: no GPU was
+available where they were written (README, 'vLLM sampling engine').
 
 Sleep and wake map to vLLM's sleep mode where vLLM supports it (CUDA, with ``enable_sleep_mode``,
 which this engine turns on by default on GPU); on CPU vLLM has none, and the result says that
@@ -31,6 +32,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from arctic_platform.engine.config import SamplingEngineConfig
+from arctic_platform.engine.errors import EngineInputError, SamplerStateError
 from arctic_platform.engine.models import (
     load_tokenizer,
     resolve_device,
@@ -45,10 +47,21 @@ from arctic_platform.engine.sampling_requests import (
     model_context,
 )
 from arctic_platform.engine.vllm_backend.environment import resolve_python, worker_env
-from arctic_platform.engine.vllm_backend.process import VllmWorkerError, WorkerProcess
+from arctic_platform.engine.vllm_backend.process import (
+    VllmWorkerDied,
+    VllmWorkerError,
+    WorkerProcess,
+)
 from arctic_platform.engine.vllm_backend.staging import WeightStaging
+from arctic_platform.engine.vllm_backend.transfer import (
+    WEIGHT_SYNC_FIELD,
+    IpcTransfer,
+    NcclTransfer,
+    resolve_weight_sync,
+    transfer_engine_args,
+)
 from arctic_platform.engine.wake_tags import SLEEP_TAGS, checked_wake_tags
-from arctic_platform.engine.weights import Weights
+from arctic_platform.engine.weights import WeightLoadError, Weights
 
 log = logging.getLogger(__name__)
 
@@ -79,12 +92,12 @@ class VllmSamplingEngine:
         )
         dtype = resolve_dtype(model.dtype, self.device)
         settings = config.vllm
-        self.weight_sync = settings.weight_sync
-        if self.weight_sync == "auto":
-            self.weight_sync = "restart" if self.device.type == "cpu" else "reload"
+        self.weight_sync = resolve_weight_sync(settings.weight_sync, self.device)
         self.sleep_supported = self.device.type == "cuda"
         self._dir = Path(tempfile.mkdtemp(prefix="arctic-vllm-"))
         self._process: WorkerProcess | None = None
+        self._transfer: IpcTransfer | NcclTransfer | None = None
+        self._weights_complete = True
         try:
             self._staging = WeightStaging(source, self._dir / "weights", hf_config, dtype)
             self.python = resolve_python(settings.python)
@@ -97,6 +110,10 @@ class VllmSamplingEngine:
             self.info = self._process.call(
                 "start", timeout=settings.startup_timeout_s, model=str(source), engine_args=args
             )
+            if self.weight_sync == "ipc":
+                self._transfer = IpcTransfer(self._process, self.device)
+            elif self.weight_sync == "nccl":
+                self._transfer = NcclTransfer(self._process, self.device, self.info["workers"])
         except BaseException:
             self.close()
             raise
@@ -114,6 +131,7 @@ class VllmSamplingEngine:
             "max_logprobs": config.max_logprobs,
             # Ours are the log-probs of the temperature-scaled distribution (sampling_ops).
             "logprobs_mode": "processed_logprobs",
+            **transfer_engine_args(self.weight_sync),
         }
         if self.device.type == "cpu":
             args["enforce_eager"] = True  # compiling triples startup for little gain on CPU
@@ -136,6 +154,7 @@ class VllmSamplingEngine:
     ) -> list[dict]:
         """Complete every prompt ``n`` times; one output dict per prompt and sample, in order."""
         requests = self._shaper.validate(prompts, sampling_params)
+        self._check_weights()
         self._shaper.assign_seeds(requests)
         if self._asleep:
             log.warning("generate() on a sleeping sampler: waking it (%s)", sorted(self._asleep))
@@ -165,6 +184,17 @@ class VllmSamplingEngine:
                 outputs.append(output)
         return outputs
 
+    def prompt_logprobs(self, token_ids: Sequence[int]) -> list[float | None]:
+        """Each prompt token's log-prob given the tokens before it (None for the first), as
+        :meth:`SamplingEngine.prompt_logprobs <arctic_platform.engine.sampler.SamplingEngine.
+        prompt_logprobs>` returns them: vLLM's ``prompt_logprobs``, refused like a ``generate``
+        prompt (``prompts[0]``) when a token id or the length is out of range."""
+        (request,) = self._shaper.validate([list(token_ids)], {"max_tokens": 1})
+        self._check_weights()
+        if self._asleep:
+            self.wake()
+        return self._process.call("prompt_logprobs", prompt_token_ids=request.token_ids)
+
     # ------------------------------------------------------------------------------------------
     # weights, sleep and wake
 
@@ -172,9 +202,12 @@ class VllmSamplingEngine:
         """Validate and stage the weights, then have the vLLM process serve them.
 
         Names, shapes and dtypes follow :func:`~arctic_platform.engine.weights.load_into_model`;
-        a partial sync keeps the other weights. Nothing changes on a failure: the previous weights
-        stay served. Returns ``{"tensors", "bytes", "complete", "method"}``.
+        a partial sync keeps the other weights (on the file paths; the CUDA transfer paths
+        refuse one, see :mod:`.transfer`). Nothing changes on a refusal or a failed file load: the
+        previous weights stay served. Returns ``{"tensors", "bytes", "complete", "method"}``.
         """
+        if self._transfer is not None:
+            return self._send(named_tensors)
         version, report = self._staging.stage(named_tensors)
         try:
             self._process.call(self.weight_sync, model=str(version))
@@ -183,14 +216,50 @@ class VllmSamplingEngine:
             raise
         self._staging.commit(version)
         self._asleep.clear()  # a restarted engine is awake; a reloaded one was woken to load
+        self._weights_complete = True
         return {**report, "method": self.weight_sync}
+
+    def _send(self, named_tensors: Weights) -> dict:
+        """A complete sync through vLLM's weight-transfer engine (untested on GPU, see
+        :mod:`.transfer`): the validated weights in the served dtypes, on the vLLM GPU for
+        ``ipc`` and where the trainer's tensors are for ``nccl``; a tensor already there in that
+        dtype is sent as it is (vLLM reads it during this call, while the training job, whose
+        op this sync is, waits), any other is copied."""
+        device = self._transfer.device if self.weight_sync == "ipc" else None
+        tensors, report = self._staging.validate(named_tensors, device, copy=False)
+        if not report["complete"]:
+            raise WeightLoadError(
+                "weights",
+                f"the {self.weight_sync} weight transfer loads every weight, got "
+                f"{report['tensors']} tensors; send them all, or set {WEIGHT_SYNC_FIELD} to "
+                "'reload' or 'restart' for partial syncs",
+            )
+        if self._asleep:
+            self.wake()
+        try:
+            self._transfer.send(tensors)
+        except (EngineInputError, VllmWorkerDied):
+            raise  # refused before anything was sent / the job fails with the process
+        except RuntimeError as exc:  # vLLM or NCCL failed part-way
+            self._weights_complete = False
+            raise SamplerStateError(
+                f"the {self.weight_sync} weight transfer failed part-way ({exc}); the served "
+                "weights are undefined until a complete weight sync succeeds"
+            ) from exc
+        self._weights_complete = True
+        return {**report, "method": self.weight_sync}
+
+    def _check_weights(self) -> None:
+        if not self._weights_complete:
+            raise SamplerStateError(
+                "the last weight transfer failed part-way, so the served weights are undefined; "
+                "run a complete weight sync before generating"
+            )
 
     def sleep(self, level: int = 1) -> dict:
         """vLLM's sleep mode (level 1 offloads the weights, 2 drops them; both drop the KV cache)
         where vLLM has one; on CPU nothing is released and the result says so."""
         if isinstance(level, bool) or level not in (1, 2):
-            from arctic_platform.engine.errors import EngineInputError
-
             raise EngineInputError("level", f"must be 1 or 2, got {level!r}")
         if not self.sleep_supported:
             return {
@@ -218,6 +287,8 @@ class VllmSamplingEngine:
 
     def close(self) -> None:
         """Stop the vLLM process and delete the staged weights."""
+        if self._transfer is not None:
+            self._transfer.close()
         process, self._process = self._process, None
         if process is not None:
             process.close()

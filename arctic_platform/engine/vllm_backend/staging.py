@@ -43,10 +43,7 @@ class WeightStaging:
 
     def stage(self, weights: Weights) -> tuple[Path, dict]:
         """Validate ``weights`` and write the next version; returns ``(directory, report)``."""
-        try:
-            tensors, report = collect_weights(self._targets, weights)
-        except WeightLoadError as err:  # nothing was staged, whatever had been read before
-            raise WeightLoadError(err.field, err.reason) from err
+        tensors, report = self.validate(weights, torch.device("cpu"))
         if not report["complete"]:
             tensors = {**self._current_tensors(exclude=tensors), **tensors}
         self._version += 1
@@ -60,6 +57,17 @@ class WeightStaging:
 
         save_file(tensors, str(target / WEIGHTS_FILE), metadata={"format": "pt"})
         return target, report
+
+    def validate(
+        self, weights: Weights, device: torch.device | None, copy: bool = True
+    ) -> tuple[dict, dict]:
+        """``weights`` in the served dtypes on ``device`` (None: where each one is), tied aliases
+        folded, and the load report; refused as our sampler would, nothing kept. Copies, unless
+        ``copy`` is False and a tensor already is what is asked for."""
+        try:
+            return collect_weights(self._targets, weights, device, copy)
+        except WeightLoadError as err:  # nothing was staged, whatever had been read before
+            raise WeightLoadError(err.field, err.reason) from err
 
     def commit(self, version: Path) -> None:
         """``version`` is now served: it becomes current and the previous staged one goes."""

@@ -16,14 +16,18 @@ dictionaries whichever engine produced them.
 Weight updates read the safetensors files of a model directory the job wrote (see
 ``staging.py``): ``restart`` builds a new ``LLM`` on that directory, ``reload`` loads the files into
 the running engine through vLLM's ``reload_weights`` and then re-packs the CPU kernels of layers
-that reload leaves alone (a tied LM head), so every layer computes with the new weights.
+that reload leaves alone (a tied LM head), so every layer computes with the new weights. On CUDA,
+``init_transfer`` and ``transfer`` drive vLLM's weight-transfer engine instead (``transfer.py``;
+untested on GPU).
 """
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import gc
 import json
+import pickle
 import queue
 import socket
 import sys
@@ -75,10 +79,12 @@ class Worker:
         import vllm
         from vllm.platforms import current_platform
 
+        parallel = self.llm.llm_engine.vllm_config.parallel_config
         return {
             "vllm_version": vllm.__version__,
             "device": current_platform.device_type,
             "python": sys.executable,
+            "workers": parallel.world_size * parallel.data_parallel_size,
         }
 
     def _build(self) -> None:
@@ -110,10 +116,26 @@ class Worker:
     # -- ops -------------------------------------------------------------------------------
 
     def generate(self, requests: list[dict]) -> list[list[dict]]:
-        """One list of sample outputs per request (``prompt_token_ids``, ``params``).
+        """One list of sample outputs per request (``prompt_token_ids``, ``params``)."""
+        outputs = self._run(requests)
+        return [
+            [_sample(c, r["params"].get("logprobs")) for c in sorted(o.outputs, key=_index)]
+            for o, r in zip(outputs, requests, strict=True)
+        ]
 
-        What ``LLM.generate`` does, a step at a time so that a stop can abort the requests
-        between decode steps (see module doc)."""
+    def prompt_logprobs(self, prompt_token_ids: list[int]) -> list[float | None]:
+        """Each prompt token's log-prob given the tokens before it (None for the first): vLLM's
+        ``prompt_logprobs`` of a one-token request at temperature 1 (the raw distribution)."""
+        params = {"max_tokens": 1, "temperature": 1.0, "prompt_logprobs": 0, "detokenize": False}
+        (output,) = self._run([{"prompt_token_ids": prompt_token_ids, "params": params}])
+        return [
+            None if position is None else float(position[token].logprob)
+            for token, position in zip(prompt_token_ids, output.prompt_logprobs, strict=True)
+        ]
+
+    def _run(self, requests: list[dict]) -> list:
+        """vLLM's ``RequestOutput`` of each request, in order: what ``LLM.generate`` does, a step
+        at a time so that a stop can abort the requests between decode steps (see module doc)."""
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
@@ -135,11 +157,7 @@ class Worker:
         except BaseException:
             engine.abort_request([i for i in ids if i not in finished], internal=False)
             raise
-        outputs = [finished[i] for i in ids]
-        return [
-            [_sample(c, r["params"].get("logprobs")) for c in sorted(o.outputs, key=_index)]
-            for o, r in zip(outputs, requests, strict=True)
-        ]
+        return [finished[i] for i in ids]
 
     def reload(self, model: str) -> dict:
         """Load the weights of ``model`` (the staged directory) into the running engine."""
@@ -148,6 +166,23 @@ class Worker:
         self.llm.reset_prefix_cache()
         self.model = model
         return {"method": "reload", "repacked_layers": repacked}
+
+    def init_transfer(self, init_info: dict) -> dict:
+        """Join the job's weight transfer (vLLM's ``init_weight_transfer_engine``)."""
+        self.llm.init_weight_transfer_engine({"init_info": init_info})
+        return {"initialized": True}
+
+    def transfer(self, update_info: dict) -> dict:
+        """One complete weight update through vLLM's weight-transfer engine. IPC handles come
+        pickled (they hold torch types); the job's own process pickled them."""
+        pickled = update_info.pop("ipc_handles_pickled", None)
+        if pickled is not None:
+            update_info["ipc_handles"] = pickle.loads(base64.b64decode(pickled))
+        self.llm.start_weight_update()
+        self.llm.update_weights({"update_info": update_info})
+        self.llm.finish_weight_update()
+        self.llm.reset_prefix_cache()
+        return {"method": self.llm.llm_engine.vllm_config.weight_transfer_config.backend}
 
     def sleep(self, level: int) -> dict:
         self.llm.sleep(level=level)

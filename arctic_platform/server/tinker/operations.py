@@ -10,12 +10,10 @@ found while running come back through the future as ``{"error", "category"}``.
 from __future__ import annotations
 
 import contextlib
-import threading
 import uuid
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
-from pathlib import Path
 from typing import Any
 
 from arctic_platform.engine.models import resolve_model_path
@@ -30,6 +28,7 @@ from arctic_platform.server.tinker.checkpoints import (
 )
 from arctic_platform.server.tinker.downloads import DownloadSigner
 from arctic_platform.server.tinker.futures import FutureStore, OpResult
+from arctic_platform.server.tinker.model_samplers import ModelSamplingJobs
 from arctic_platform.server.tinker.sample_batcher import SampleBatcher
 from arctic_platform.server.tinker.session_reaper import SESSION_TIMEOUT_S, SessionReaper
 from arctic_platform.server.tinker.snapshots import take_snapshot
@@ -57,7 +56,7 @@ class TinkerOps:
         self.downloads = DownloadSigner()
         # Waits that are not engine work (engines loading, chained ops) run here.
         self._waiters = ThreadPoolExecutor(max_workers=8, thread_name_prefix="tinker-wait")
-        self._shared_lock = threading.Lock()
+        self.model_jobs = ModelSamplingJobs(service)
         self._batcher = SampleBatcher()
         # sampling sub-job -> the (run, snapshot) whose weights it holds; written on its queue
         self._loaded_snapshots: dict[str, tuple[str, int]] = {}
@@ -307,7 +306,12 @@ class TinkerOps:
             snapshot = (run.model_id, run.add_snapshot(take_snapshot(engine)))
             sampler = self.state.add_sampler(
                 Sampler(
-                    uuid.uuid4().hex, owner, run.base_model, run.sampling_sub_job, snapshot=snapshot
+                    uuid.uuid4().hex,
+                    owner,
+                    run.session_id,
+                    run.base_model,
+                    sub_job_id=run.sampling_sub_job,
+                    snapshot=snapshot,
                 )
             )
             return OpResult(json={"sampling_session_id": sampler.sampler_id})
@@ -381,43 +385,21 @@ class TinkerOps:
         return sampler.sampler_id
 
     def _sampler_for(self, session, owner, base_model: str | None, model_path: str | None):
+        """A sampler on the owner's (shared, releasable) job on a checkpoint or a base model; the
+        job starts now, so that its model loads while the client prepares its first sample."""
         if model_path is not None:
             path = TinkerPath.parse(model_path, field="model_path")
-            model_dir = self.checkpoints.sampler_model_dir(path, owner)
+            model = str(self.checkpoints.sampler_model_dir(path, owner))
             base = self.checkpoints.run_record(path.model_id, owner)["base_model"]
-            sub_job = self._shared_sampling_job(session, owner, str(model_dir))
-            return self.state.add_sampler(
-                Sampler(uuid.uuid4().hex, owner, base, sub_job, model_path=model_path)
-            )
-        if not base_model:
+        elif base_model:
+            model = base = base_model
+        else:
             raise BadRequest("give model_path or base_model")
-        sub_job = self._shared_sampling_job(session, owner, base_model)
-        return self.state.add_sampler(Sampler(uuid.uuid4().hex, owner, base_model, sub_job))
-
-    def _shared_sampling_job(self, session, owner, model_name: str) -> str:
-        """One sampling job per (owner, model) serves every sampler of that model."""
-        key = (owner, model_name)
-        with self._shared_lock:
-            job_id = self.state.shared_sampling_jobs.get(key)
-            if job_id is not None and self._alive(job_id, owner):
-                return f"{job_id}:sampling:0"
-            info = self.service.create_job(
-                {
-                    "experiment_name": f"tinker sampler {Path(model_name).name}",
-                    "sub_job_configs": [{"job_type": "sampling", "model_name": model_name}],
-                },
-                owner=owner,
-            )
-            self.state.shared_sampling_jobs[key] = info["job_id"]
-            session.job_ids.append(info["job_id"])
-            return f"{info['job_id']}:sampling:0"
-
-    def _alive(self, job_id: str, owner) -> bool:
-        return self.service.get_job(job_id, owner=owner)["status"] in (
-            "pending",
-            "initializing",
-            "running",
+        self.model_jobs.sub_job(session, owner, model)
+        sampler = Sampler(
+            uuid.uuid4().hex, owner, session.session_id, base, model=model, model_path=model_path
         )
+        return self.state.add_sampler(sampler)
 
     def sample(self, body: bodies.SampleBody, owner: str | None) -> tuple[str, list[str]]:
         """Queue a sample; returns the request id and one sequence id per sample."""
@@ -427,17 +409,33 @@ class TinkerOps:
             raise BadRequest("sampling_session_id: required (create a sampling session first)")
         prompt = _prompt_tokens(body.prompt)
         params = _sampling_params(body)
-        want_prompt_logprobs = bool(body.prompt_logprobs)
         if body.topk_prompt_logprobs or body.topk_sample_logprobs:
             raise BadRequest("topk_prompt_logprobs/topk_sample_logprobs: not supported here")
-        key, load = sampler.sub_job_id, None
+        outer: Future = Future()
+        if sampler.sub_job_id is not None:
+            sub_job_id = sampler.sub_job_id
+        else:
+            session = self.state.session(sampler.session_id, owner)
+            sub_job_id = self.model_jobs.begin(session, owner, sampler.model)
+            outer.add_done_callback(lambda _: self.model_jobs.end(owner, sampler.model, sub_job_id))
+        try:
+            request_id = self._sample_on(sub_job_id, sampler, owner, prompt, params, body, outer)
+        except BaseException as exc:
+            outer.set_exception(exc)  # ends the sample's count on its job
+            raise
+        return request_id, [f"{request_id}:{i}" for i in range(body.num_samples)]
+
+    def _sample_on(self, sub_job_id, sampler, owner, prompt, params, body, outer) -> str:
+        """Queue one sample on ``sub_job_id`` (waiting for its engine if it is still loading);
+        returns its request id. A bad request is refused here, before it gets one."""
+        want_prompt_logprobs = bool(body.prompt_logprobs)
+        key, load = sub_job_id, None
         if sampler.snapshot is not None:
             key, load = self._snapshot_loader(sampler, owner)
-        job_id = sampler.sub_job_id.split(":", 1)[0]
-        outer: Future = Future()
+        job_id = sub_job_id.split(":", 1)[0]
 
         def attach() -> None:
-            sub = self.service.resolve(sampler.sub_job_id, owner=owner)
+            sub = self.service.resolve(sub_job_id, owner=owner)
             submit = partial(self.service.submit_runner, sub, "generate")
             done = self._batcher.add(
                 sub, prompt, params, want_prompt_logprobs, submit, key=key, before=load
@@ -456,8 +454,7 @@ class TinkerOps:
                     outer.set_exception(exc)
 
             self._waiters.submit(wait_then_attach)
-        request_id = self.futures.add(owner, outer)
-        return request_id, [f"{request_id}:{i}" for i in range(body.num_samples)]
+        return self.futures.add(owner, outer)
 
     # -- ordering ---------------------------------------------------------------------------
 

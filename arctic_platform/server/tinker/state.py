@@ -11,9 +11,10 @@
   it samples for it. So a sampling client keeps sampling the weights it was created with after
   the trainer moved on and saved again, as Tinker's are (a sampler whose snapshot was dropped is
   refused with 409 rather than answered from other weights).
-* A **sampler** (``sampling_session_id``) names the sampling sub-job a ``SamplingClient`` uses (a
-  run's own with one of its snapshots, one per base model, or one per saved ``sampler_weights``
-  checkpoint).
+* A **sampler** (``sampling_session_id``) names the sampling sub-job a ``SamplingClient`` uses: a
+  run's own with one of its snapshots, or the owner's job on a base model or a saved
+  ``sampler_weights`` checkpoint (:mod:`.model_samplers`: shared, and released when the owner has
+  used others more recently).
 * :class:`Sequencer` starts a training client's requests in ``seq_id`` order whatever order they
   arrive in (the SDK sends the chunks of one ``forward_backward`` concurrently), and maps a
   retried ``seq_id`` to the request id it already has.
@@ -138,10 +139,17 @@ class TrainingRun:
 
 @dataclass(frozen=True)
 class Sampler:
+    """A ``SamplingClient``: a run's own sampling sub-job (``sub_job_id``, with a ``snapshot``
+    of the run's adapters when taken), or the owner's shared, releasable sampling job on
+    ``model`` (a base model or checkpoint folder, :mod:`.model_samplers`), started for
+    ``session_id``."""
+
     sampler_id: str
     owner: str | None
+    session_id: str
     base_model: str
-    sub_job_id: str
+    sub_job_id: str | None = None
+    model: str | None = None
     model_path: str | None = None
     # (training run model id, snapshot number) for a run's sampler; None: the job's own weights
     snapshot: tuple[str, int] | None = None
@@ -155,8 +163,6 @@ class TinkerState:
         self.sessions: dict[str, Session] = {}
         self.runs: dict[str, TrainingRun] = {}
         self.samplers: dict[str, Sampler] = {}
-        # (owner, base model or checkpoint dir) -> sampling job shared by every sampler on it
-        self.shared_sampling_jobs: dict[tuple[str | None, str], str] = {}
 
     def new_session(self, owner: str | None) -> Session:
         session = Session(session_id=uuid.uuid4().hex, owner=owner)

@@ -28,11 +28,15 @@ ALICE, BOB = "tml-alice", "tml-bob"
 
 
 @pytest.fixture(scope="module")
-def server_url(tmp_path_factory):
+def server_app(tmp_path_factory):
     data = tmp_path_factory.mktemp("tinker-data")
     service = Service(ServiceSettings(data_dir=data, device="cpu"))
-    app = create_app(service, auth=TokenAuth([ALICE, BOB]))
-    with serve_app(app) as url:
+    return create_app(service, auth=TokenAuth([ALICE, BOB]))
+
+
+@pytest.fixture(scope="module")
+def server_url(server_app):
+    with serve_app(server_app) as url:
         yield url
 
 

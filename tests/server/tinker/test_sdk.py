@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from arctic_platform.server.tinker.model_samplers import MAX_MODEL_SAMPLING_JOBS
 from tests.server.tinker.conftest import (
     ALICE,
     BOB,
@@ -204,6 +205,47 @@ def test_save_load_and_sample_from_saved_weights(service_client, server_url):
 
 def test_a_sampling_client_keeps_its_snapshot_after_the_trainer_moves_on(service_client):
     check_snapshots_keep_their_weights(service_client)
+
+
+def test_checkpoint_samplers_beyond_the_limit_release_their_jobs_and_reload_on_use(
+    service_client, server_app
+):
+    """The cookbook creates a sampling client on every periodic checkpoint; the SDK never says
+    when one is dropped. Past the limit the least recently used job is cancelled (its engine
+    freed), and a client on it samples again by reloading its checkpoint."""
+    ops, service = server_app.state.tinker, server_app.state.service
+    client = service_client.create_lora_training_client(base_model=TINY, rank=4, seed=8).result()
+    prompt = types.ModelInput.from_ints(encode("5+6="))
+    params = types.SamplingParams(max_tokens=6, temperature=1.0, seed=5)
+    _, datum = sft_datum("5+6=11", 4)
+
+    def draw(sampler):
+        seq = sampler.sample(prompt, 1, params).result().sequences[0]
+        return list(seq.tokens), list(seq.logprobs)
+
+    samplers, draws, models = [], [], []
+    for i in range(MAX_MODEL_SAMPLING_JOBS + 1):
+        client.forward_backward([datum], "cross_entropy")
+        client.optim_step(types.AdamParams(learning_rate=5e-2))
+        path = client.save_weights_for_sampler(f"periodic{i}").result().path
+        samplers.append(service_client.create_sampling_client(model_path=path).result())
+        draws.append(draw(samplers[-1]))
+        record = next(s for s in ops.state.samplers.values() if s.model_path == path)
+        models.append(record.model)
+        if i == 0:
+            owner = record.owner  # the tenant id the server derives from ALICE's key
+            oldest_job = ops.model_jobs.jobs(owner)[models[0]]
+    kept = ops.model_jobs.jobs(owner)
+    assert list(kept) == models[1:]  # the newest ones, least recently used first
+    assert service.get_job(oldest_job, owner=owner)["status"] == "cancelled"
+    # a sample in flight keeps its job: reloading the oldest releases the next idle one instead
+    session = ops.state.session(record.session_id, owner)
+    busy = ops.model_jobs.begin(session, owner, models[1])
+    assert draw(samplers[0]) == draws[0]  # reloaded: its own checkpoint's weights again
+    ops.model_jobs.end(owner, models[1], busy)
+    assert list(ops.model_jobs.jobs(owner)) == [models[1], models[0]]
+    assert service.get_job(kept[models[2]], owner=owner)["status"] == "cancelled"
+    assert draw(samplers[2]) == draws[2]
 
 
 def test_futures_resolve_out_of_order_and_keep_the_client_order(service_client):

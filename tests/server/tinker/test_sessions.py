@@ -6,12 +6,14 @@ import time
 
 import httpx
 import pytest
+from typer.testing import CliRunner
 
+from arctic_platform import cli
 from arctic_platform.server.app import create_app
 from arctic_platform.server.service import Service, ServiceSettings
 from arctic_platform.server.tinker.session_reaper import SessionReaper
 from arctic_platform.server.tinker.state import TinkerState
-from tests.live_server import serve_app
+from tests.live_server import serve_app, serve_process
 from tests.server.tinker.conftest import TINY
 
 
@@ -47,3 +49,29 @@ def test_the_reaper_finishes_only_sessions_past_the_timeout():
     assert finished == [old.session_id]
     with pytest.raises(ValueError, match="session timeout"):
         SessionReaper(state, lambda *_: None, timeout_s=0)
+
+
+def test_serve_flag_sets_the_session_timeout(tmp_path):
+    """``serve --tinker-session-timeout 1``: a session without heartbeats is finished within
+    seconds (the default is minutes); a finished session refuses new models with 410."""
+    with (
+        serve_process(tmp_path, "--tinker-session-timeout", "1") as (_, url),
+        httpx.Client(base_url=f"{url}/api/v1", headers={"X-API-Key": "tml-a"}) as http,
+    ):
+        session = http.post("/create_session", json={}).json()["session_id"]
+        # an optimizer we refuse: 400 while the session lives, 410 once it was finished
+        body = {"session_id": session, "model_seq_id": 0, "base_model": TINY}
+        body["optimizer_config"] = {"type": "sgd"}
+        deadline = time.monotonic() + 60
+        while (answer := http.post("/create_model", json=body)).status_code == 400:
+            assert "optimizer_config.type" in answer.json()["message"]
+            assert time.monotonic() < deadline, "the silent session was never finished"
+            time.sleep(0.1)
+        assert answer.status_code == 410
+
+
+@pytest.mark.parametrize("value", ["0", "-5", "soon"])
+def test_serve_refuses_a_bad_session_timeout_naming_the_flag(value):
+    result = CliRunner().invoke(cli.app, ["serve", "--tinker-session-timeout", value])
+    assert result.exit_code == 2
+    assert "--tinker-session-timeout" in result.output

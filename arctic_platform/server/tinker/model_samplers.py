@@ -1,0 +1,111 @@
+"""Sampling jobs on a model (a base model or a saved ``sampler_weights`` checkpoint), shared by
+every Tinker sampler one owner has on that model, at most :data:`MAX_MODEL_SAMPLING_JOBS` per owner.
+
+The SDK has no call that releases a sampling client, and the cookbook's RL loop creates one on
+each periodic checkpoint (``create_sampling_client(model_path=...)``) and uses it for one step;
+kept until its session ended, every checkpoint would hold a loaded model. So an owner keeps its
+most recently used model sampling jobs only: starting one more cancels (frees the engine of) the
+least recently used one that has no sample in flight. A sampler whose job was released still
+works: its next sample starts the job again and waits for the model to load, so a release costs
+a reload, never an error.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+
+from arctic_platform.server.errors import ServiceError
+from arctic_platform.server.service import Service
+from arctic_platform.server.tinker.state import Session
+
+# Loaded model sampling jobs one owner keeps (the least recently used idle one goes first).
+MAX_MODEL_SAMPLING_JOBS = 2
+_LIVE = ("pending", "initializing", "running")
+
+
+@dataclass
+class _Job:
+    job_id: str
+    in_flight: int = 0
+
+
+class ModelSamplingJobs:
+    """The owner-scoped, least-recently-used registry of model sampling jobs (see module doc)."""
+
+    def __init__(self, service: Service, limit: int = MAX_MODEL_SAMPLING_JOBS) -> None:
+        if limit < 1:
+            raise ValueError(f"model sampling jobs per owner: must be >= 1, got {limit}")
+        self.service = service
+        self.limit = limit
+        self._lock = threading.Lock()
+        self._jobs: OrderedDict[tuple[str | None, str], _Job] = OrderedDict()
+
+    def sub_job(self, session: Session, owner: str | None, model: str) -> str:
+        """The sampling sub-job on ``model``, started (for ``session``) if it has none running;
+        it becomes the owner's most recently used."""
+        with self._lock:
+            return self._use(session, owner, model).job_id + ":sampling:0"
+
+    def begin(self, session: Session, owner: str | None, model: str) -> str:
+        """:meth:`sub_job`, counting a sample in flight on it (not released until :meth:`end`)."""
+        with self._lock:
+            job = self._use(session, owner, model)
+            job.in_flight += 1
+            return job.job_id + ":sampling:0"
+
+    def end(self, owner: str | None, model: str, sub_job_id: str) -> None:
+        """A sample that :meth:`begin` counted has finished."""
+        with self._lock:
+            job = self._jobs.get((owner, model))
+            if job is not None and sub_job_id.startswith(job.job_id + ":"):
+                job.in_flight -= 1
+
+    def jobs(self, owner: str | None) -> dict[str, str]:
+        """The owner's model sampling jobs by model, least recently used first."""
+        with self._lock:
+            return {model: job.job_id for (o, model), job in self._jobs.items() if o == owner}
+
+    def _use(self, session: Session, owner: str | None, model: str) -> _Job:
+        key = (owner, model)
+        job = self._jobs.get(key)
+        if job is None or not self._alive(job.job_id, owner):
+            info = self.service.create_job(
+                {
+                    "experiment_name": f"tinker sampler {Path(model).name}",
+                    "sub_job_configs": [{"job_type": "sampling", "model_name": model}],
+                },
+                owner=owner,
+            )
+            session.job_ids.append(info["job_id"])
+            job = self._jobs[key] = _Job(info["job_id"])
+        self._jobs.move_to_end(key)
+        self._release_beyond_limit(owner)
+        return job
+
+    def _release_beyond_limit(self, owner: str | None) -> None:
+        """Forget the owner's ended jobs, then cancel its least recently used idle ones until it
+        holds ``limit`` (the most recently used one is never released)."""
+        mine = [key for key in self._jobs if key[0] == owner]
+        for key in mine:
+            if not self._alive(self._jobs[key].job_id, owner):
+                del self._jobs[key]
+        mine = [key for key in self._jobs if key[0] == owner]
+        excess = len(mine) - self.limit
+        for key in mine[:-1]:
+            if excess <= 0:
+                break
+            job = self._jobs[key]
+            if job.in_flight:
+                continue
+            # a job that ended meanwhile (its session finished) has nothing left to free
+            with contextlib.suppress(ServiceError):
+                self.service.cancel_job(job.job_id, owner=owner)
+            del self._jobs[key]
+            excess -= 1
+
+    def _alive(self, job_id: str, owner: str | None) -> bool:
+        return self.service.get_job(job_id, owner=owner)["status"] in _LIVE
