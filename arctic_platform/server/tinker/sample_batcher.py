@@ -92,8 +92,8 @@ class SampleBatcher:
 
         ``submit(runner)`` queues ``runner`` on the sub-job (the Service's guarded queue); a
         drain is queued whenever the queue goes from empty to non-empty. Requests batch by
-        ``key`` (default: the sub-job); ``before(engine)`` runs in the drain ahead of the
-        batch's ``generate`` (a sampler snapshot loads its weights there).
+        ``key`` (default: the sub-job); ``before(engine)`` runs first in the drain, before it
+        lingers (a sampler snapshot loads its weights there while the group still arrives).
         """
         engine = sub.engine
         try:
@@ -118,6 +118,8 @@ class SampleBatcher:
         return item.future
 
     def _drain(self, queue: _Queue, engine, before) -> None:
+        if before is not None:  # the batch's weights load while its requests still arrive
+            before(engine)
         with queue.lock:
             self._linger(queue)
             batch, queue.pending = queue.pending, []
@@ -126,8 +128,6 @@ class SampleBatcher:
         with self._lock:
             bursts = self._bursts.setdefault(queue.sub_job_id, deque(maxlen=BURST_HISTORY))
             bursts.append(len(batch))
-        if before is not None:
-            before(engine)
         outputs = engine.generate([p.prompt for p in batch], [p.params for p in batch])
         start = 0
         for item in batch:
