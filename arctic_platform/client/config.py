@@ -290,15 +290,13 @@ class ArcticRLClientConfig(JobsConfig):
         {"legacy_backend", "ignored_settings", "legacy_fields"}
     )
 
-    @model_validator(mode="before")
     @classmethod
-    def _reject_unknown(cls, data: Any) -> Any:
+    def fold(cls, data: Mapping) -> dict[str, Any]:
+        """The contract's job folding plus the legacy backend fields (client/legacy.py)."""
         from arctic_platform.client.legacy import fold_legacy
 
-        if isinstance(data, Mapping):
-            cls.refuse_unknown(data)
-            data = fold_legacy(data)
-            _check_backend_type(data.get("backend"))
+        data = fold_legacy(data)
+        _check_backend_type(data.get("backend"))
         return data
 
     @field_validator("training_job_id", "sampling_job_id", "log_prob_job_id", mode="before")

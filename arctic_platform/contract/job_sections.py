@@ -86,8 +86,13 @@ class JobsConfig(Settings):
     def _reject_unknown(cls, data: Any) -> Any:
         if isinstance(data, Mapping):
             cls.refuse_unknown(data)
-            data = fold_job_fields(data)
+            data = cls.fold(data)
         return data
+
+    @classmethod
+    def fold(cls, data: Mapping) -> dict[str, Any]:
+        """``data`` with its legacy fields folded into the nested form, before validation."""
+        return fold_job_fields(data)
 
     @classmethod
     def refuse_unknown(cls, data: Mapping) -> None:
