@@ -206,19 +206,30 @@ class RayTrainingEngine:
     # -- compute --------------------------------------------------------------------------
 
     def forward_backward(
-        self, batch: Mapping, meta: Mapping | None = None, processing: Mapping | None = None
+        self,
+        batch: Mapping,
+        meta: Mapping | None = None,
+        processing: Mapping | None = None,
+        *,
+        with_logprobs: bool = False,
     ) -> dict:
-        from arctic_platform.engine.metrics import reduce_metrics
+        from arctic_platform.engine.metrics import finalize_metrics
 
         request = self._validate(batch, meta, processing, backward=True)
-        _, replies = self._on_shards("forward_backward", request, batch, meta, processing)
-        metrics = reduce_metrics(replies[r]["metric_sums"] for r in range(self.workers))
-        return {**loss_fields(metrics), "metrics": metrics}
+        parts, replies = self._on_shards(
+            "forward_backward", request, batch, meta, processing, with_logprobs
+        )
+        sums = _summed(replies[r]["metric_sums"] for r in range(self.workers))
+        metrics = finalize_metrics(sums)
+        out = {**loss_fields(metrics), "metrics": metrics, "metric_sums": sums}
+        if with_logprobs:
+            out["logprobs"] = _merged(parts, replies, "logprobs", request.batch.size)
+        return out
 
     def forward(
         self, batch: Mapping, meta: Mapping | None = None, processing: Mapping | None = None
     ) -> dict:
-        from arctic_platform.engine.metrics import reduce_metrics
+        from arctic_platform.engine.metrics import finalize_metrics
 
         request = self._validate(batch, meta, processing, backward=False)
         parts, replies = self._on_shards("forward", request, batch, meta, processing)
@@ -226,16 +237,17 @@ class RayTrainingEngine:
         out: dict[str, Any] = {}
         for name in FORWARD_OUTPUTS:
             if name in replies[active[0]]:
-                pieces = [(parts[r], replies[r][name]) for r in active]
-                out[name] = numpy_to_torch(merge_rows(pieces, request.batch.size))
+                out[name] = _merged(parts, replies, name, request.batch.size)
         out["metrics"] = {}
         if request.loss is not None:
-            out["metrics"] = reduce_metrics(replies[r]["metric_sums"] for r in active)
+            out["metric_sums"] = _summed(replies[r]["metric_sums"] for r in active)
+            out["metrics"] = finalize_metrics(out["metric_sums"])
             out.update(loss_fields(out["metrics"]))
         return out
 
-    def step(self, learning_rate: float | None = None) -> dict:
-        replies = self._on_all("step", learning_rate)
+    def step(self, learning_rate: float | None = None, *, adam=None) -> dict:
+        """The optimizer step on every worker (``adam``: Tinker's per-step AdamW settings)."""
+        replies = self._on_all("step", learning_rate, adam)
         return replies[0]
 
     # -- checkpoints and weights ----------------------------------------------------------
@@ -260,11 +272,19 @@ class RayTrainingEngine:
         )
         return replies[0]
 
-    def load_checkpoint(self, path=None, *, step: int | None = None) -> dict:
-        return self._on_all("load_checkpoint", None if path is None else str(path), step)[0]
+    def load_checkpoint(
+        self, path=None, *, step: int | None = None, optimizer: bool = True
+    ) -> dict:
+        path = None if path is None else str(path)
+        return self._on_all("load_checkpoint", path, step, optimizer)[0]
 
     def sync_weights_to(self, target: RayInferenceEngine) -> dict:
         """Stream the current weights into ``target``'s replica through the object store."""
+        return target.load_weight_chunks(self.weight_chunk_refs())
+
+    def weight_chunk_refs(self) -> list:
+        """Object-store refs of the current weights' safetensors chunks, put by rank 0 (every
+        rank gathers with FSDP); they hold those weights for as long as the refs are kept."""
         replies = self.actors.gather(
             {
                 r: self.actors.handles[r].weight_chunks.remote(WEIGHT_CHUNK_BYTES)
@@ -272,7 +292,7 @@ class RayTrainingEngine:
             },
             "weight-sync",
         )
-        return target.load_weight_chunks(replies[0])
+        return replies[0]
 
     # -- colocation -----------------------------------------------------------------------
 
@@ -298,15 +318,16 @@ class RayTrainingEngine:
         )
 
     def _on_shards(
-        self, method: str, request, batch: Mapping, meta: Mapping | None, processing
+        self, method: str, request, batch: Mapping, meta: Mapping | None, processing, *extra
     ) -> tuple[list[np.ndarray], dict]:
-        """Each worker runs ``method`` on its shard of ``batch``: ``(rows per worker, replies)``."""
+        """Each worker runs ``method`` on its shard of ``batch`` (then ``extra`` arguments):
+        ``(rows per worker, replies)``."""
         parts, shards = self._split(batch, request)
         meta_out = self._worker_meta(request, meta)
         op_id = uuid.uuid4().hex
         replies = self.actors.gather(
             {
-                r: getattr(h, method).remote(shards[r], meta_out, processing, op_id)
+                r: getattr(h, method).remote(shards[r], meta_out, processing, op_id, *extra)
                 for r, h in enumerate(self.actors.handles)
             },
             method.replace("_", "-"),
@@ -382,13 +403,19 @@ class RayInferenceEngine:
         )
         self.actors = _Actors(sub_job_id, kind, [handle], [name])
         try:
-            self.actors.gather({0: handle.start.remote(config)}, "startup", START_TIMEOUT_S)
+            started = self.actors.gather(
+                {0: handle.start.remote(config)}, "startup", START_TIMEOUT_S
+            )
         except BaseException:
             self.close()
             raise
+        self.vocab_size = int(started[0]["vocab_size"])
 
     def generate(self, prompts, sampling_params=None):
         return self._call("generate", prompts, sampling_params)
+
+    def prompt_logprobs(self, token_ids) -> list[float | None]:
+        return self._call("prompt_logprobs", list(token_ids))
 
     def log_probs(self, prompts, completions=None, top_k: int = 1):
         return self._call("log_probs", prompts, completions, top_k)
@@ -552,6 +579,22 @@ def _raise_rejection(replies) -> None:
     if first.kind == "state":
         raise SamplerStateError(first.message)
     raise EngineInputError(first.field or "batch", first.message)
+
+
+def _summed(parts) -> dict[str, float]:
+    """The raw metric pairs of several workers added up (what one engine's ``metric_sums`` is)."""
+    from arctic_platform.engine.metrics import MetricSums
+
+    total = MetricSums()
+    for part in parts:
+        total.add(part)
+    return total.raw()
+
+
+def _merged(parts: list[np.ndarray], replies: dict, name: str, size: int):
+    """Output ``name`` of the workers that had rows, back in the request's row order."""
+    pieces = [(parts[r], replies[r][name]) for r in replies if len(parts[r])]
+    return numpy_to_torch(merge_rows(pieces, size))
 
 
 def _combine(answers: dict[int, dict]) -> dict:

@@ -164,10 +164,17 @@ class TrainingWorker(_StoppableWorker):
         return _replying(build)
 
     def forward_backward(
-        self, batch: Mapping | None, meta: Mapping, processing: Mapping, op_id: str | None = None
+        self,
+        batch: Mapping | None,
+        meta: Mapping,
+        processing: Mapping,
+        op_id: str | None = None,
+        with_logprobs: bool = False,
     ) -> Any:
         return _replying(
-            lambda: self.engine.forward_backward(_writable(batch), meta, processing),
+            lambda: self.engine.forward_backward(
+                _writable(batch), meta, processing, with_logprobs=with_logprobs
+            ),
             self.stops,
             op_id,
         )
@@ -179,8 +186,8 @@ class TrainingWorker(_StoppableWorker):
             lambda: self.engine.forward(_writable(batch), meta, processing), self.stops, op_id
         )
 
-    def step(self, learning_rate: float | None) -> Any:
-        return _replying(lambda: self.engine.step(learning_rate))
+    def step(self, learning_rate: float | None, adam=None) -> Any:
+        return _replying(lambda: self.engine.step(learning_rate, adam=adam))
 
     def save_checkpoint(self, path, step, export_hf: bool, save_total_limit) -> Any:
         return _replying(
@@ -189,8 +196,8 @@ class TrainingWorker(_StoppableWorker):
             )
         )
 
-    def load_checkpoint(self, path, step) -> Any:
-        return _replying(lambda: self.engine.load_checkpoint(path, step=step))
+    def load_checkpoint(self, path, step, optimizer: bool = True) -> Any:
+        return _replying(lambda: self.engine.load_checkpoint(path, step=step, optimizer=optimizer))
 
     def weight_chunks(self, chunk_bytes: int) -> Any:
         """Rank 0: object refs of the weight stream's chunks, put one at a time; others: None."""
@@ -224,7 +231,9 @@ class InferenceWorker(_StoppableWorker):
     """A sampling replica (a ``SamplingEngine``) or a log-prob replica (a ``LogProbEngine``)."""
 
     METHODS: ClassVar[dict[str, frozenset[str]]] = {
-        "sampling": frozenset({"generate", "sleep", "wake", "reset_prefix_cache"}),
+        "sampling": frozenset(
+            {"generate", "prompt_logprobs", "sleep", "wake", "reset_prefix_cache"}
+        ),
         "log_prob": frozenset({"forward", "log_probs"}),
     }
 
@@ -243,7 +252,7 @@ class InferenceWorker(_StoppableWorker):
                 from arctic_platform.engine.logprob_engine import LogProbEngine
 
                 self.engine = LogProbEngine(config)
-            return {"pid": os.getpid()}
+            return {"vocab_size": self.engine.vocab_size, "pid": os.getpid()}
 
         return _replying(build)
 

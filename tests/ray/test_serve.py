@@ -90,3 +90,16 @@ def test_serve_ray_flags_fail_clearly(tmp_path, args, message):
     )
     assert result.returncode != 0
     assert message in result.stdout + result.stderr
+
+
+def test_tinker_sampling_clients_keep_their_snapshot_on_ray(ray_server):
+    """A Tinker sampling client from ``save_weights_and_get_sampling_client`` samples the weights
+    of that moment on Ray too, after the trainer (a Ray worker) trained on and saved again."""
+    tinker = pytest.importorskip("tinker", reason="the tinker SDK (Python >= 3.11)")
+    from tests.server.tinker.conftest import check_snapshots_keep_their_weights
+
+    service = tinker.ServiceClient(base_url=ray_server, api_key="tml-ray")
+    try:
+        check_snapshots_keep_their_weights(service)
+    finally:
+        service.close("success").result()

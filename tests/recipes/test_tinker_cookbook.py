@@ -1,14 +1,14 @@
 """tinker-cookbook's own RL loop (``tinker_cookbook.rl.train.main``) against our server.
 
-Nothing of the cookbook is patched: the loop gets our ``base_url`` and a local model folder as
-``model_name``, and drives the Tinker API end to end (warm-up state load, sampling clients per
-step, ``forward_backward`` + ``optim_step``, final checkpoints).
+Nothing of the cookbook is patched: the loop gets our ``base_url`` and a local model folder (our
+client's supervised warm-up, exported by the server) as ``model_name``, and drives the Tinker API
+end to end (sampling clients per step, ``forward_backward`` + ``optim_step``, its test-set
+evaluator, final checkpoints); its reward rises.
 """
 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
@@ -23,18 +23,17 @@ from tests.live_server import serve_app
 
 pytestmark = pytest.mark.slow
 
+# What 12 RL steps add to the greedy accuracy at the least (they added 0.13-0.24 in our runs).
+GREEDY_GAIN = 0.08
 
-def test_cookbook_rl_loop_runs_on_our_server(tmp_path):
+
+def test_cookbook_rl_loop_raises_the_reward_on_our_server(tmp_path):
     import tinker
 
-    # the cookbook names the model by its local folder, which the operator allows (--allow-path)
-    models = Path(builtin_model_path("builtin:tiny")).parent
-    service = Service(
-        ServiceSettings(data_dir=tmp_path / "data", device="cpu", allowed_paths=(models,))
-    )
+    service = Service(ServiceSettings(data_dir=tmp_path / "data", device="cpu"))
     log_path = tmp_path / "log"
     with serve_app(create_app(service)) as url:
-        rewards = tinker_addition.run(url, str(log_path), warmup_steps=2, rl_steps=3)
+        progress = tinker_addition.run(url, str(log_path), warmup_steps=100, rl_steps=12)
         rest = tinker.RestClient(base_url=url, api_key="tml-local")
         saved = [
             json.loads(line) for line in (log_path / "checkpoints.jsonl").read_text().splitlines()
@@ -42,10 +41,12 @@ def test_cookbook_rl_loop_runs_on_our_server(tmp_path):
         final = saved[-1]
         run_id = final["state_path"].split("/")[2]
         listed = {c.tinker_path for c in rest.list_checkpoints(run_id).result().checkpoints}
-    assert len(rewards) == 3  # one cookbook metrics row per RL step, rewards in the task's range
-    assert all(-0.1 <= r <= 1.0 for r in rewards)
     assert {final["state_path"], final["sampler_path"]} <= listed
-    assert Path(log_path / "metrics.jsonl").is_file()
+    assert len(progress.reward_per_step) == 12  # one cookbook metrics row per RL step
+    # the cookbook's evaluator (greedy answers to all 100 sums), before the first step and after
+    # the last: RL made the policy answer more of them right
+    before, after = progress.greedy_accuracy
+    assert after >= before + GREEDY_GAIN, progress
 
 
 def test_rl_samples_have_room_for_the_longest_answer_and_the_stop_sequence():

@@ -8,8 +8,8 @@ retrieve timeout is 45 s, so the long poll stays well inside it.
 A failed op answers 200 ``{"error", "category"}``: ``user`` when the request was at fault (a
 :class:`ServiceError` with a 4xx status), ``server`` otherwise; the SDK raises
 ``RequestFailedError`` with that category. Results stay retrievable after they were read (a client
-whose poll response was lost polls again); the oldest finished ones are dropped past
-:data:`MAX_FINISHED`.
+whose poll response was lost polls again); past :data:`MAX_FINISHED` finished ones, the one that
+finished first is dropped (kept in finishing order, so no op scans the store).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import uuid
-from collections import OrderedDict
+from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -47,15 +47,15 @@ class FutureStore:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._entries: OrderedDict[str, _Entry] = OrderedDict()
+        self._entries: dict[str, _Entry] = {}
+        self._finished: deque[str] = deque()
 
     def add(self, owner: str | None, future: Future) -> str:
         """Register ``future``; returns its new request id."""
         request_id = uuid.uuid4().hex
         with self._lock:
             self._entries[request_id] = _Entry(owner, future)
-            self._evict()
-        future.add_done_callback(lambda _: self._evict_locked())
+        future.add_done_callback(lambda _: self._finish(request_id))
         return request_id
 
     def completed(self, owner: str | None, result: OpResult) -> str:
@@ -83,11 +83,8 @@ class FutureStore:
         except Exception as exc:  # an engine bug must reach the client, not kill the poll
             return {"error": f"{type(exc).__name__}: {exc}", "category": "server"}
 
-    def _evict_locked(self) -> None:
+    def _finish(self, request_id: str) -> None:
         with self._lock:
-            self._evict()
-
-    def _evict(self) -> None:
-        finished = [rid for rid, e in self._entries.items() if e.future.done()]
-        for rid in finished[: max(0, len(finished) - MAX_FINISHED)]:
-            del self._entries[rid]
+            self._finished.append(request_id)
+            while len(self._finished) > MAX_FINISHED:
+                del self._entries[self._finished.popleft()]

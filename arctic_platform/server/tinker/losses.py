@@ -17,6 +17,14 @@ them; ``r = exp(logp - logprobs)``, ``A = advantages``):
 
 Every target position is scored, prompt positions included (their advantages are 0 in the
 cookbook's datums), as Tinker does. The ``loss:sum`` metric is the summed loss.
+
+A datum does not say where its prompt ends, but its loss inputs show it: the cookbook (and any
+GRPO loop) puts zeros in every float input (``weights``, or ``logprobs`` and ``advantages``) over
+the prompt. The batch's ``response_mask`` marks the positions from the first nonzero one on, which
+is what the engine's prompt sharing (:mod:`arctic_platform.engine.prompt_sharing`) reads to run a
+prompt shared by several datums once; which positions train stays ``loss_mask``/``loss_weights``.
+Sharing is exact for any split point (a row's prompt is only shared with rows whose tokens and
+targets before it are equal), so a datum whose prompt carries nonzero inputs only shares less.
 """
 
 from __future__ import annotations
@@ -119,7 +127,15 @@ def build_batch(data: list[Datum], spec: TinkerLoss) -> dict[str, np.ndarray]:
     batch = {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels, **fields}
     if "loss_weights" not in fields:
         batch["loss_mask"] = labels != IGNORE_INDEX
+    batch["response_mask"] = _from_first_nonzero(fields.values(), attention_mask)
     return batch
+
+
+def _from_first_nonzero(fields, attention_mask: np.ndarray) -> np.ndarray:
+    """1 on each row's tokens from its first position where any of ``fields`` is nonzero on
+    (module doc)."""
+    nonzero = np.logical_or.reduce([f != 0 for f in fields])
+    return (np.logical_or.accumulate(nonzero, axis=1) & (attention_mask == 1)).astype(np.int64)
 
 
 def per_datum(logprobs, data: list[Datum]) -> list[dict[str, np.ndarray]]:

@@ -31,6 +31,7 @@ from arctic_platform.server.tinker.futures import FutureStore, OpResult
 from arctic_platform.server.tinker.model_samplers import ModelSamplingJobs
 from arctic_platform.server.tinker.sample_batcher import SampleBatcher
 from arctic_platform.server.tinker.session_reaper import SESSION_TIMEOUT_S, SessionReaper
+from arctic_platform.server.tinker.snapshots import take_snapshot
 from arctic_platform.server.tinker.state import Sampler, TinkerState, TrainingRun
 
 # How long create_model (and sampling on a fresh sampler) waits for the engines to load.
@@ -298,21 +299,11 @@ class TinkerOps:
             self.checkpoints.set_ttl(path, owner, ttl_seconds)
 
     def _sync_to_sampler(self, run: TrainingRun, owner):
-        """``save_weights_and_get_sampling_client``: a snapshot of the trainer's adapters, which
-        the run's sampler loads before sampling for it (:mod:`.state`). A trainer whose weights
-        live elsewhere (Ray workers) syncs them into the sampler instead, latest weights only."""
-        from arctic_platform.server.ops import prepare_op
+        """``save_weights_and_get_sampling_client``: a snapshot of the trainer's weights
+        (:mod:`.snapshots`), which the run's sampler loads before sampling for it."""
 
         def runner(engine) -> OpResult:
-            snapshot = None
-            if getattr(engine, "sync_weights_to", None) is None:
-                from arctic_platform.engine.weights import snapshot_adapters
-
-                snapshot = (run.model_id, run.add_snapshot(snapshot_adapters(engine.model)))
-            else:
-                sub = self.service.resolve(run.training_sub_job, owner=owner)
-                body = {"target_sub_job_ids": [run.sampling_sub_job]}
-                prepare_op(self.service, sub, "weight-sync", body)()
+            snapshot = (run.model_id, run.add_snapshot(take_snapshot(engine)))
             sampler = self.state.add_sampler(
                 Sampler(
                     uuid.uuid4().hex,
@@ -329,21 +320,18 @@ class TinkerOps:
 
     def _snapshot_loader(self, sampler: Sampler, owner):
         """``(batch key, load)`` for a snapshot sampler: ``load(engine)`` runs on the sampling
-        sub-job's queue before a batch of this snapshot and loads its merged weights unless they
-        are the ones loaded."""
+        sub-job's queue before a batch of this snapshot and loads its weights unless they are
+        the ones loaded."""
         model_id, number = sampler.snapshot
         run = self.state.run(model_id, owner)
-        adapters = run.snapshot(number)  # a dropped snapshot is refused before a request id
+        snapshot = run.snapshot(number)  # a dropped snapshot is refused before a request id
         wanted = (model_id, number)
 
         def load(engine) -> None:
-            from arctic_platform.engine.weights import export_weights
-
             if self._loaded_snapshots.get(sampler.sub_job_id) == wanted:
                 return
             trainer = self.service.resolve(run.training_sub_job, owner=owner).engine
-            # the trainer's base weights are frozen, so reading them beside its training is safe
-            engine.load_weights(export_weights(trainer.model, adapters=adapters))
+            snapshot.load_into(engine, trainer)
             self._loaded_snapshots[sampler.sub_job_id] = wanted
 
         return f"{sampler.sub_job_id}@{number}", load

@@ -11,12 +11,20 @@ once would decode it alone and leave the rest to a second full decode loop, doub
 sampling time (the benchmark measured it). So a drain first *lingers*: it waits until no request
 has arrived for :data:`LINGER_GAP_S`, at most :data:`LINGER_MAX_S`, which costs a lone request
 a few milliseconds against a decode loop of hundreds.
+
+An RL loop sends the same burst every step (``G`` prompts, or ``G x n`` single samples), so the
+sampler's recent drains say how many requests to expect: once as many requests are pending as the
+largest of the sub-job's last :data:`BURST_HISTORY` drains collected, the drain waits only
+:data:`LINGER_SETTLE_S` for more (a burst that grew still gathers while its requests keep coming)
+instead of the full gap after the last one. What is sampled does not change, only when the drain
+starts.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -27,6 +35,8 @@ from arctic_platform.server.errors import BadRequest, Conflict
 
 LINGER_GAP_S = 0.03
 LINGER_MAX_S = 0.3
+LINGER_SETTLE_S = 0.005
+BURST_HISTORY = 8
 
 
 @dataclass
@@ -39,6 +49,7 @@ class _Pending:
 
 @dataclass
 class _Queue:
+    sub_job_id: str
     lock: threading.Lock = field(default_factory=threading.Lock)
     arrived: threading.Condition = field(init=False)
     pending: list[_Pending] = field(default_factory=list)
@@ -52,11 +63,19 @@ class _Queue:
 class SampleBatcher:
     """Per-sampler queues of pending requests (see module doc)."""
 
-    def __init__(self, linger_gap_s: float = LINGER_GAP_S, linger_max_s: float = LINGER_MAX_S):
+    def __init__(
+        self,
+        linger_gap_s: float = LINGER_GAP_S,
+        linger_max_s: float = LINGER_MAX_S,
+        linger_settle_s: float = LINGER_SETTLE_S,
+    ):
         self._lock = threading.Lock()
         self._queues: dict[str, _Queue] = {}
+        # sampling sub-job -> how many requests its last drains collected (module doc)
+        self._bursts: dict[str, deque[int]] = {}
         self.linger_gap_s = linger_gap_s
         self.linger_max_s = linger_max_s
+        self.linger_settle_s = linger_settle_s
 
     def add(
         self,
@@ -73,8 +92,8 @@ class SampleBatcher:
 
         ``submit(runner)`` queues ``runner`` on the sub-job (the Service's guarded queue); a
         drain is queued whenever the queue goes from empty to non-empty. Requests batch by
-        ``key`` (default: the sub-job); ``before(engine)`` runs in the drain ahead of the
-        batch's ``generate`` (a sampler snapshot loads its weights there).
+        ``key`` (default: the sub-job); ``before(engine)`` runs first in the drain, before it
+        lingers (a sampler snapshot loads its weights there while the group still arrives).
         """
         engine = sub.engine
         try:
@@ -85,7 +104,9 @@ class SampleBatcher:
             raise BadRequest(f"prompt: token ids must lie in [0, {engine.vocab_size})")
         item = _Pending(prompt, parsed, prompt_logprobs)
         with self._lock:
-            queue = self._queues.setdefault(key or sub.sub_job_id, _Queue())
+            queue = self._queues.get(key or sub.sub_job_id)
+            if queue is None:
+                queue = self._queues[key or sub.sub_job_id] = _Queue(sub.sub_job_id)
         with queue.lock:
             queue.pending.append(item)
             queue.arrived.notify_all()
@@ -97,13 +118,16 @@ class SampleBatcher:
         return item.future
 
     def _drain(self, queue: _Queue, engine, before) -> None:
+        if before is not None:  # the batch's weights load while its requests still arrive
+            before(engine)
         with queue.lock:
             self._linger(queue)
             batch, queue.pending = queue.pending, []
             queue.in_flight = batch
             queue.scheduled = False
-        if before is not None:
-            before(engine)
+        with self._lock:
+            bursts = self._bursts.setdefault(queue.sub_job_id, deque(maxlen=BURST_HISTORY))
+            bursts.append(len(batch))
         outputs = engine.generate([p.prompt for p in batch], [p.params for p in batch])
         start = 0
         for item in batch:
@@ -115,9 +139,12 @@ class SampleBatcher:
     def _linger(self, queue: _Queue) -> None:
         """Wait (holding ``queue.lock``) while requests keep arriving (see module doc)."""
         deadline = time.monotonic() + self.linger_max_s
+        with self._lock:
+            expected = max(self._bursts.get(queue.sub_job_id, ()), default=0)
         seen = len(queue.pending)
         while (left := deadline - time.monotonic()) > 0:
-            queue.arrived.wait(min(self.linger_gap_s, left))
+            gap = self.linger_settle_s if 0 < expected <= seen else self.linger_gap_s
+            queue.arrived.wait(min(gap, left))
             if len(queue.pending) == seen:
                 return
             seen = len(queue.pending)

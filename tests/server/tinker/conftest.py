@@ -64,3 +64,42 @@ def encode(text: str) -> list[int]:
     from arctic_platform.engine.builtin import build_tokenizer
 
     return build_tokenizer().encode(text, add_special_tokens=False)
+
+
+def sft_datum(text: str, prompt_len: int):
+    """``(token ids, a cross_entropy Datum)`` training the tokens after the first
+    ``prompt_len``."""
+    ids = encode(text)
+    weights = [0.0] * (prompt_len - 1) + [1.0] * (len(ids) - prompt_len)
+    return ids, tinker.types.Datum(
+        model_input=tinker.types.ModelInput.from_ints(ids[:-1]),
+        loss_fn_inputs={"target_tokens": ids[1:], "weights": weights},
+    )
+
+
+def check_snapshots_keep_their_weights(service_client) -> None:
+    """Tinker semantics: a client from save_weights_and_get_sampling_client samples the weights of
+    that moment (tokens, their log-probs and prompt log-probs), whatever the training client saves
+    later. Shared by the in-process and the Ray backend's tests."""
+    types = tinker.types
+    client = service_client.create_lora_training_client(base_model=TINY, rank=4, seed=6).result()
+    prompt = types.ModelInput.from_ints(encode("12+34="))
+    params = types.SamplingParams(max_tokens=6, temperature=1.0, seed=11)
+
+    def draw(sampler):  # a deadline, not a hang, if the server never answers
+        out = sampler.sample(prompt, 1, params, include_prompt_logprobs=True).result(300)
+        seq = out.sequences[0]
+        return list(seq.tokens), list(seq.logprobs), out.prompt_logprobs
+
+    first = client.save_weights_and_get_sampling_client().result()
+    before = draw(first)
+    assert before[2][0] is None and len(before[2]) == prompt.length
+    _, datum = sft_datum("12+34=46", 6)
+    for _ in range(3):
+        client.forward_backward([datum], "cross_entropy")
+        client.optim_step(types.AdamParams(learning_rate=5e-2))
+    second = client.save_weights_and_get_sampling_client().result()
+    moved = draw(second)
+    assert moved[1] != before[1]  # the new snapshot samples the trained weights
+    assert draw(first) == before  # the old one still samples its own
+    assert draw(second) == moved

@@ -115,6 +115,31 @@ def test_sequencer_starts_in_seq_id_order_and_refuses_reuse():
     assert started == [2, 3, 4]
 
 
+def test_finished_futures_past_the_limit_drop_the_first_finished(monkeypatch):
+    import asyncio
+    from concurrent.futures import Future
+
+    from arctic_platform.server.errors import NotFound
+    from arctic_platform.server.tinker import futures
+
+    monkeypatch.setattr(futures, "MAX_FINISHED", 2)
+    store = futures.FutureStore()
+    running: Future = Future()
+    late = store.add("alice", running)
+    first, second, third = (
+        store.completed("alice", futures.OpResult(json={"i": i})) for i in (1, 2, 3)
+    )
+    with pytest.raises(NotFound):
+        asyncio.run(store.retrieve(first, "alice"))
+    assert asyncio.run(store.retrieve(third, "alice")).json == {"i": 3}
+    running.set_result(futures.OpResult(json={"i": 0}))  # finishes last: second goes
+    assert asyncio.run(store.retrieve(late, "alice")).json == {"i": 0}
+    with pytest.raises(NotFound):
+        asyncio.run(store.retrieve(second, "alice"))
+    with pytest.raises(NotFound):  # another owner's request id is unknown to bob
+        asyncio.run(store.retrieve(late, "bob"))
+
+
 def test_sessions_heartbeat_finish_and_auth(server_url):
     alice = {"X-API-Key": ALICE}
     with httpx.Client(base_url=server_url + "/api/v1", timeout=30) as http:

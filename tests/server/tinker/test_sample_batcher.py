@@ -112,3 +112,30 @@ def test_requests_arriving_while_a_drain_starts_join_it(engine):
     for future in futures:
         future.result(timeout=60)
     assert calls == [3]
+
+
+def test_a_burst_the_size_of_the_last_ones_starts_without_the_long_wait(engine):
+    """Once a sampler's drains have seen bursts of ``k`` requests, a drain holding ``k`` waits
+    only the settle gap: with a gap of an hour, the second burst is still decoded."""
+    import threading
+
+    sub, calls = counting_sub(engine, "j:sampling:3")
+    held: list = []
+
+    def submit(runner) -> Future:
+        future: Future = Future()
+        held.append(runner)
+        return future
+
+    batcher = SampleBatcher(linger_gap_s=0.0, linger_max_s=3600.0, linger_settle_s=0.0)
+    params = {"n": 1, "max_tokens": 2, "seed": 0}
+    first = [batcher.add(sub, [10 + i], params, False, submit) for i in range(3)]
+    held.pop()()  # no history yet: the drain waits the full gap (zero here)
+    assert all(f.done() for f in first)
+    batcher.linger_gap_s = 3600.0
+    second = [batcher.add(sub, [20 + i], params, False, submit, key="snapshot") for i in range(3)]
+    drain = threading.Thread(target=held.pop(), daemon=True)
+    drain.start()  # three pending, as many as the last burst: no hour-long wait
+    for future in second:
+        future.result(timeout=60)
+    assert calls == [3, 3]

@@ -9,19 +9,19 @@ import pytest
 import torch
 
 from arctic_platform.server.tinker.model_samplers import MAX_MODEL_SAMPLING_JOBS
-from tests.server.tinker.conftest import ALICE, BOB, TINY, encode, reference_logprobs, tinker
+from tests.server.tinker.conftest import (
+    ALICE,
+    BOB,
+    TINY,
+    check_snapshots_keep_their_weights,
+    encode,
+    reference_logprobs,
+    sft_datum,
+    tinker,
+)
 
 types = tinker.types
 pytestmark = pytest.mark.slow
-
-
-def sft_datum(text: str, prompt_len: int):
-    ids = encode(text)
-    weights = [0.0] * (prompt_len - 1) + [1.0] * (len(ids) - prompt_len)
-    return ids, types.Datum(
-        model_input=types.ModelInput.from_ints(ids[:-1]),
-        loss_fn_inputs={"target_tokens": ids[1:], "weights": weights},
-    )
 
 
 def logprobs_of(result, i: int) -> list[float]:
@@ -204,27 +204,7 @@ def test_save_load_and_sample_from_saved_weights(service_client, server_url):
 
 
 def test_a_sampling_client_keeps_its_snapshot_after_the_trainer_moves_on(service_client):
-    """Tinker semantics: a client from save_weights_and_get_sampling_client samples the weights of
-    that moment, whatever the training client saves later."""
-    client = service_client.create_lora_training_client(base_model=TINY, rank=4, seed=6).result()
-    prompt = types.ModelInput.from_ints(encode("12+34="))
-    params = types.SamplingParams(max_tokens=6, temperature=1.0, seed=11)
-
-    def draw(sampler):
-        seq = sampler.sample(prompt, 1, params).result().sequences[0]
-        return list(seq.tokens), list(seq.logprobs)
-
-    first = client.save_weights_and_get_sampling_client().result()
-    before = draw(first)
-    _, datum = sft_datum("12+34=46", 6)
-    for _ in range(3):
-        client.forward_backward([datum], "cross_entropy")
-        client.optim_step(types.AdamParams(learning_rate=5e-2))
-    second = client.save_weights_and_get_sampling_client().result()
-    moved = draw(second)
-    assert moved[1] != before[1]  # the new snapshot samples the trained weights
-    assert draw(first) == before  # the old one still samples its own
-    assert draw(second) == moved
+    check_snapshots_keep_their_weights(service_client)
 
 
 def test_checkpoint_samplers_beyond_the_limit_release_their_jobs_and_reload_on_use(
