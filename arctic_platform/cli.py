@@ -14,6 +14,7 @@ import typer
 import arctic_platform
 from arctic_platform.jobs_cli import app as jobs_app
 from arctic_platform.server.limits import ServerLimits
+from arctic_platform.server.ray_placement import PLACEMENT_TIMEOUT_S
 from arctic_platform.server.tinker.session_reaper import SESSION_TIMEOUT_S
 
 app = typer.Typer(
@@ -169,6 +170,20 @@ def serve(
     colocate: Annotated[
         bool, typer.Option(help="With --ray: put a job's trainer and samplers on shared devices.")
     ] = False,
+    placement_timeout: Annotated[
+        float,
+        typer.Option(
+            help="With --ray: seconds a job whose resources other jobs hold waits for them "
+            "before it fails (the job's log says what it waits for).",
+        ),
+    ] = PLACEMENT_TIMEOUT_S,
+    ray_autoscaling: Annotated[
+        bool,
+        typer.Option(
+            help="With --ray: the cluster adds nodes on demand, so a job larger than it is now "
+            "waits (up to --placement-timeout) instead of failing at once.",
+        ),
+    ] = False,
     instance_id: Annotated[
         str | None, typer.Option(help="The id /health reports (launchers set it).", hidden=True)
     ] = None,
@@ -244,8 +259,12 @@ def serve(
 
     require("fastapi", "server", purpose="arctic-platform serve")
     require("torch", "server", purpose="arctic-platform serve")
-    if not ray and (ray_address is not None or colocate):
-        raise typer.BadParameter("--ray-address and --colocate need --ray")
+    if not ray and (ray_address is not None or colocate or ray_autoscaling):
+        raise typer.BadParameter("--ray-address, --colocate and --ray-autoscaling need --ray")
+    if not placement_timeout > 0:
+        raise typer.BadParameter(
+            f"--placement-timeout: must be > 0 seconds, got {placement_timeout}"
+        )
     if sampling_engine not in ("torch", "vllm"):
         raise typer.BadParameter(
             f"--sampling-engine: expected torch or vllm, got {sampling_engine!r}"
@@ -274,6 +293,8 @@ def serve(
         log_level=log_level,
         ray_address=(ray_address or "auto") if ray else None,
         colocate=colocate,
+        placement_timeout_s=placement_timeout,
+        ray_autoscaling=ray_autoscaling,
         instance=instance_id,
         parent_pid=parent_pid,
         sampling_engine=sampling_engine,

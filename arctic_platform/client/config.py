@@ -43,22 +43,21 @@ from pydantic import (
     model_validator,
 )
 
-from arctic_platform.contract.job_config import (
-    API_JOB_TYPE,
-    CreateJobRequest,
-    InferenceSettings,
-    TrainingSettings,
-)
+from arctic_platform.contract.job_config import CreateJobRequest
+
+# The job sections are the contract's; they stay importable from here, as before.
+from arctic_platform.contract.job_sections import InferenceJob as InferenceJob
+from arctic_platform.contract.job_sections import JobsConfig
+from arctic_platform.contract.job_sections import TrainingJob as TrainingJob
+from arctic_platform.contract.legacy_config import LEGACY_FIELDS
 from arctic_platform.contract.settings import (
     LoraConfig,
     OptimizerConfig,
     SchedulerConfig,
     Settings,
     did_you_mean,
-    unknown_field_message,
 )
 
-Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 DEFAULT_MAX_REQUEST_BYTES = 60 * 1024 * 1024
 LOOPBACK_HOSTS = {"127.0.0.1", "localhost", "::1", "[::1]"}
 
@@ -270,63 +269,13 @@ ScheduleSettings = SchedulerConfig
 LoraSettings = LoraConfig
 
 
-class _Job(_Section):
-    """What every job section adds to its sub-job settings: the model, dtype and seed, each
-    inherited from the top level unless set here."""
-
-    model: str | None = Field(None, min_length=1)
-    dtype: Dtype | None = None
-    seed: int | None = None
-
-    # The keys that describe the job rather than its engine settings.
-    JOB_KEYS: ClassVar[frozenset[str]] = frozenset({"model", "dtype", "seed"})
-
-    def settings(self) -> dict[str, Any]:
-        """The sub-job's ``training_config`` / ``inference_config`` as the API writes it."""
-        return self.model_dump(mode="json", by_alias=True, exclude=set(self.JOB_KEYS))
-
-
-class TrainingJob(_Job, TrainingSettings):
-    """The trainer: optimizer, schedule, microbatch token budget, LoRA, checkpoint retention (the
-    server's ``training_config``, :class:`~arctic_platform.contract.job_config.TrainingSettings`,
-    plus the job's model, dtype and seed).
-
-    ``checkpoint_dir`` is the folder (on the machine running the engines) that
-    ``save_checkpoint``/``load_checkpoint`` use when called without ``path``: this client passes
-    it as the path of each such call, so it is not sent as the server-side root; by default the
-    server's own checkpoint folder.
-    """
-
-    JOB_KEYS: ClassVar[frozenset[str]] = frozenset({"model", "dtype", "seed", "checkpoint_dir"})
-
-
-class InferenceJob(_Job, InferenceSettings):
-    """A sampler (``sampling``) or a frozen reference scorer (``log_prob``): the server's
-    ``inference_config`` (:class:`~arctic_platform.contract.job_config.InferenceSettings`) plus
-    the job's model, dtype and seed.
-
-    ``max_seq_len`` bounds prompt plus completion (default: the model's context length).
-    ``engine`` picks the sampler: ``torch`` (ours) or ``vllm`` (vLLM in its own process); unset,
-    the server's default (ours, unless ``serve --sampling-engine vllm``). ``vllm`` holds the vLLM
-    settings (``python``, ``weight_sync``, ``env``, ``startup_timeout_s``) and any vLLM engine
-    arguments; our sampler honours ``max_num_seqs`` and ``max_model_len`` from it and the server
-    records the rest as ignored. The legacy ``vllm_config`` is folded into ``vllm``.
-    """
-
-
 # -- the config -------------------------------------------------------------------------------
 
 
-class ArcticRLClientConfig(_Section):
+class ArcticRLClientConfig(JobsConfig):
     """Backend, jobs and reconnect ids of a client (see the module docstring)."""
 
-    model: str | None = Field(None, min_length=1)
-    dtype: Dtype = "auto"
-    seed: int | None = None
     backend: Backend = InProcessBackend()
-    training: TrainingJob | None = TrainingJob()
-    sampling: InferenceJob | None = None
-    log_prob: InferenceJob | None = None
     training_job_id: str | None = None
     sampling_job_id: str | None = None
     log_prob_job_id: str | None = None
@@ -334,26 +283,20 @@ class ArcticRLClientConfig(_Section):
     experiment_name: str | None = None
     # Provenance of a folded legacy config: "local" lets the environment override apply.
     legacy_backend: Literal["local", "dss-platform"] | None = Field(None, exclude=True)
-    # Legacy settings that were accepted but have no meaning on these engines.
-    ignored_settings: dict[str, Any] = Field(default_factory=dict, exclude=True, repr=False)
     # The flat legacy fields as the caller set them; they read back as attributes.
     legacy_fields: dict[str, Any] = Field(default_factory=dict, exclude=True, repr=False)
 
-    @model_validator(mode="before")
-    @classmethod
-    def _reject_unknown(cls, data: Any) -> Any:
-        from arctic_platform.client.legacy import LEGACY_FIELDS, fold_legacy
+    INTERNAL_KEYS: ClassVar[frozenset[str]] = frozenset(
+        {"legacy_backend", "ignored_settings", "legacy_fields"}
+    )
 
-        if isinstance(data, Mapping):
-            known = cls.known_keys() | LEGACY_FIELDS
-            unknown = [k for k in data if k not in known]
-            if unknown:
-                shown = cls.known_keys() - {"legacy_backend", "ignored_settings", "legacy_fields"}
-                raise ValueError(
-                    unknown_field_message(unknown, known, "ArcticRLClientConfig", shown)
-                )
-            data = fold_legacy(data)
-            _check_backend_type(data.get("backend"))
+    @classmethod
+    def fold(cls, data: Mapping) -> dict[str, Any]:
+        """The contract's job folding plus the legacy backend fields (client/legacy.py)."""
+        from arctic_platform.client.legacy import fold_legacy
+
+        data = fold_legacy(data)
+        _check_backend_type(data.get("backend"))
         return data
 
     @field_validator("training_job_id", "sampling_job_id", "log_prob_job_id", mode="before")
@@ -365,18 +308,12 @@ class ArcticRLClientConfig(_Section):
     def _check_jobs(self) -> ArcticRLClientConfig:
         if self.reconnecting:
             return self
-        jobs = self.jobs()
-        if not jobs:
+        if not self.jobs():
             raise ValueError(
                 "training, sampling, log_prob: no job configured; configure at least one "
                 "(or give *_job_id to attach to running jobs)"
             )
-        for role, job in jobs.items():
-            if (job.model or self.model) is None:
-                raise ValueError(
-                    f"model: required (the model the {role} job loads: a local path, a hub "
-                    "name or builtin:tiny); set it at the top level or in the job's section"
-                )
+        self.check_models()
         return self
 
     def __getattr__(self, name: str) -> Any:
@@ -389,8 +326,6 @@ class ArcticRLClientConfig(_Section):
         try:
             return super().__getattr__(name)
         except AttributeError:
-            from arctic_platform.client.legacy import LEGACY_FIELDS
-
             if name in LEGACY_FIELDS:
                 return self.legacy_value(name)
             raise
@@ -432,19 +367,6 @@ class ArcticRLClientConfig(_Section):
         }
         return {role: job_id for role, job_id in ids.items() if job_id is not None}
 
-    def jobs(self) -> dict[str, TrainingJob | InferenceJob]:
-        """The configured jobs by role, in creation order (inference first, training last)."""
-        pairs = (
-            ("sampling", self.sampling),
-            ("log_prob", self.log_prob),
-            ("training", self.training),
-        )
-        return {role: job for role, job in pairs if job is not None}
-
-    def sub_job_configs(self) -> list[dict[str, Any]]:
-        """The ``sub_job_configs`` of the Cortex create-job body, one per configured job."""
-        return [self._sub_job(role, job) for role, job in self.jobs().items()]
-
     def to_create_job_request(self) -> CreateJobRequest:
         """The job spec every backend creates jobs from (validated by the server's model)."""
         return CreateJobRequest.model_validate(
@@ -456,19 +378,6 @@ class ArcticRLClientConfig(_Section):
         return self.to_create_job_request().model_dump(
             mode="json", by_alias=True, exclude_none=True
         )
-
-    def _sub_job(self, role: str, job: TrainingJob | InferenceJob) -> dict[str, Any]:
-        spec: dict[str, Any] = {
-            "job_type": API_JOB_TYPE[role],
-            "model_name": job.model or self.model,
-            "dtype": job.dtype or self.dtype,
-        }
-        seed = job.seed if job.seed is not None else self.seed
-        if seed is not None:
-            spec["seed"] = seed
-        key = "training_config" if isinstance(job, TrainingJob) else "inference_config"
-        spec[key] = {k: v for k, v in job.settings().items() if v is not None}
-        return spec
 
     # -- YAML -------------------------------------------------------------------------------
 
@@ -494,9 +403,11 @@ class ArcticRLClientConfig(_Section):
         """The config as YAML (written to ``path`` when given); ``from_yaml`` reads it back."""
         import yaml
 
-        text = yaml.safe_dump(
-            self.model_dump(mode="json", by_alias=True), sort_keys=False, default_flow_style=False
-        )
+        data = self.model_dump(mode="json", by_alias=True)
+        # The backend right after model, dtype and seed, where users write it (the job sections
+        # come from JobsConfig, so pydantic lists them before it).
+        data = {**{k: data[k] for k in ("model", "dtype", "seed", "backend")}, **data}
+        text = yaml.safe_dump(data, sort_keys=False, default_flow_style=False)
         if path is not None:
             Path(path).write_text(text)
         return text

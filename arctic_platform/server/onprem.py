@@ -34,10 +34,10 @@ from arctic_platform.server_identity import health_answer
 
 router = APIRouter()
 # Fields of the reference server's JobConfig (the form the reference client's /initialize sends).
-# A body with any of them is read the way the client reads the same legacy fields
-# (:mod:`arctic_platform.client.legacy`): optimizer, clipping, scheduler, token budget and
-# attention are honoured, and ``checkpoint_path`` is a training job's default checkpoint root;
-# what has no meaning here is reported back as ``ignored_settings``.
+# A body with any of them is read as the client reads the same legacy fields (both fold them as
+# :mod:`arctic_platform.contract.legacy_config` says): optimizer, clipping, scheduler, token
+# budget and attention are honoured, and ``checkpoint_path`` is a training job's default
+# checkpoint root; what has no meaning here is reported back as ``ignored_settings``.
 REFERENCE_INIT_FIELDS = frozenset(
     {
         "num_devices",
@@ -165,7 +165,7 @@ def _sub_job_from_init(body: Any, writable: Callable[..., Path]) -> tuple[dict, 
 
 
 def _fold_reference_job(body: dict, writable: Callable[..., Path]) -> tuple[dict, dict]:
-    """A reference ``JobConfig`` through the client's legacy folding (see REFERENCE_INIT_FIELDS).
+    """A reference ``JobConfig`` through the contract's legacy folding (see REFERENCE_INIT_FIELDS).
 
     ``checkpoint_path`` is, as on the reference server, the root where a training job saves and
     loads when a call names no path: it becomes the sub-job's ``checkpoint_dir`` once
@@ -173,7 +173,7 @@ def _fold_reference_job(body: dict, writable: Callable[..., Path]) -> tuple[dict
     """
     from pydantic import ValidationError
 
-    from arctic_platform.client.config import ArcticRLClientConfig
+    from arctic_platform.contract.job_sections import JobsConfig
     from arctic_platform.server.op_bodies import describe
 
     job_type = body.get("job_type", "training")
@@ -194,7 +194,7 @@ def _fold_reference_job(body: dict, writable: Callable[..., Path]) -> tuple[dict
         else:
             flat[key] = value
     try:
-        config = ArcticRLClientConfig.model_validate(flat)
+        config = JobsConfig.model_validate(flat)
     except ValidationError as exc:
         raise BadRequest(f"initialize: {describe(exc)}") from None
     (spec,) = config.sub_job_configs()

@@ -51,7 +51,7 @@ from arctic_platform.contract.job_config import API_JOB_TYPE
 from arctic_platform.contract.results import FORWARD_OUTPUTS, loss_fields
 from arctic_platform.engine import cancellation
 from arctic_platform.server.dp_split import merge_rows, split_by_tokens, take_rows
-from arctic_platform.server.ray_placement import JobShape, Placement
+from arctic_platform.server.ray_placement import JobShape, Placement, PlacementWait
 from arctic_platform.server.ray_workers import (
     CONCURRENCY_GROUPS,
     InferenceWorker,
@@ -61,6 +61,7 @@ from arctic_platform.server.ray_workers import (
 )
 from arctic_platform.tensor_tree import numpy_to_torch, to_object_store
 
+# How long started actors may take to load their model (their resources are reserved by then).
 START_TIMEOUT_S = 600.0
 # How often a proxy waiting on a stoppable op looks at the op's cancel tokens.
 STOP_POLL_S = 0.1
@@ -494,18 +495,36 @@ class RayEngines:
             raise
 
     def _acquire(self, job_id: str) -> Placement:
+        """The job's placement, reserved by its first sub-job (a job's sub-jobs are built one
+        after the other on its build thread); the wait holds no lock, so other jobs come and
+        go meanwhile."""
         with self._lock:
             if job_id in self._placements:
                 placement, users = self._placements[job_id]
                 self._placements[job_id] = (placement, users + 1)
                 return placement
-            placement = Placement.create(
-                device=self.service.settings.device,
-                shape=self._shape(job_id),
-                colocate=self.service.settings.colocate,
-            )
+        settings = self.service.settings
+        placement = Placement.create(
+            name=f"arctic-platform/{job_id}",
+            device=settings.device,
+            shape=self._shape(job_id),
+            colocate=settings.colocate,
+            wait=PlacementWait(
+                timeout_s=settings.placement_timeout_s,
+                autoscaling=settings.ray_autoscaling,
+                note=lambda line: self.service.note(job_id, line),
+                holders=lambda: self._holders(job_id),
+            ),
+        )
+        with self._lock:
             self._placements[job_id] = (placement, 1)
-            return placement
+        return placement
+
+    def _holders(self, job_id: str) -> str:
+        """This server's other jobs holding placements: ``job 1a2b (2 bundle(s) (0.68 CPU))``."""
+        with self._lock:
+            held = [(other, p) for other, (p, _) in self._placements.items() if other != job_id]
+        return ", ".join(f"job {other} ({p.describe()})" for other, p in held)
 
     def _release(self, job_id: str) -> None:
         with self._lock:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from arctic_platform.server.auth import TokenAuth
 from arctic_platform.server.limits import ServerLimits
+from arctic_platform.server.ray_placement import PLACEMENT_TIMEOUT_S
 from arctic_platform.server.tinker.session_reaper import SESSION_TIMEOUT_S
 
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
@@ -38,6 +39,8 @@ def serve(
     log_level: str = "info",
     ray_address: str | None = None,
     colocate: bool = False,
+    placement_timeout_s: float = PLACEMENT_TIMEOUT_S,
+    ray_autoscaling: bool = False,
     instance: str | None = None,
     parent_pid: int | None = None,
     sampling_engine: str = "torch",
@@ -53,7 +56,9 @@ def serve(
     finish, then their jobs are failed and the ops stopped.
 
     With ``ray_address`` (``auto``, ``local`` or a cluster address) the engines run as Ray
-    actors on that cluster (``colocate``: trainer and samplers share devices). ``instance`` is
+    actors on that cluster (``colocate``: trainer and samplers share devices); a job waits up to
+    ``placement_timeout_s`` for resources other jobs hold, and, with ``ray_autoscaling``, for
+    ones the cluster does not have yet. ``instance`` is
     the id ``/health`` reports (the launcher's, to recognise its server); with ``parent_pid`` the
     server stops when that process dies (:mod:`arctic_platform.server.parent_watch`).
     ``sampling_engine`` is the engine of sampling jobs that choose none; ``vllm_python`` the
@@ -94,6 +99,8 @@ def serve(
             max_concurrent_ops=max_concurrent_ops,
             engine_backend="local" if ray_address is None else "ray",
             colocate=colocate,
+            placement_timeout_s=placement_timeout_s,
+            ray_autoscaling=ray_autoscaling,
             sampling_engine=sampling_engine,
             vllm_python=vllm_python,
             allowed_paths=allowed_paths,

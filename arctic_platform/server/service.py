@@ -53,6 +53,7 @@ from arctic_platform.server.limits import ServerLimits
 from arctic_platform.server.metrics import ServiceMetrics
 from arctic_platform.server.op_bodies import describe
 from arctic_platform.server.paths import CHECKPOINTS_DIR, PathPolicy
+from arctic_platform.server.ray_placement import PLACEMENT_TIMEOUT_S
 from arctic_platform.server.scheduler import FairSlots
 from arctic_platform.server.store import MetadataStore
 
@@ -73,6 +74,11 @@ class ServiceSettings:
     # data-parallel over n_gpus workers), placed on shared devices when ``colocate`` is set.
     engine_backend: Literal["local", "ray"] = "local"
     colocate: bool = False
+    # Ray: how long a job whose resources other jobs hold waits for them (``serve
+    # --placement-timeout``), and whether the cluster can add nodes, so a demand larger than it
+    # waits rather than fails (``serve --ray-autoscaling``).
+    placement_timeout_s: float = PLACEMENT_TIMEOUT_S
+    ray_autoscaling: bool = False
     # Client paths stay inside each tenant's folder, or (read-only) under these prefixes; an
     # in-process Service, owned by the one user of its process, does not confine them (and only
     # there may a job name the interpreter that runs its vLLM engine).
@@ -634,6 +640,7 @@ class Service:
         for job in jobs:
             if job.status in ("pending", "initializing"):
                 job.cancelled.set()  # a build under way stops before its next engine
+                job.stop.cancel("the server is shutting down")  # and waits for no resources
         for builder in builders:
             builder.join(max(0.0, deadline - time.monotonic()))
         for job in jobs:
@@ -692,12 +699,21 @@ class Service:
                 source = None
                 if sub.spec.source_checkpoint_info is not None:
                     source = self._source_checkpoint(sub.spec, job.owner, field="sub_job_configs")
-                sub.engine = build_engine(self, sub, source)
+                # A cancel stops a build that waits (for Ray resources) and releases what it holds.
+                with cancellation.scope(job.stop):
+                    engine = build_engine(self, sub, source)
+                if job.cancelled.is_set():  # cancelled while the engine loaded: release it
+                    _close_engine(engine)
+                    return
+                sub.engine = engine
                 sub.queue = ThreadPoolExecutor(
                     max_workers=1, thread_name_prefix=sub.sub_job_id.replace(":", "-")
                 )
                 sub.status = "running"
                 self._log(job, f"{sub.sub_job_id}: engine ready ({sub.spec.model_name})")
+        except cancellation.OpCancelled as exc:
+            self._log(job, f"initialization stopped: {exc}")
+            return
         except Exception as exc:
             reason = f"initialization failed: {type(exc).__name__}: {exc}"
             self._log(job, reason + "\n" + traceback.format_exc(limit=8))
@@ -721,9 +737,7 @@ class Service:
             if sub.queue is not None:
                 sub.queue.shutdown(wait=wait, cancel_futures=True)
             engine, sub.engine = sub.engine, None
-            close = getattr(engine, "close", None)  # engines holding outside resources (Ray)
-            if close is not None:
-                close()
+            _close_engine(engine)
 
     def _set_status(self, job: Job, status: str, reason: str | None) -> None:
         with self._lock:
@@ -835,12 +849,24 @@ class Service:
             detail = f": {job.reason}" if job.reason else ""
             raise Conflict(f"job {job.job_id} is {job.status}{detail}", code=f"job_{job.status}")
 
+    def note(self, job_id: str, line: str) -> None:
+        """Add ``line`` to the job's log: what an engine builder reports while the job starts
+        (the Ray backend says what resources it waits for)."""
+        self._log(self._job(job_id, None, check_owner=False), line)
+
     def _log(self, job: Job, line: str) -> None:
         stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime())
         with self._lock:
             if len(job.logs) == job.logs.maxlen:
                 job.log_offset += 1
             job.logs.append(f"{stamp} {line}")
+
+
+def _close_engine(engine: Any) -> None:
+    """Release what an engine holds outside this process (Ray actors and placements)."""
+    close = getattr(engine, "close", None)
+    if close is not None:
+        close()
 
 
 def _int(value: Any, name: str) -> int:

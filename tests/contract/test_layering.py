@@ -28,8 +28,6 @@ CROSSINGS = {
     # only when that backend is chosen.
     ("client/transports/inprocess.py", "arctic_platform.server"): "the in-process backend",
     ("client/transports/ray.py", "arctic_platform.server"): "the ray backend",
-    # /initialize folds a reference JobConfig with the client's legacy-field folding (lazily).
-    ("server/onprem.py", "arctic_platform.client"): "reference JobConfig folding",
 }
 
 # Our packages above the engine-free base (wire, contract, tensor_tree).

@@ -204,11 +204,13 @@ def test_fsdp_weight_sync_reaches_the_sampler(runs, fsdp):
     assert fsdp.generate(prompts, params) != before
 
 
-def live_groups() -> dict:
+def live_groups(client) -> dict:
+    """The client's job's reserved placement group(s), named after the job."""
     import ray
 
+    name = f"arctic-platform/{client.training_job_id.split(':')[0]}"
     table = ray.util.placement_group_table()
-    return {pg: info for pg, info in table.items() if info["state"] == "CREATED"}
+    return {pg: i for pg, i in table.items() if i["state"] == "CREATED" and i["name"] == name}
 
 
 def test_colocated_job_shares_devices(fsdp):
@@ -216,7 +218,7 @@ def test_colocated_job_shares_devices(fsdp):
     reference's 0.34 / 0.33 shares; every actor runs inside its bundle (none of it is free)."""
     import ray
 
-    ((group_id, group),) = live_groups().items()  # only the FSDP job is colocated
+    ((group_id, group),) = live_groups(fsdp).items()
     assert group["strategy"] == "PACK"
     assert group["bundles"] == {0: {"CPU": 0.67}, 1: {"CPU": 0.34}}
     total, free = ray.cluster_resources(), ray.available_resources()
@@ -224,6 +226,17 @@ def test_colocated_job_shares_devices(fsdp):
         key = f"CPU_group_{index}_{group_id}"
         assert total[key] == pytest.approx(size)
         assert free.get(key, 0.0) == pytest.approx(0.0, abs=1e-6)
+
+
+def test_a_job_on_separate_devices_reserves_one_bundle_per_actor(ddp):
+    """Without colocation the job still reserves all its actors at once: one bundle per rank
+    at the training share, each used up by its rank."""
+    import ray
+
+    ((group_id, group),) = live_groups(ddp).items()
+    assert group["bundles"] == {0: {"CPU": 0.34}, 1: {"CPU": 0.34}}
+    free = ray.available_resources()
+    assert all(free.get(f"CPU_group_{i}_{group_id}", 0.0) < 1e-6 for i in (0, 1))
 
 
 def _step_in_a_task(config, state):
@@ -284,9 +297,9 @@ def test_shutdown_gives_the_devices_back(fsdp):
     (this test uses up the FSDP client, so it runs last)."""
     import time
 
-    assert live_groups()
+    assert live_groups(fsdp)
     fsdp.shutdown()
     deadline = time.monotonic() + 30
-    while live_groups() and time.monotonic() < deadline:
+    while live_groups(fsdp) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not live_groups()
+    assert not live_groups(fsdp)

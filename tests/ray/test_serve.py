@@ -77,7 +77,8 @@ def test_cortex_and_http_clients_train_on_ray_workers(ray_server, tmp_path):
     ("args", "message"),
     [
         (["--ray", "--ray-address", "127.0.0.1:1"], "--ray-address: no Ray cluster answers"),
-        (["--colocate"], "--ray-address and --colocate need --ray"),
+        (["--colocate"], "--ray-address, --colocate and --ray-autoscaling need --ray"),
+        (["--ray", "--placement-timeout", "0"], "--placement-timeout: must be > 0 seconds"),
     ],
 )
 def test_serve_ray_flags_fail_clearly(tmp_path, args, message):

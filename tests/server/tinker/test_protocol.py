@@ -173,6 +173,13 @@ def test_sessions_heartbeat_finish_and_auth(server_url):
             headers=alice,
         )
         assert refused.status_code == 410
+        prompt = {"chunks": [{"type": "encoded_text", "tokens": [5, 6]}]}
+        late_sample = http.post(  # its model's job was freed with the session: not restarted
+            "/asample",
+            json={"sampling_session_id": sampler, "prompt": prompt, "sampling_params": {}},
+            headers=alice,
+        )
+        assert late_sample.status_code == 410
         missing = http.post("/retrieve_future", json={"request_id": "nope"}, headers=alice)
         assert missing.status_code == 404
         bad = http.post(
