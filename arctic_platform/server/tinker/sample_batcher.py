@@ -49,6 +49,7 @@ class _Pending:
 
 @dataclass
 class _Queue:
+    key: str
     sub_job_id: str
     lock: threading.Lock = field(default_factory=threading.Lock)
     arrived: threading.Condition = field(init=False)
@@ -103,10 +104,11 @@ class SampleBatcher:
         if any(not 0 <= t < engine.vocab_size for t in prompt):
             raise BadRequest(f"prompt: token ids must lie in [0, {engine.vocab_size})")
         item = _Pending(prompt, parsed, prompt_logprobs)
+        key = key or sub.sub_job_id
         with self._lock:
-            queue = self._queues.get(key or sub.sub_job_id)
+            queue = self._queues.get(key)
             if queue is None:
-                queue = self._queues[key or sub.sub_job_id] = _Queue(sub.sub_job_id)
+                queue = self._queues[key] = _Queue(key, sub.sub_job_id)
         with queue.lock:
             queue.pending.append(item)
             queue.arrived.notify_all()
@@ -135,6 +137,19 @@ class SampleBatcher:
             start += item.params.n
             scored = engine.prompt_logprobs(item.prompt) if item.prompt_logprobs else None
             item.future.set_result((mine, scored))
+        self._forget_if_idle(queue)
+
+    def _forget_if_idle(self, queue: _Queue) -> None:
+        """Drop a queue nothing waits on: a Tinker run batches each sampler snapshot under its
+        own key, so kept queues would grow by one per step. A request that already holds the
+        dropped queue still schedules its own drain on it (``scheduled`` is False), so nothing
+        is lost; the next request for the key starts a new queue."""
+        with queue.lock:
+            if queue.pending or queue.scheduled:
+                return
+            with self._lock:
+                if self._queues.get(queue.key) is queue:
+                    del self._queues[queue.key]
 
     def _linger(self, queue: _Queue) -> None:
         """Wait (holding ``queue.lock``) while requests keep arriving (see module doc)."""

@@ -139,3 +139,29 @@ def test_a_burst_the_size_of_the_last_ones_starts_without_the_long_wait(engine):
     for future in second:
         future.result(timeout=60)
     assert calls == [3, 3]
+
+
+def test_a_drained_queue_is_dropped_and_its_key_batches_again(engine):
+    """Each sampler snapshot batches under its own key; an idle queue is not kept per key (a
+    long run would keep one per step), and a later request for the key is served as before."""
+    sub, calls = counting_sub(engine, "j:sampling:4")
+    held: list = []
+
+    def submit(runner) -> Future:
+        future: Future = Future()
+        held.append(runner)
+        return future
+
+    batcher = SampleBatcher(linger_gap_s=0.0)
+    params = {"n": 1, "max_tokens": 2, "seed": 0}
+    for step in range(3):
+        futures = [
+            batcher.add(sub, [10 + i], params, False, submit, key=f"s{step}") for i in (0, 1)
+        ]
+        held.pop()()
+        assert all(f.result(timeout=60) for f in futures)
+        assert batcher._queues == {}
+    again = batcher.add(sub, [12], params, False, submit, key="s0")
+    held.pop()()
+    assert again.result(timeout=60)[0][0]["token_ids"]
+    assert calls == [2, 2, 2, 1]
