@@ -33,6 +33,16 @@ def counting_sub(engine, sub_job_id: str) -> tuple[SimpleNamespace, list[int]]:
     return SimpleNamespace(sub_job_id=sub_job_id, engine=sub_engine), calls
 
 
+def holding_submit(held: list):
+    """A sub-job queue that only records each drain's runner; the test runs it when it wants."""
+
+    def submit(runner) -> Future:
+        held.append(runner)
+        return Future()
+
+    return submit
+
+
 def test_requests_queued_together_run_in_one_generate_call(engine):
     original = engine.generate
     sub, calls = counting_sub(engine, "j:sampling:0")
@@ -121,11 +131,7 @@ def test_a_burst_the_size_of_the_last_ones_starts_without_the_long_wait(engine):
 
     sub, calls = counting_sub(engine, "j:sampling:3")
     held: list = []
-
-    def submit(runner) -> Future:
-        future: Future = Future()
-        held.append(runner)
-        return future
+    submit = holding_submit(held)
 
     batcher = SampleBatcher(linger_gap_s=0.0, linger_max_s=3600.0, linger_settle_s=0.0)
     params = {"n": 1, "max_tokens": 2, "seed": 0}
@@ -146,11 +152,7 @@ def test_a_drained_queue_is_dropped_and_its_key_batches_again(engine):
     long run would keep one per step), and a later request for the key is served as before."""
     sub, calls = counting_sub(engine, "j:sampling:4")
     held: list = []
-
-    def submit(runner) -> Future:
-        future: Future = Future()
-        held.append(runner)
-        return future
+    submit = holding_submit(held)
 
     batcher = SampleBatcher(linger_gap_s=0.0)
     params = {"n": 1, "max_tokens": 2, "seed": 0}
