@@ -253,6 +253,14 @@ def serve(
             "every 10 s) before the server finishes it and frees its engines.",
         ),
     ] = SESSION_TIMEOUT_S,
+    job_idle_timeout: Annotated[
+        float | None,
+        typer.Option(
+            help="Cancel a job (releasing its engines) when no op was submitted or running for "
+            "this many seconds, e.g. one whose driver crashed without closing its client. "
+            "Status, list and log reads do not count as use. Default: jobs live until cancelled.",
+        ),
+    ] = None,
 ) -> None:
     """Serve the on-prem and Cortex-compatible HTTP APIs over one set of engines."""
     from arctic_platform._extras import require
@@ -277,6 +285,8 @@ def serve(
         raise typer.BadParameter(
             f"--tinker-session-timeout: must be > 0 seconds, got {tinker_session_timeout}"
         )
+    if job_idle_timeout is not None and not job_idle_timeout > 0:
+        raise typer.BadParameter(f"--job-idle-timeout: must be > 0 seconds, got {job_idle_timeout}")
     if ray:
         require("ray", "ray", purpose="arctic-platform serve --ray")
     from arctic_platform.server.serve import serve as run_server
@@ -304,6 +314,7 @@ def serve(
         max_ops_per_tenant=max_ops_per_tenant,
         drain_timeout=drain_timeout,
         tinker_session_timeout_s=tinker_session_timeout,
+        job_idle_timeout_s=job_idle_timeout,
         limits=ServerLimits(
             max_samples_per_request=max_samples_per_request,
             max_sample_tokens=max_sample_tokens,

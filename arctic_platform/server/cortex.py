@@ -148,7 +148,7 @@ async def _chunked_octet_op(request: Request, job_id: str, op: str) -> dict:
     """Octet body, possibly one chunk of a group: acknowledge, or schedule the whole frame."""
     owner = owner_of(request)
     service = _service(request)
-    service.get_job(job_id, owner=owner)
+    service.note_activity(job_id, owner=owner)  # a large body's upload keeps the job alive
     body = await read_body(request)
     outcome = await run_in_threadpool(service.chunk_groups.receive, job_id, body)
     if outcome.request_id is not None:
@@ -277,7 +277,8 @@ async def poll(
     cursor: str | None = None,
     max_events: int | None = None,
 ) -> dict:
-    _service(request).get_job(job_id, owner=owner_of(request))
+    # Collecting an op's result is its owner's use of the job (see Service.expire_idle_jobs).
+    _service(request).note_activity(job_id, owner=owner_of(request))
     return _service(request).requests.poll(job_id, request_id, cursor=cursor, max_events=max_events)
 
 

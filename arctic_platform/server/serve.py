@@ -51,6 +51,7 @@ def serve(
     drain_timeout: float = 30.0,
     limits: ServerLimits | None = None,
     tinker_session_timeout_s: float = SESSION_TIMEOUT_S,
+    job_idle_timeout_s: float | None = None,
 ) -> None:
     """Run the server until SIGINT/SIGTERM; ops in flight get ``drain_timeout`` seconds to
     finish, then their jobs are failed and the ops stopped.
@@ -64,7 +65,8 @@ def serve(
     ``sampling_engine`` is the engine of sampling jobs that choose none; ``vllm_python`` the
     interpreter that runs vLLM for them. ``metrics_token_env`` names the variable holding the
     operator's scrape token for ``/metrics``. Tinker sessions without a heartbeat for
-    ``tinker_session_timeout_s`` are finished.
+    ``tinker_session_timeout_s`` are finished; jobs with no op for ``job_idle_timeout_s`` (None:
+    never) are cancelled.
     """
     import uvicorn
 
@@ -108,6 +110,7 @@ def serve(
             limits=limits or ServerLimits(),
             max_ops_per_tenant=max_ops_per_tenant or default_share(max_concurrent_ops, auth),
             drain_timeout_s=drain_timeout,
+            job_idle_timeout_s=job_idle_timeout_s,
         )
     )
     app = create_app(

@@ -49,6 +49,7 @@ from arctic_platform.server.errors import (
     NotFound,
     ServiceError,
 )
+from arctic_platform.server.idle_reaper import IdleReaper
 from arctic_platform.server.limits import ServerLimits
 from arctic_platform.server.metrics import ServiceMetrics
 from arctic_platform.server.op_bodies import describe
@@ -95,6 +96,10 @@ class ServiceSettings:
     max_ops_per_tenant: int | None = None
     # On close, how long ops in flight may take before their jobs are failed and stopped.
     drain_timeout_s: float = 30.0
+    # A running job with no op submitted or running for this long is cancelled, its engines
+    # released (``serve --job-idle-timeout``); None: jobs live until cancelled. See
+    # :meth:`Service.expire_idle_jobs` for what counts as activity.
+    job_idle_timeout_s: float | None = None
 
 
 @dataclass
@@ -150,6 +155,9 @@ class Job:
     # first about a job that looks stuck).
     last_op: str | None = None
     last_op_at: float | None = None
+    # When the job last showed its owner's use (an op submitted or finished, a poll of one):
+    # what the idle expiry measures from.
+    last_active_at: float = field(default_factory=time.time)
 
     def info(self) -> dict:
         return {
@@ -209,6 +217,12 @@ class Service:
         self._restore()
         self._adopt_legacy_checkpoints()
         self._remove_stale_staging()
+        self.idle_reaper: IdleReaper | None = None
+        if settings.job_idle_timeout_s is not None:
+            self.idle_reaper = IdleReaper(
+                "job idle timeout", settings.job_idle_timeout_s, self.expire_idle_jobs
+            )
+            self.idle_reaper.start()
 
     # -- jobs -------------------------------------------------------------------------------
 
@@ -325,11 +339,49 @@ class Service:
                     f"job {job_id} already ended ({job.status}); it cannot be cancelled",
                     code="failed_precondition",
                 )
-            job.cancelled.set()
-            job.stop.cancel(f"job {job_id} was cancelled")
-            self._set_status(job, "cancelled", "cancelled by the client")
+            self._cancel(job, "cancelled by the client")
         self._release(job)
         return job.info()
+
+    def _cancel(self, job: Job, reason: str) -> None:
+        """Mark ``job`` cancelled and stop its ops (the caller holds the lock, then releases
+        the engines)."""
+        job.cancelled.set()
+        job.stop.cancel(f"job {job.job_id} was cancelled")
+        self._set_status(job, "cancelled", reason)
+
+    def expire_idle_jobs(self, cutoff: float) -> list[str]:
+        """Cancel the running jobs idle since before ``cutoff`` (``time.time()``), exactly as
+        :meth:`cancel_job` does; their ids. What the idle reaper calls.
+
+        Idle means no op queued or running, and none submitted or finished since ``cutoff``
+        (nor a poll of one by its owner: :meth:`note_activity`). Reads of a job's status, list,
+        logs or checkpoints do not count, whoever makes them: an operator looking at a job
+        does not keep it alive. Clients send no heartbeat of their own for jobs (a Tinker
+        session's heartbeat keeps the session, not its jobs).
+        """
+        timeout = self.settings.job_idle_timeout_s
+        reason = (
+            f"expired after {timeout:g} s idle: no op was submitted or running "
+            f"(serve --job-idle-timeout {timeout:g})"
+        )
+        expired = []
+        with self._lock:
+            for job in self._jobs.values():
+                if job.status == "running" and not job.in_flight and job.last_active_at < cutoff:
+                    self._cancel(job, reason)
+                    expired.append(job)
+        for job in expired:
+            log.info("job %s %s", job.job_id, reason)
+            self._release(job)
+        return [job.job_id for job in expired]
+
+    def note_activity(self, job_id: str, *, owner: str | None) -> None:
+        """The owner used the job without submitting an op (polled one, uploaded a chunk of
+        one's body): restart its idle clock. Raises ``NotFound`` as :meth:`get_job` does."""
+        job = self._job(job_id, owner)
+        with self._lock:
+            job.last_active_at = time.time()
 
     def capacity(self, *, owner: str | None = None) -> dict:
         with self._lock:
@@ -487,8 +539,10 @@ class Service:
         if sub.queue is None:
             raise Conflict(f"sub-job {sub.sub_job_id} has no engine", code="job_not_running")
         stops = (job.stop,) if stop is None else (job.stop, stop)
-        future = sub.queue.submit(self._guarded, job, sub, op, runner, stops)
-        with self._lock:
+        with self._lock:  # so the idle expiry sees the job either idle or busy, never between
+            self._require_running(job)
+            job.last_active_at = time.time()
+            future = sub.queue.submit(self._guarded, job, sub, op, runner, stops)
             job.in_flight.add(future)
         future.add_done_callback(lambda f: self._op_done(job, f))
         return future
@@ -535,6 +589,8 @@ class Service:
                 self._log(job, reason + "\n" + traceback.format_exc(limit=8))
                 self._fail(job, reason)
                 raise EngineFailure(reason) from exc
+            finally:  # before the caller sees the result: the idle clock starts at the op's end
+                job.last_active_at = time.time()
 
     # -- checkpoints ------------------------------------------------------------------------
 
@@ -631,6 +687,8 @@ class Service:
             closing.set()
 
     def _drain(self, drain_timeout: float | None) -> None:
+        if self.idle_reaper is not None:
+            self.idle_reaper.stop()
         timeout = self.settings.drain_timeout_s if drain_timeout is None else drain_timeout
         deadline = time.monotonic() + timeout
         with self._lock:
@@ -721,6 +779,7 @@ class Service:
             return
         with self._lock:
             if job.status == "initializing":
+                job.last_active_at = time.time()
                 self._set_status(job, "running", None)
 
     def _fail(self, job: Job, reason: str) -> None:

@@ -1,0 +1,145 @@
+"""``serve --job-idle-timeout``: a job whose driver went away without closing its client is
+cancelled once no op was submitted or running for the timeout, its engines released; busy and
+used jobs stay, and status reads do not keep a job alive."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import httpx
+import pytest
+from typer.testing import CliRunner
+
+from arctic_platform import cli
+from arctic_platform.client import create_arctic_rl_client
+from arctic_platform.client.errors import ConflictError
+from arctic_platform.server.service import Service, ServiceSettings
+from tests.live_server import serve_process
+from tests.server.conftest import CORTEX, TINY, job_request
+
+# Far beyond any test's duration: the background reaper never acts; the tests call reap().
+LONG_S = 3600.0
+
+
+@pytest.fixture(scope="module")
+def idle_service(tmp_path_factory):
+    svc = Service(
+        ServiceSettings(
+            data_dir=tmp_path_factory.mktemp("idle") / "data",
+            device="cpu",
+            job_idle_timeout_s=LONG_S,
+        )
+    )
+    yield svc
+    svc.close()
+
+
+def start(service: Service, *kinds: str) -> str:
+    job_id = service.create_job(job_request(*kinds))["job_id"]
+    service.wait_until_running(job_id, timeout=120)
+    return job_id
+
+
+def later(seconds: float) -> float:
+    """A reaper's ``now`` that many seconds after this moment."""
+    return time.time() + seconds
+
+
+def test_a_driver_that_exits_without_close_has_its_job_expired(tmp_path):
+    """The observed case, end to end: ``serve --job-idle-timeout 1``, a driver creates a job
+    and goes away without ``close()``; the server cancels the job, frees its engines, and says
+    why in ``jobs show``, ``jobs logs`` and to a client that calls it later."""
+    with serve_process(tmp_path / "data", "--job-idle-timeout", "1") as (_, url):
+        backend = {"type": "http", "url": url}
+        config = {"model": TINY, "seed": 0, "backend": backend, "sampling": {}, "training": None}
+        driver = create_arctic_rl_client(config, blocking_calls=True)
+        driver.generate(["1+2="], {"max_tokens": 2})
+        reconnect = driver.reconnect_config()
+        job_id = reconnect.sampling_job_id.split(":", 1)[0]
+        # the driver dies here: no close(), no shutdown()
+        deadline = time.monotonic() + 60
+        while (status := httpx.get(url + CORTEX + "/capacity", timeout=30).json())[
+            "active_sub_jobs"
+        ]:
+            assert time.monotonic() < deadline, f"the idle job kept its engine: {status}"
+            time.sleep(0.1)
+        shown = CliRunner().invoke(cli.app, ["jobs", "show", job_id, "--url", url, "--json"])
+        assert shown.exit_code == 0, shown.output
+        job = json.loads(shown.stdout)
+        assert job["status"] == "cancelled"
+        assert job["reason"].startswith("expired after 1 s idle")
+        logs = CliRunner().invoke(cli.app, ["jobs", "logs", job_id, "--url", url])
+        assert "status cancelled: expired after 1 s idle" in logs.stdout
+        # The driver's client, used again later, and a new client reconnecting to the job are
+        # told it expired (not that it does not exist).
+        with pytest.raises(ConflictError, match="expired after 1 s idle"):
+            driver.generate(["1+2="], {"max_tokens": 2})
+        with pytest.raises(ConflictError, match="is cancelled: expired after 1 s idle"):
+            create_arctic_rl_client(reconnect, blocking_calls=True)
+        driver.close()  # idempotent on the expired job
+
+
+def test_an_idle_job_is_cancelled_and_its_engines_released(idle_service):
+    job_id = start(idle_service, "training", "sampling")
+    # operator and owner reads do not count as use
+    idle_service.get_job(job_id)
+    idle_service.list_jobs()
+    idle_service.tail_logs(job_id)
+    assert job_id not in idle_service.expire_idle_jobs(cutoff=time.time() - 60)
+    assert job_id in idle_service.idle_reaper.reap(now=later(LONG_S + 1))
+    job = idle_service._job(job_id, None)
+    assert job.status == "cancelled" and all(s.engine is None for s in job.sub_jobs)
+    assert [s.status for s in job.sub_jobs] == ["cancelled", "cancelled"]
+    # expired once: a later sweep or the owner's cancel leave it as it is
+    assert job_id not in idle_service.idle_reaper.reap(now=later(LONG_S + 1))
+    assert idle_service.cancel_job(job_id)["reason"].startswith(f"expired after {LONG_S:g} s")
+
+
+def test_a_job_with_an_op_running_or_queued_is_not_expired(idle_service):
+    job_id = start(idle_service, "training")
+    sub = idle_service.resolve(job_id, owner=None, kind="training")
+    release = threading.Event()
+    running = idle_service.submit_runner(sub, "held", lambda: release.wait(60))
+    queued = idle_service.submit(sub, "step", {})
+    try:
+        assert job_id not in idle_service.idle_reaper.reap(now=later(10 * LONG_S))
+    finally:
+        release.set()
+    assert running.result(timeout=60) is True and "global_steps" in queued.result(timeout=60)
+    deadline = time.monotonic() + 30
+    while idle_service.busy():
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    # the idle clock started when the last op ended
+    assert job_id not in idle_service.idle_reaper.reap(now=later(LONG_S - 60))
+    assert job_id in idle_service.idle_reaper.reap(now=later(LONG_S + 1))
+
+
+def test_a_job_used_periodically_stays(idle_service):
+    job_id = start(idle_service, "sampling")
+    for _ in range(3):
+        before = time.time()
+        idle_service.execute(job_id, "generate", {"prompts": ["1+2="], "sampling_params": {}})
+        # each op restarts the clock: just short of the timeout after it, the job stays
+        assert job_id not in idle_service.idle_reaper.reap(now=before + LONG_S - 1)
+    assert idle_service.get_job(job_id)["status"] == "running"
+    idle_service.cancel_job(job_id)
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "nan", "soon"])
+def test_serve_refuses_a_bad_job_idle_timeout_naming_the_flag(value):
+    result = CliRunner().invoke(cli.app, ["serve", "--job-idle-timeout", value])
+    assert result.exit_code == 2
+    assert "--job-idle-timeout" in result.output
+
+
+def test_no_idle_timeout_by_default(tmp_path):
+    service = Service(ServiceSettings(data_dir=tmp_path, device="cpu"))
+    try:
+        assert service.settings.job_idle_timeout_s is None and service.idle_reaper is None
+    finally:
+        service.close()
+    with pytest.raises(ValueError, match="job idle timeout: must be > 0"):
+        Service(ServiceSettings(data_dir=tmp_path, device="cpu", job_idle_timeout_s=0))
