@@ -535,12 +535,11 @@ class Service:
         guards as :meth:`submit`: queue order, the concurrency slots and failure handling. Other
         APIs (Tinker) build their own runners over the engines this way."""
         job = self._job(sub.job_id, None, check_owner=False)
-        self._require_running(job)
-        if sub.queue is None:
-            raise Conflict(f"sub-job {sub.sub_job_id} has no engine", code="job_not_running")
         stops = (job.stop,) if stop is None else (job.stop, stop)
         with self._lock:  # so the idle expiry sees the job either idle or busy, never between
             self._require_running(job)
+            if sub.queue is None:
+                raise Conflict(f"sub-job {sub.sub_job_id} has no engine", code="job_not_running")
             job.last_active_at = time.time()
             future = sub.queue.submit(self._guarded, job, sub, op, runner, stops)
             job.in_flight.add(future)
