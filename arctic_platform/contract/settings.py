@@ -141,7 +141,7 @@ class VllmSettings(BaseModel):
     how synced weights reach the running engine: ``restart`` builds a new vLLM engine on them,
     ``reload`` loads them into the running one (both from staged files), ``ipc`` / ``nccl`` send
     them through vLLM's weight-transfer engine (CUDA only, untested on GPU), ``auto`` restarts on
-    CPU and uses ``ipc`` on CUDA.
+    CPU and uses ``ipc`` on CUDA, falling back to ``reload`` if that transfer fails.
     ``env`` adds environment variables for the vLLM process (``VLLM_CPU_KVCACHE_SPACE``, ...).
     Every other key is a vLLM engine argument (``enforce_eager``, ``gpu_memory_utilization``, ...),
     checked against the installed vLLM when the engine starts; ``max_num_seqs`` and

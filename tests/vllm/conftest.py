@@ -37,6 +37,24 @@ def vllm_config(model: str, **vllm) -> SamplingEngineConfig:
     return SamplingEngineConfig(model=ModelConfig(name=model), engine="vllm", vllm=settings)
 
 
+# What the weight-sync tests compare between engines: greedy tokens and their log-probs.
+SYNC_PROMPTS = ["hello world", "The cat", "1+1=", [40, 41, 42, 43]]
+SYNC_GREEDY = {"temperature": 0.0, "max_tokens": 16, "ignore_eos": True, "logprobs": 0}
+
+
+def greedy_tokens_and_logprobs(engine) -> tuple[list, torch.Tensor]:
+    """``engine``'s greedy token ids for :data:`SYNC_PROMPTS` and the log-probs of all of them."""
+    outputs = engine.generate(SYNC_PROMPTS, SYNC_GREEDY)
+    logprobs = [step["logprob"] for o in outputs for step in o["logprobs"]]
+    return [o["token_ids"] for o in outputs], torch.tensor(logprobs)
+
+
+def assert_same_generation(a, b) -> None:
+    """Two :func:`greedy_tokens_and_logprobs` results: the same tokens, log-probs within 1e-5."""
+    assert a[0] == b[0]
+    assert torch.allclose(a[1], b[1], atol=1e-5)
+
+
 def check_job_generates_and_syncs(config: dict, method: str) -> None:
     """A client on ``config`` (a training job and a vLLM sampling job on ``builtin:tiny``)
     generates what our sampler does, and still does after a weight sync by ``method``."""

@@ -9,14 +9,23 @@ weight-transfer engine (``backend: ipc``) takes our worker ops and payloads thro
 such a failure leaves the served weights undefined (why the engine then refuses to generate), and
 a complete round (here with no tensors: vLLM's layer-wise reload puts every layer back) restores
 the output the engine gave before.
+
+The engine's handling of such failures runs on CPU too, with a stand-in for the CUDA sender that
+drives the real worker: under ``auto`` a failed transfer (at start, or part-way through a sync)
+falls back to ``reload`` and the sync's weights are then served as a fresh engine serves them; an
+explicit ``ipc`` stays strict and refuses to generate until a complete transfer succeeds.
 """
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
-from arctic_platform.engine.errors import EngineInputError
+from arctic_platform.engine.config import ModelConfig
+from arctic_platform.engine.errors import EngineInputError, SamplerStateError
+from arctic_platform.engine.models import load_causal_lm
 from arctic_platform.engine.vllm_backend.engine import VllmSamplingEngine
 from arctic_platform.engine.vllm_backend.process import VllmWorkerError
 from arctic_platform.engine.vllm_backend.transfer import (
@@ -26,7 +35,16 @@ from arctic_platform.engine.vllm_backend.transfer import (
     transfer_engine_args,
     vllm_gpu,
 )
-from tests.vllm.conftest import needs_vllm, vllm_config
+from arctic_platform.engine.weights import export_weights
+from tests.vllm.conftest import (
+    SYNC_GREEDY,
+    SYNC_PROMPTS,
+    assert_same_generation,
+    greedy_tokens_and_logprobs,
+    needs_vllm,
+    save_model_dir,
+    vllm_config,
+)
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda", 0)
 
@@ -68,3 +86,101 @@ def test_vllm_takes_our_transfer_ops_and_payloads(shared_engine):
     empty = ipc_update_info({}, "GPU-none")
     assert worker.call("transfer", update_info=empty) == {"method": "ipc"}
     assert worker.call("generate", requests=request) == before
+
+
+class StandInIpcSender:
+    """Stands in for :class:`~arctic_platform.engine.vllm_backend.transfer.IpcTransfer`, which
+    needs CUDA (no GPU here): it drives the real worker's ``transfer`` op with the tensors' names
+    but no dtypes or handles, a payload vLLM accepts far enough to take the layers apart
+    (``start_weight_update``) and then refuses, as a failing CUDA transfer would leave it."""
+
+    device = CPU
+
+    def __init__(self, worker, malformed: bool = True) -> None:
+        worker.call("init_transfer", init_info={"packed": False})
+        self.worker, self.malformed, self.sent = worker, malformed, 0
+
+    def send(self, tensors) -> None:
+        self.sent += 1
+        names = list(tensors) if self.malformed else []  # else vLLM's complete empty round
+        payload = {**ipc_update_info({}, "GPU-none"), "names": names}
+        self.worker.call("transfer", update_info=payload)
+
+    def close(self) -> None:
+        """Nothing held."""
+
+
+@pytest.fixture
+def as_ipc(shared_engine, monkeypatch):
+    """The shared engine as if ``auto`` had resolved to ``ipc``, restored afterwards."""
+    for name in ("weight_sync", "weight_sync_fallback", "_transfer", "info"):
+        monkeypatch.setattr(shared_engine, name, getattr(shared_engine, name))
+    shared_engine.weight_sync = "ipc"
+    return shared_engine
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_auto_completes_a_failed_transfer_by_reload(as_ipc, perturbed_model_dir, tmp_path, caplog):
+    engine = as_ipc
+    assert engine.weight_sync_requested == "auto"
+    engine._transfer = sender = StandInIpcSender(engine._process)
+    before = greedy_tokens_and_logprobs(engine)
+    model = load_causal_lm(ModelConfig(name=perturbed_model_dir))
+    with torch.no_grad():
+        for param in model.parameters():
+            param.mul_(1.5)
+    with caplog.at_level(logging.WARNING):
+        report = engine.load_weights(iter(dict(export_weights(model)).items()))  # read once
+    assert sender.sent == 1 and report["complete"] and report["method"] == "reload"
+    reason = engine.weight_sync_fallback
+    assert "ipc weight transfer failed part-way" in reason
+    assert "`dtype_names` should be of the same size" in reason  # vLLM's own refusal
+    assert engine.info["weight_sync_fallback"] == reason and engine.info["weight_sync"] == "reload"
+    assert reason in caplog.text and "sampling.vllm.weight_sync is 'auto'" in caplog.text
+    synced = greedy_tokens_and_logprobs(engine)
+    assert synced[0] != before[0]  # the sync changed the policy, so the comparison can fail
+
+    fresh = VllmSamplingEngine(vllm_config(save_model_dir(model, tmp_path / "synced")))
+    try:
+        assert_same_generation(synced, greedy_tokens_and_logprobs(fresh))
+    finally:
+        fresh.close()
+    # Later syncs go through reload, never the transfer again: back to the original weights.
+    original = load_causal_lm(ModelConfig(name=perturbed_model_dir))
+    assert engine.load_weights(dict(export_weights(original)))["method"] == "reload"
+    assert sender.sent == 1
+    assert_same_generation(greedy_tokens_and_logprobs(engine), before)
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_an_explicit_ipc_stays_strict_when_a_transfer_fails(as_ipc, monkeypatch):
+    engine = as_ipc
+    monkeypatch.setattr(engine, "weight_sync_requested", "ipc")
+    before = greedy_tokens_and_logprobs(engine)
+    engine._transfer = StandInIpcSender(engine._process)
+    weights = dict(export_weights(load_causal_lm(ModelConfig(name=engine.config.model.name))))
+    with pytest.raises(SamplerStateError, match="ipc weight transfer failed part-way"):
+        engine.load_weights(weights)
+    assert engine.weight_sync == "ipc" and engine.weight_sync_fallback is None
+    with pytest.raises(SamplerStateError, match="run a complete weight sync"):
+        engine.generate(SYNC_PROMPTS, SYNC_GREEDY)
+    engine._transfer.malformed = False  # a complete round: served weights are defined again
+    assert engine.load_weights(weights)["method"] == "ipc"
+    assert_same_generation(greedy_tokens_and_logprobs(engine), before)
+
+
+@needs_vllm
+def test_auto_falls_back_when_the_transfer_cannot_start(as_ipc, monkeypatch):
+    engine = as_ipc
+    # The real IpcTransfer, which cannot start without CUDA.
+    monkeypatch.setattr(engine, "weight_sync_requested", "ipc")
+    with pytest.raises(AssertionError, match="CUDA") as strict:
+        engine._start_transfer()
+    assert engine.weight_sync == "ipc" and engine._transfer is None
+    monkeypatch.setattr(engine, "weight_sync_requested", "auto")
+    engine._start_transfer()
+    assert engine._transfer is None and engine.weight_sync == "reload"
+    reason = f"starting the ipc weight transfer failed ({strict.value})"
+    assert engine.weight_sync_fallback == reason

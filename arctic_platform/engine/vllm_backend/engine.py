@@ -15,7 +15,12 @@ the running engine (vLLM's ``reload_weights``, then a re-pack of the CPU kernels
 stale). Both are tested on CPU against a vLLM engine started fresh on the same weights. On CUDA
 ``auto`` is ``ipc``: vLLM's weight-transfer engine loads CUDA IPC handles of the weights in place
 (``nccl`` broadcasts them instead); see :mod:`.transfer`. The CUDA paths are untested: no GPU was
-available where they were written (README, 'vLLM sampling engine').
+available where they were written (README, 'vLLM sampling engine'). So ``auto`` does not stake a
+run on them: when its transfer path fails, at engine start or part-way through a sync, the engine
+logs a warning with the reason, drops the transfer path for good and completes that sync (and
+every later one) with ``reload`` (:data:`~.transfer.FALLBACK_WEIGHT_SYNC`), whose complete weights
+make the served state defined again; ``weight_sync_fallback`` and ``info`` keep the reason. An
+explicit ``ipc`` or ``nccl`` stays strict: a failure there is the user's to see.
 
 Sleep and wake map to vLLM's sleep mode where vLLM supports it (CUDA, with ``enable_sleep_mode``,
 which this engine turns on by default on GPU); on CPU vLLM has none, and the result says that
@@ -54,6 +59,8 @@ from arctic_platform.engine.vllm_backend.process import (
 )
 from arctic_platform.engine.vllm_backend.staging import WeightStaging
 from arctic_platform.engine.vllm_backend.transfer import (
+    FALLBACK_WEIGHT_SYNC,
+    TRANSFER_PATHS,
     WEIGHT_SYNC_FIELD,
     IpcTransfer,
     NcclTransfer,
@@ -92,7 +99,9 @@ class VllmSamplingEngine:
         )
         dtype = resolve_dtype(model.dtype, self.device)
         settings = config.vllm
+        self.weight_sync_requested = settings.weight_sync
         self.weight_sync = resolve_weight_sync(settings.weight_sync, self.device)
+        self.weight_sync_fallback: str | None = None  # why ``auto`` left its transfer path
         self.sleep_supported = self.device.type == "cuda"
         self._dir = Path(tempfile.mkdtemp(prefix="arctic-vllm-"))
         self._process: WorkerProcess | None = None
@@ -110,15 +119,44 @@ class VllmSamplingEngine:
             self.info = self._process.call(
                 "start", timeout=settings.startup_timeout_s, model=str(source), engine_args=args
             )
-            if self.weight_sync == "ipc":
-                self._transfer = IpcTransfer(self._process, self.device)
-            elif self.weight_sync == "nccl":
-                self._transfer = NcclTransfer(self._process, self.device, self.info["workers"])
+            self.info["weight_sync"] = self.weight_sync
+            if self.weight_sync in TRANSFER_PATHS:
+                self._start_transfer()
         except BaseException:
             self.close()
             raise
         self._asleep: set[str] = set()
         log.info("vLLM engine ready: %s (pid %d)", self.info, self._process.pid)
+
+    def _start_transfer(self) -> None:
+        """Open the weight-transfer path; under ``auto`` any failure but the worker's death
+        (no CUDA, a vLLM refusing ``init_weight_transfer_engine``, ...) falls back to the files."""
+        try:
+            if self.weight_sync == "ipc":
+                self._transfer = IpcTransfer(self._process, self.device)
+            else:
+                self._transfer = NcclTransfer(self._process, self.device, self.info["workers"])
+        except VllmWorkerDied:
+            raise
+        except Exception as exc:
+            if self.weight_sync_requested != "auto":
+                raise
+            self._fall_back(f"starting the {self.weight_sync} weight transfer failed ({exc})")
+
+    def _fall_back(self, reason: str) -> None:
+        """Drop the transfer path for good: ``auto`` syncs through the staged files from now on."""
+        log.warning(
+            "%s is 'auto' and %s: weight syncs use %r (staged files) from now on",
+            WEIGHT_SYNC_FIELD,
+            reason,
+            FALLBACK_WEIGHT_SYNC,
+        )
+        transfer, self._transfer = self._transfer, None
+        if transfer is not None:
+            transfer.close()
+        self.weight_sync = FALLBACK_WEIGHT_SYNC
+        self.weight_sync_fallback = reason
+        self.info = {**self.info, "weight_sync": self.weight_sync, "weight_sync_fallback": reason}
 
     def _engine_args(self, dtype: str) -> dict:
         """vLLM engine arguments: what our config fixes, then the user's (which win)."""
@@ -204,10 +242,15 @@ class VllmSamplingEngine:
         Names, shapes and dtypes follow :func:`~arctic_platform.engine.weights.load_into_model`;
         a partial sync keeps the other weights (on the file paths; the CUDA transfer paths
         refuse one, see :mod:`.transfer`). Nothing changes on a refusal or a failed file load: the
-        previous weights stay served. Returns ``{"tensors", "bytes", "complete", "method"}``.
+        previous weights stay served. Returns ``{"tensors", "bytes", "complete", "method"}``;
+        ``method`` is the path that loaded them (``reload`` when ``auto`` fell back).
         """
         if self._transfer is not None:
             return self._send(named_tensors)
+        return self._load_files(named_tensors)
+
+    def _load_files(self, named_tensors: Weights) -> dict:
+        """Stage the weights and have the worker ``restart`` or ``reload`` on them."""
         version, report = self._staging.stage(named_tensors)
         try:
             self._process.call(self.weight_sync, model=str(version))
@@ -224,7 +267,8 @@ class VllmSamplingEngine:
         :mod:`.transfer`): the validated weights in the served dtypes, on the vLLM GPU for
         ``ipc`` and where the trainer's tensors are for ``nccl``; a tensor already there in that
         dtype is sent as it is (vLLM reads it during this call, while the training job, whose
-        op this sync is, waits), any other is copied."""
+        op this sync is, waits), any other is copied. Under ``auto`` a transfer that fails
+        part-way falls back: the same weights go through ``reload`` (see the module docstring)."""
         device = self._transfer.device if self.weight_sync == "ipc" else None
         tensors, report = self._staging.validate(named_tensors, device, copy=False)
         if not report["complete"]:
@@ -242,6 +286,9 @@ class VllmSamplingEngine:
             raise  # refused before anything was sent / the job fails with the process
         except RuntimeError as exc:  # vLLM or NCCL failed part-way
             self._weights_complete = False
+            if self.weight_sync_requested == "auto":
+                self._fall_back(f"the {self.weight_sync} weight transfer failed part-way ({exc})")
+                return self._load_files(tensors)  # complete weights (named_tensors may be spent)
             raise SamplerStateError(
                 f"the {self.weight_sync} weight transfer failed part-way ({exc}); the served "
                 "weights are undefined until a complete weight sync succeeds"

@@ -31,7 +31,13 @@ by device: on CPU ``restart`` (a new vLLM engine on the staged files), on CUDA `
 Both transfer paths send every weight: vLLM's layer-wise reload processes a layer from whatever
 arrived for it, so a partial sync that covers part of a fused layer would corrupt it; partial
 syncs are refused (use ``restart`` or ``reload`` for them). A transfer that fails part-way leaves
-the served weights undefined: the engine then refuses to generate until a complete sync succeeds.
+the served weights undefined (vLLM's layer-wise reload leaves meta tensors behind; the CPU test
+shows it). With an explicit ``ipc`` / ``nccl`` the engine then refuses to generate until a complete
+sync succeeds. With ``auto`` it does not stake the run on these untested paths: a failure at start
+or at a sync drops the transfer path and that sync, and every later one, goes through
+:data:`FALLBACK_WEIGHT_SYNC` instead (``reload``: the staged files into the running engine, the GPU
+default before these paths existed; it also brings an engine out of that meta-tensor state, which
+the CPU tests check against a fresh engine).
 """
 
 from __future__ import annotations
@@ -48,6 +54,7 @@ from arctic_platform.engine.vllm_backend.process import WorkerProcess
 
 WEIGHT_SYNC_FIELD = "sampling.vllm.weight_sync"
 TRANSFER_PATHS = ("ipc", "nccl")  # through vLLM's weight-transfer engine (CUDA only)
+FALLBACK_WEIGHT_SYNC = "reload"  # where ``auto`` goes when its transfer path fails
 
 
 def resolve_weight_sync(requested: str, device: torch.device) -> str:
