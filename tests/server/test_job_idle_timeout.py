@@ -16,8 +16,8 @@ from arctic_platform import cli
 from arctic_platform.client import create_arctic_rl_client
 from arctic_platform.client.errors import ConflictError
 from arctic_platform.server.service import Service, ServiceSettings
-from tests.live_server import serve_process
-from tests.server.conftest import CORTEX, TINY, job_request
+from tests.live_server import serve_app, serve_process
+from tests.server.conftest import CORTEX, TINY, job_request, make_app
 
 # Far beyond any test's duration: the background reaper never acts; the tests call reap().
 LONG_S = 3600.0
@@ -126,6 +126,27 @@ def test_a_job_used_periodically_stays(idle_service):
         assert job_id not in idle_service.idle_reaper.reap(now=before + LONG_S - 1)
     assert idle_service.get_job(job_id)["status"] == "running"
     idle_service.cancel_job(job_id)
+
+
+def test_collecting_an_op_over_the_cortex_api_is_use_reading_the_job_is_not(idle_service):
+    """A Cortex client's poll of its op's request restarts the clock; its status read does not."""
+    job_id = start(idle_service, "training")
+    with serve_app(make_app(idle_service)) as url, httpx.Client(base_url=url, timeout=60) as http:
+        request_id = http.post(f"{CORTEX}/{job_id}/step", json={}).json()["request_id"]
+        deadline = time.monotonic() + 60
+        while http.get(f"{CORTEX}/{job_id}/requests/{request_id}").json()["status"] != "done":
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        while idle_service.busy():
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        polled_at = time.time()
+        assert http.get(f"{CORTEX}/{job_id}/requests/{request_id}").status_code == 200
+        assert job_id not in idle_service.idle_reaper.reap(now=polled_at + LONG_S)
+        read_at = time.time()
+        assert http.get(f"{CORTEX}/{job_id}").json()["status"] == "running"
+        assert job_id in idle_service.idle_reaper.reap(now=read_at + LONG_S + 1)
+        assert http.get(f"{CORTEX}/{job_id}").json()["reason"].startswith("expired after")
 
 
 @pytest.mark.parametrize("value", ["0", "-1", "nan", "soon"])
