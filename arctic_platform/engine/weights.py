@@ -343,13 +343,15 @@ def collect_weights(
     weights: Weights,
     device: torch.device | str | None = "cpu",
     copy: bool = True,
+    convert: bool = True,
 ) -> tuple[dict, dict]:
     """Validate ``weights`` against ``targets`` (a ``state_dict``, possibly of a model on the
     ``meta`` device) exactly as :func:`load_into_model` does, and return ``(tensors, report)``:
     contiguous copies in the target dtypes on ``device`` (None: each tensor's own) under the
     first name of each tensor (tied aliases folded), and the ``{"tensors", "bytes", "complete"}``
     report. With ``copy=False`` a tensor that already has that device, dtype and layout is kept
-    as it is (detached), for a caller that reads it before its owner changes it."""
+    as it is (detached), for a caller that reads it before its owner changes it. With
+    ``convert=False`` each tensor keeps its own dtype (for a caller that converts later)."""
     first_name = {}
     for name, target in targets.items():
         first_name.setdefault(id(target), name)
@@ -357,7 +359,8 @@ def collect_weights(
 
     def keep(name: str, target: torch.Tensor, tensor: torch.Tensor) -> None:
         where = tensor.device if device is None else device
-        copied = tensor.detach().to(where, dtype=target.dtype, copy=copy).contiguous()
+        dtype = target.dtype if convert else None
+        copied = tensor.detach().to(where, dtype=dtype, copy=copy).contiguous()
         collected[first_name[id(target)]] = copied
 
     report = apply_weights(targets, weights, keep)

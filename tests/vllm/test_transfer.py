@@ -29,12 +29,15 @@ from arctic_platform.engine.models import load_causal_lm
 from arctic_platform.engine.vllm_backend.engine import VllmSamplingEngine
 from arctic_platform.engine.vllm_backend.process import VllmWorkerError
 from arctic_platform.engine.vllm_backend.transfer import (
+    TRANSFER_ENGINE_ARG,
     WEIGHT_SYNC_FIELD,
     ipc_update_info,
+    optional_engine_args,
     resolve_weight_sync,
     transfer_engine_args,
     vllm_gpu,
 )
+from arctic_platform.engine.vllm_backend.worker import known_engine_args
 from arctic_platform.engine.weights import export_weights
 from tests.vllm.conftest import (
     SYNC_GREEDY,
@@ -60,6 +63,31 @@ def test_auto_picks_restart_on_cpu_and_ipc_on_cuda():
     # vLLM runs on the first visible GPU when the job names none: that is the one to send to.
     assert vllm_gpu(torch.device("cuda")) == CUDA
     assert vllm_gpu(torch.device("cuda", 1)) == torch.device("cuda", 1)
+
+
+def test_only_auto_lets_a_vllm_without_the_transfer_argument_start():
+    # Under auto the transfer's engine argument is the job's, so the worker may drop it ...
+    assert optional_engine_args("auto", "ipc", {}) == [TRANSFER_ENGINE_ARG]
+    # ... never the user's own, nor one an explicit path needs, nor where auto sends no transfer.
+    assert optional_engine_args("auto", "ipc", {TRANSFER_ENGINE_ARG: {"backend": "ipc"}}) == []
+    assert optional_engine_args("ipc", "ipc", {}) == optional_engine_args("nccl", "nccl", {}) == []
+    assert optional_engine_args("auto", "restart", {}) == []
+
+    # The worker's side, as a vLLM older than 0.32 (no weight_transfer_config) sees the args.
+    old_vllm = {"dtype", "seed", "max_model_len"}
+    args = {"dtype": "float32", "seed": 0, **transfer_engine_args("ipc")}
+    assert known_engine_args(args, old_vllm, [TRANSFER_ENGINE_ARG]) == (
+        {"dtype": "float32", "seed": 0},
+        [TRANSFER_ENGINE_ARG],
+    )
+    assert known_engine_args(args, old_vllm | {TRANSFER_ENGINE_ARG}, [TRANSFER_ENGINE_ARG]) == (
+        args,
+        [],
+    )
+    with pytest.raises(ValueError, match="vllm_config.weight_transfer_config: not an engine arg"):
+        known_engine_args(args, old_vllm, [])
+    with pytest.raises(ValueError, match=r"vllm_config.typo: .*\(unknown: \['typo'\]\)"):
+        known_engine_args({**args, "typo": 1}, old_vllm, [TRANSFER_ENGINE_ARG])
 
 
 @pytest.mark.parametrize("path", ["ipc", "nccl"])
@@ -184,3 +212,52 @@ def test_auto_falls_back_when_the_transfer_cannot_start(as_ipc, monkeypatch):
     assert engine._transfer is None and engine.weight_sync == "reload"
     reason = f"starting the ipc weight transfer failed ({strict.value})"
     assert engine.weight_sync_fallback == reason
+
+
+@needs_vllm
+def test_auto_falls_back_when_this_vllm_lacks_the_transfer_argument(as_ipc):
+    engine = as_ipc  # as the worker reports a vLLM < 0.32 that dropped the argument at start
+    engine._start_transfer(dropped=[TRANSFER_ENGINE_ARG])
+    assert engine._transfer is None and engine.weight_sync == "reload"
+    version = engine.info["vllm_version"]
+    assert engine.weight_sync_fallback == (
+        f"this vLLM ({version}) has no engine argument 'weight_transfer_config' "
+        "(vLLM >= 0.32 has it)"
+    )
+    assert engine.info["weight_sync_fallback"] == engine.weight_sync_fallback
+
+
+class StandInFullGpuSender(StandInIpcSender):
+    """A sender whose GPU cannot take the copies: CUDA's out-of-memory error (a RuntimeError)
+    cannot happen on CPU, so its device is one this torch build cannot copy to at all, whose
+    copy raises a RuntimeError too."""
+
+    device = torch.device("ipu")
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_a_failed_copy_onto_the_vllm_gpu_keeps_or_falls_back(as_ipc, monkeypatch):
+    engine = as_ipc
+    before = greedy_tokens_and_logprobs(engine)
+    original = dict(export_weights(load_causal_lm(ModelConfig(name=engine.config.model.name))))
+    scaled = {name: tensor * 1.5 for name, tensor in original.items()}
+
+    # Explicit ipc: the copy's error is the user's; nothing was sent, the weights stay served.
+    monkeypatch.setattr(engine, "weight_sync_requested", "ipc")
+    engine._transfer = sender = StandInFullGpuSender(engine._process)
+    with pytest.raises(RuntimeError, match="not linked with support for ipu"):
+        engine.load_weights(scaled)
+    assert sender.sent == 0 and engine.weight_sync == "ipc" and engine.weight_sync_fallback is None
+    assert_same_generation(greedy_tokens_and_logprobs(engine), before)
+
+    # auto: the same sync goes through reload, from a stream read once.
+    monkeypatch.setattr(engine, "weight_sync_requested", "auto")
+    report = engine.load_weights(iter(scaled.items()))
+    assert sender.sent == 0 and report["complete"] and report["method"] == "reload"
+    assert engine.weight_sync_fallback.startswith(
+        "copying the weights for the ipc weight transfer failed (PyTorch is not linked"
+    )
+    assert greedy_tokens_and_logprobs(engine)[0] != before[0]  # the scaled weights are served
+    assert engine.load_weights(original)["method"] == "reload"
+    assert_same_generation(greedy_tokens_and_logprobs(engine), before)

@@ -16,7 +16,9 @@ stale). Both are tested on CPU against a vLLM engine started fresh on the same w
 ``auto`` is ``ipc``: vLLM's weight-transfer engine loads CUDA IPC handles of the weights in place
 (``nccl`` broadcasts them instead); see :mod:`.transfer`. The CUDA paths are untested: no GPU was
 available where they were written (README, 'vLLM sampling engine'). So ``auto`` does not stake a
-run on them: when its transfer path fails, at engine start or part-way through a sync, the engine
+run on them: when its transfer path fails, at engine start (a vLLM without the transfer's engine
+argument included: the worker drops the argument only under ``auto`` and says so), at the copy of
+a sync's weights onto vLLM's GPU or part-way through a sync, the engine
 logs a warning with the reason, drops the transfer path for good and completes that sync (and
 every later one) with ``reload`` (:data:`~.transfer.FALLBACK_WEIGHT_SYNC`), whose complete weights
 make the served state defined again; ``weight_sync_fallback`` and ``info`` keep the reason. An
@@ -60,10 +62,12 @@ from arctic_platform.engine.vllm_backend.process import (
 from arctic_platform.engine.vllm_backend.staging import WeightStaging
 from arctic_platform.engine.vllm_backend.transfer import (
     FALLBACK_WEIGHT_SYNC,
+    TRANSFER_ENGINE_ARG,
     TRANSFER_PATHS,
     WEIGHT_SYNC_FIELD,
     IpcTransfer,
     NcclTransfer,
+    optional_engine_args,
     resolve_weight_sync,
     transfer_engine_args,
 )
@@ -117,20 +121,34 @@ class VllmSamplingEngine:
             )
             args = self._engine_args(str(dtype).removeprefix("torch."))
             self.info = self._process.call(
-                "start", timeout=settings.startup_timeout_s, model=str(source), engine_args=args
+                "start",
+                timeout=settings.startup_timeout_s,
+                model=str(source),
+                engine_args=args,
+                optional=optional_engine_args(
+                    settings.weight_sync, self.weight_sync, settings.engine_args
+                ),
             )
+            dropped = self.info.pop("dropped_engine_args")
             self.info["weight_sync"] = self.weight_sync
             if self.weight_sync in TRANSFER_PATHS:
-                self._start_transfer()
+                self._start_transfer(dropped)
         except BaseException:
             self.close()
             raise
         self._asleep: set[str] = set()
         log.info("vLLM engine ready: %s (pid %d)", self.info, self._process.pid)
 
-    def _start_transfer(self) -> None:
+    def _start_transfer(self, dropped: Sequence[str] = ()) -> None:
         """Open the weight-transfer path; under ``auto`` any failure but the worker's death
-        (no CUDA, a vLLM refusing ``init_weight_transfer_engine``, ...) falls back to the files."""
+        (a vLLM without the transfer's engine argument, which the worker then ``dropped``, no
+        CUDA, a vLLM refusing ``init_weight_transfer_engine``, ...) falls back to the files."""
+        if TRANSFER_ENGINE_ARG in dropped:  # only ever optional under ``auto``
+            self._fall_back(
+                f"this vLLM ({self.info.get('vllm_version')}) has no engine argument "
+                f"{TRANSFER_ENGINE_ARG!r} (vLLM >= 0.32 has it)"
+            )
+            return
         try:
             if self.weight_sync == "ipc":
                 self._transfer = IpcTransfer(self._process, self.device)
@@ -267,10 +285,11 @@ class VllmSamplingEngine:
         :mod:`.transfer`): the validated weights in the served dtypes, on the vLLM GPU for
         ``ipc`` and where the trainer's tensors are for ``nccl``; a tensor already there in that
         dtype is sent as it is (vLLM reads it during this call, while the training job, whose
-        op this sync is, waits), any other is copied. Under ``auto`` a transfer that fails
-        part-way falls back: the same weights go through ``reload`` (see the module docstring)."""
-        device = self._transfer.device if self.weight_sync == "ipc" else None
-        tensors, report = self._staging.validate(named_tensors, device, copy=False)
+        op this sync is, waits), any other is copied. Under ``auto`` a copy that fails (vLLM's
+        GPU out of memory: nothing was sent) or a transfer that fails part-way falls back: the
+        same weights go through ``reload`` (see the module docstring). A partial sync is refused
+        before either, whatever the setting."""
+        tensors, report = self._staging.validate(named_tensors, None, copy=False, convert=False)
         if not report["complete"]:
             raise WeightLoadError(
                 "weights",
@@ -280,19 +299,34 @@ class VllmSamplingEngine:
             )
         if self._asleep:
             self.wake()
+        device = self._transfer.device if self.weight_sync == "ipc" else None
+        failure = None  # why ``auto`` falls back
         try:
-            self._transfer.send(tensors)
-        except (EngineInputError, VllmWorkerDied):
-            raise  # refused before anything was sent / the job fails with the process
-        except RuntimeError as exc:  # vLLM or NCCL failed part-way
-            self._weights_complete = False
-            if self.weight_sync_requested == "auto":
-                self._fall_back(f"the {self.weight_sync} weight transfer failed part-way ({exc})")
-                return self._load_files(tensors)  # complete weights (named_tensors may be spent)
-            raise SamplerStateError(
-                f"the {self.weight_sync} weight transfer failed part-way ({exc}); the served "
-                "weights are undefined until a complete weight sync succeeds"
-            ) from exc
+            sent = self._staging.served(tensors, device)
+        except RuntimeError as exc:  # nothing was sent: the served weights are as they were
+            if self.weight_sync_requested != "auto":
+                raise
+            failure = (
+                f"copying the weights for the {self.weight_sync} weight transfer failed ({exc})"
+            )
+        else:
+            try:
+                self._transfer.send(sent)
+            except (EngineInputError, VllmWorkerDied):
+                raise  # refused before anything was sent / the job fails with the process
+            except RuntimeError as exc:  # vLLM or NCCL failed part-way
+                self._weights_complete = False
+                failure = f"the {self.weight_sync} weight transfer failed part-way ({exc})"
+                if self.weight_sync_requested != "auto":
+                    raise SamplerStateError(
+                        f"{failure}; the served weights are undefined until a complete weight "
+                        "sync succeeds"
+                    ) from exc
+            finally:
+                del sent  # the copies go before a fallback loads the weights again
+        if failure is not None:  # out here, so no traceback keeps the copies alive
+            self._fall_back(failure)
+            return self._load_files(tensors)  # complete weights (named_tensors may be spent)
         self._weights_complete = True
         return {**report, "method": self.weight_sync}
 

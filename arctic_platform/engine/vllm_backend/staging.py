@@ -59,15 +59,30 @@ class WeightStaging:
         return target, report
 
     def validate(
-        self, weights: Weights, device: torch.device | None, copy: bool = True
+        self,
+        weights: Weights,
+        device: torch.device | None,
+        copy: bool = True,
+        convert: bool = True,
     ) -> tuple[dict, dict]:
-        """``weights`` in the served dtypes on ``device`` (None: where each one is), tied aliases
-        folded, and the load report; refused as our sampler would, nothing kept. Copies, unless
-        ``copy`` is False and a tensor already is what is asked for."""
+        """``weights`` in the served dtypes (their own with ``convert=False``) on ``device``
+        (None: where each one is), tied aliases folded, and the load report; refused as our
+        sampler would, nothing kept. Copies, unless ``copy`` is False and a tensor already is
+        what is asked for."""
         try:
-            return collect_weights(self._targets, weights, device, copy)
+            return collect_weights(self._targets, weights, device, copy, convert)
         except WeightLoadError as err:  # nothing was staged, whatever had been read before
             raise WeightLoadError(err.field, err.reason) from err
+
+    def served(
+        self, tensors: dict[str, torch.Tensor], device: torch.device | None
+    ) -> dict[str, torch.Tensor]:
+        """Validated ``tensors`` in the served dtypes on ``device`` (None: where each one is);
+        one already there in that dtype is kept as it is, any other is copied."""
+        return {
+            name: tensor.to(device, dtype=self._targets[name].dtype, copy=False).contiguous()
+            for name, tensor in tensors.items()
+        }
 
     def commit(self, version: Path) -> None:
         """``version`` is now served: it becomes current and the previous staged one goes."""

@@ -32,9 +32,12 @@ Both transfer paths send every weight: vLLM's layer-wise reload processes a laye
 arrived for it, so a partial sync that covers part of a fused layer would corrupt it; partial
 syncs are refused (use ``restart`` or ``reload`` for them). A transfer that fails part-way leaves
 the served weights undefined (vLLM's layer-wise reload leaves meta tensors behind; the CPU test
-shows it). With an explicit ``ipc`` / ``nccl`` the engine then refuses to generate until a complete
-sync succeeds. With ``auto`` it does not stake the run on these untested paths: a failure at start
-or at a sync drops the transfer path and that sync, and every later one, goes through
+shows it); one that fails before anything was sent (``ipc``'s copy of the weights onto vLLM's
+GPU running out of memory) leaves them as they were. With an explicit ``ipc`` / ``nccl`` the
+engine raises either failure, and after one part-way refuses to generate until a complete sync
+succeeds. With ``auto`` it does not stake the run on these untested paths: a failure at start
+(a vLLM without ``weight_transfer_config`` included) or at a sync (the copy onto vLLM's GPU
+included) drops the transfer path and that sync, and every later one, goes through
 :data:`FALLBACK_WEIGHT_SYNC` instead (``reload``: the staged files into the running engine, the GPU
 default before these paths existed; it also brings an engine out of that meta-tensor state, which
 the CPU tests check against a fresh engine).
@@ -55,6 +58,7 @@ from arctic_platform.engine.vllm_backend.process import WorkerProcess
 WEIGHT_SYNC_FIELD = "sampling.vllm.weight_sync"
 TRANSFER_PATHS = ("ipc", "nccl")  # through vLLM's weight-transfer engine (CUDA only)
 FALLBACK_WEIGHT_SYNC = "reload"  # where ``auto`` goes when its transfer path fails
+TRANSFER_ENGINE_ARG = "weight_transfer_config"  # vLLM's engine argument for its receiver (>= 0.32)
 
 
 def resolve_weight_sync(requested: str, device: torch.device) -> str:
@@ -80,8 +84,18 @@ def vllm_gpu(device: torch.device) -> torch.device:
 def transfer_engine_args(method: str) -> dict:
     """The vLLM engine arguments ``method`` needs (vLLM builds its receiver at startup)."""
     if method in TRANSFER_PATHS:
-        return {"weight_transfer_config": {"backend": method}}
+        return {TRANSFER_ENGINE_ARG: {"backend": method}}
     return {}
+
+
+def optional_engine_args(requested: str, method: str, user_args: Mapping) -> list[str]:
+    """The engine arguments the worker may drop when its vLLM lacks them (instead of refusing
+    them as unknown): under ``auto`` the transfer path's own, which the user never set, so that
+    a vLLM older than 0.32 starts and ``auto`` falls back to :data:`FALLBACK_WEIGHT_SYNC`. An
+    explicit path, or the argument set in the user's ``engine_args``, stays strict."""
+    if requested == "auto" and method in TRANSFER_PATHS and TRANSFER_ENGINE_ARG not in user_args:
+        return [TRANSFER_ENGINE_ARG]
+    return []
 
 
 def update_info(tensors: Mapping[str, torch.Tensor]) -> dict:

@@ -61,19 +61,16 @@ class Worker:
 
     # -- lifecycle -------------------------------------------------------------------------
 
-    def start(self, model: str, engine_args: dict) -> dict:
+    def start(self, model: str, engine_args: dict, optional: list[str] | None = None) -> dict:
+        """Build the engine; ``optional`` names arguments to drop (and list under
+        ``dropped_engine_args``) where this vLLM lacks them, instead of refusing them."""
         from vllm.engine.arg_utils import EngineArgs
 
         known = {f.name for f in dataclasses.fields(EngineArgs)}
-        unknown = sorted(k for k in engine_args if k not in known)
-        if unknown:
-            raise ValueError(
-                f"vllm_config.{unknown[0]}: not an engine argument of this vLLM "
-                f"(unknown: {unknown})"
-            )
-        self.model, self.engine_args = model, dict(engine_args)
+        args, dropped = known_engine_args(engine_args, known, optional or [])
+        self.model, self.engine_args = model, args
         self._build()
-        return self.describe()
+        return {**self.describe(), "dropped_engine_args": dropped}
 
     def describe(self) -> dict:
         import vllm
@@ -194,6 +191,21 @@ class Worker:
 
     def reset_prefix_cache(self) -> dict:
         return {"reset": bool(self.llm.reset_prefix_cache())}
+
+
+def known_engine_args(
+    engine_args: dict, known: set[str], optional: list[str]
+) -> tuple[dict, list[str]]:
+    """``engine_args`` without the ones this vLLM lacks (not in ``known``), and those dropped: an
+    unknown one is refused, naming it, unless ``optional`` names it (the job set it, not the user,
+    and has a path without it)."""
+    unknown = sorted(k for k in engine_args if k not in known)
+    refused = [k for k in unknown if k not in optional]
+    if refused:
+        raise ValueError(
+            f"vllm_config.{refused[0]}: not an engine argument of this vLLM (unknown: {refused})"
+        )
+    return {k: v for k, v in engine_args.items() if k in known}, unknown
 
 
 def _repack_cpu_gemms(model) -> int:
