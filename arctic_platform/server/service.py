@@ -555,10 +555,23 @@ class Service:
         return self.submit(sub, op, body).result()
 
     def run_on(self, sub: SubJob, fn, *args) -> Any:
-        """Run ``fn`` on another sub-job's queue and wait (weight sync touches two engines)."""
-        if sub.queue is None:
-            raise Conflict(f"sub-job {sub.sub_job_id} has no engine", code="job_not_running")
-        return sub.queue.submit(fn, *args).result()
+        """Run ``fn`` on another sub-job's queue and wait (weight sync touches two engines).
+
+        The target job counts it as its own op: it must be running (a Conflict otherwise,
+        which leaves the calling job healthy), and the idle expiry sees it busy, then used."""
+        target = self._job(sub.job_id, None, check_owner=False)
+        with self._lock:  # as in submit_runner: the expiry sees the target idle or busy
+            self._require_running(target)
+            if sub.queue is None:
+                raise Conflict(f"sub-job {sub.sub_job_id} has no engine", code="job_not_running")
+            target.last_active_at = time.time()
+            future = sub.queue.submit(fn, *args)
+            target.in_flight.add(future)
+        future.add_done_callback(lambda f: self._op_done(target, f))
+        try:
+            return future.result()
+        finally:
+            target.last_active_at = time.time()
 
     def _guarded(
         self, job: Job, sub: SubJob, op: str, runner, stops: tuple[CancelToken, ...]
