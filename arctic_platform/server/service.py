@@ -772,14 +772,18 @@ class Service:
                 # A cancel stops a build that waits (for Ray resources) and releases what it holds.
                 with cancellation.scope(job.stop):
                     engine = build_engine(self, sub, source)
-                if job.cancelled.is_set():  # cancelled while the engine loaded: release it
-                    _close_engine(engine)
-                    return
-                sub.engine = engine
                 sub.queue = ThreadPoolExecutor(
                     max_workers=1, thread_name_prefix=sub.sub_job_id.replace(":", "-")
                 )
+                sub.engine = engine
                 sub.status = "running"
+                # Checked only once the engine is stored: a cancel that came earlier released
+                # nothing of this engine, so it is released here; one that comes later finds it
+                # stored. Checked before the store, a cancel landing in between would leak it
+                # (on Ray: its actors and the job's placement group, until the server restarts).
+                if job.cancelled.is_set():
+                    self._release(job)
+                    return
                 self._log(job, f"{sub.sub_job_id}: engine ready ({sub.spec.model_name})")
         except cancellation.OpCancelled as exc:
             self._log(job, f"initialization stopped: {exc}")
@@ -802,12 +806,17 @@ class Service:
         self._release(job, wait=False)
 
     def _release(self, job: Job, *, wait: bool = False) -> None:
+        """Stop the job's queues and close its engines. Both a cancel and the job's builder may
+        call this for one engine (see :meth:`_build_engines`): the engine is taken under the
+        lock, so exactly one of them closes it."""
         for sub in job.sub_jobs:
-            if sub.status not in TERMINAL:
-                sub.status = job.status
-            if sub.queue is not None:
-                sub.queue.shutdown(wait=wait, cancel_futures=True)
-            engine, sub.engine = sub.engine, None
+            with self._lock:
+                if sub.status not in TERMINAL:
+                    sub.status = job.status
+                queue = sub.queue
+                engine, sub.engine = sub.engine, None
+            if queue is not None:
+                queue.shutdown(wait=wait, cancel_futures=True)
             _close_engine(engine)
 
     def _set_status(self, job: Job, status: str, reason: str | None) -> None:
