@@ -555,10 +555,23 @@ class Service:
         return self.submit(sub, op, body).result()
 
     def run_on(self, sub: SubJob, fn, *args) -> Any:
-        """Run ``fn`` on another sub-job's queue and wait (weight sync touches two engines)."""
-        if sub.queue is None:
-            raise Conflict(f"sub-job {sub.sub_job_id} has no engine", code="job_not_running")
-        return sub.queue.submit(fn, *args).result()
+        """Run ``fn`` on another sub-job's queue and wait (weight sync touches two engines).
+
+        The target job counts it as its own op: it must be running (a Conflict otherwise,
+        which leaves the calling job healthy), and the idle expiry sees it busy, then used."""
+        target = self._job(sub.job_id, None, check_owner=False)
+        with self._lock:  # as in submit_runner: the expiry sees the target idle or busy
+            self._require_running(target)
+            if sub.queue is None:
+                raise Conflict(f"sub-job {sub.sub_job_id} has no engine", code="job_not_running")
+            target.last_active_at = time.time()
+            future = sub.queue.submit(fn, *args)
+            target.in_flight.add(future)
+        future.add_done_callback(lambda f: self._op_done(target, f))
+        try:
+            return future.result()
+        finally:
+            target.last_active_at = time.time()
 
     def _guarded(
         self, job: Job, sub: SubJob, op: str, runner, stops: tuple[CancelToken, ...]
@@ -759,14 +772,18 @@ class Service:
                 # A cancel stops a build that waits (for Ray resources) and releases what it holds.
                 with cancellation.scope(job.stop):
                     engine = build_engine(self, sub, source)
-                if job.cancelled.is_set():  # cancelled while the engine loaded: release it
-                    _close_engine(engine)
-                    return
-                sub.engine = engine
                 sub.queue = ThreadPoolExecutor(
                     max_workers=1, thread_name_prefix=sub.sub_job_id.replace(":", "-")
                 )
+                sub.engine = engine
                 sub.status = "running"
+                # Checked only once the engine is stored: a cancel that came earlier released
+                # nothing of this engine, so it is released here; one that comes later finds it
+                # stored. Checked before the store, a cancel landing in between would leak it
+                # (on Ray: its actors and the job's placement group, until the server restarts).
+                if job.cancelled.is_set():
+                    self._release(job)
+                    return
                 self._log(job, f"{sub.sub_job_id}: engine ready ({sub.spec.model_name})")
         except cancellation.OpCancelled as exc:
             self._log(job, f"initialization stopped: {exc}")
@@ -789,12 +806,17 @@ class Service:
         self._release(job, wait=False)
 
     def _release(self, job: Job, *, wait: bool = False) -> None:
+        """Stop the job's queues and close its engines. Both a cancel and the job's builder may
+        call this for one engine (see :meth:`_build_engines`): the engine is taken under the
+        lock, so exactly one of them closes it."""
         for sub in job.sub_jobs:
-            if sub.status not in TERMINAL:
-                sub.status = job.status
-            if sub.queue is not None:
-                sub.queue.shutdown(wait=wait, cancel_futures=True)
-            engine, sub.engine = sub.engine, None
+            with self._lock:
+                if sub.status not in TERMINAL:
+                    sub.status = job.status
+                queue = sub.queue
+                engine, sub.engine = sub.engine, None
+            if queue is not None:
+                queue.shutdown(wait=wait, cancel_futures=True)
             _close_engine(engine)
 
     def _set_status(self, job: Job, status: str, reason: str | None) -> None:

@@ -128,6 +128,43 @@ def test_a_job_used_periodically_stays(idle_service):
     idle_service.cancel_job(job_id)
 
 
+def test_a_weight_sync_into_another_job_is_use_of_that_job(idle_service, monkeypatch):
+    """Clients keep their sampler in its own job; a training phase longer than the timeout
+    syncs into it. The sync is an op on the sampler's job: busy while it runs, then used."""
+    from arctic_platform.engine import weights
+
+    trainer, sampler = start(idle_service, "training"), start(idle_service, "sampling")
+    syncing, release = threading.Event(), threading.Event()
+    original = weights.sync_in_process
+
+    def held_sync(*args):
+        syncing.set()
+        release.wait(60)
+        return original(*args)
+
+    monkeypatch.setattr(weights, "sync_in_process", held_sync)
+    body = {"target_sub_job_ids": [f"{sampler}:sampling:0"]}
+    results: list = []
+    sync = threading.Thread(
+        target=lambda: results.append(
+            idle_service.execute(f"{trainer}:training:0", "weight-sync", body)
+        )
+    )
+    sync.start()
+    try:
+        assert syncing.wait(60)
+        assert sampler not in idle_service.idle_reaper.reap(now=later(10 * LONG_S))
+    finally:
+        release.set()
+        sync.join(60)
+    assert results[0]["targets"][0]["sub_job_id"] == f"{sampler}:sampling:0"
+    # the sync restarted the sampler job's clock, as an op of its own does
+    assert sampler not in idle_service.idle_reaper.reap(now=later(LONG_S - 60))
+    assert idle_service.get_job(sampler)["status"] == "running"
+    for job_id in (trainer, sampler):
+        idle_service.cancel_job(job_id)
+
+
 def test_collecting_an_op_over_the_cortex_api_is_use_reading_the_job_is_not(idle_service):
     """A Cortex client's poll of its op's request restarts the clock; its status read does not."""
     job_id = start(idle_service, "training")

@@ -48,14 +48,17 @@ class ModelSamplingJobs:
         """The sampling sub-job on ``model``, started (for ``session``) if it has none running;
         it becomes the owner's most recently used."""
         with self._lock:
-            return self._use(session, owner, model).job_id + ":sampling:0"
+            job, released = self._use(session, owner, model)
+        self._cancel(released, owner)
+        return job.job_id + ":sampling:0"
 
     def begin(self, session: Session, owner: str | None, model: str) -> str:
         """:meth:`sub_job`, counting a sample in flight on it (not released until :meth:`end`)."""
         with self._lock:
-            job = self._use(session, owner, model)
+            job, released = self._use(session, owner, model)
             job.in_flight += 1
-            return job.job_id + ":sampling:0"
+        self._cancel(released, owner)
+        return job.job_id + ":sampling:0"
 
     def end(self, owner: str | None, model: str, sub_job_id: str) -> None:
         """A sample that :meth:`begin` counted has finished."""
@@ -69,7 +72,9 @@ class ModelSamplingJobs:
         with self._lock:
             return {model: job.job_id for (o, model), job in self._jobs.items() if o == owner}
 
-    def _use(self, session: Session, owner: str | None, model: str) -> _Job:
+    def _use(self, session: Session, owner: str | None, model: str) -> tuple[_Job, list[str]]:
+        """The job on ``model`` (started if none runs), made the most recently used, and the
+        ids of the jobs dropped beyond the limit, which the caller cancels after the lock."""
         key = (owner, model)
         job = self._jobs.get(key)
         if job is None or not self._alive(job.job_id, owner):
@@ -83,29 +88,35 @@ class ModelSamplingJobs:
             session.job_ids.append(info["job_id"])
             job = self._jobs[key] = _Job(info["job_id"])
         self._jobs.move_to_end(key)
-        self._release_beyond_limit(owner)
-        return job
+        return job, self._beyond_limit(owner)
 
-    def _release_beyond_limit(self, owner: str | None) -> None:
-        """Forget the owner's ended jobs, then cancel its least recently used idle ones until it
-        holds ``limit`` (the most recently used one is never released)."""
+    def _beyond_limit(self, owner: str | None) -> list[str]:
+        """Forget the owner's ended jobs, then drop its least recently used idle ones until it
+        holds ``limit`` (the most recently used one is never dropped); their ids, to cancel.
+
+        Cancelling closes engines (a vLLM process, Ray actors), which takes seconds: callers
+        do it outside the lock (:meth:`_cancel`), so other samples are not held up by it."""
         mine = [key for key in self._jobs if key[0] == owner]
         for key in mine:
             if not self._alive(self._jobs[key].job_id, owner):
                 del self._jobs[key]
         mine = [key for key in self._jobs if key[0] == owner]
         excess = len(mine) - self.limit
+        dropped = []
         for key in mine[:-1]:
             if excess <= 0:
                 break
-            job = self._jobs[key]
-            if job.in_flight:
+            if self._jobs[key].in_flight:
                 continue
+            dropped.append(self._jobs.pop(key).job_id)
+            excess -= 1
+        return dropped
+
+    def _cancel(self, job_ids: list[str], owner: str | None) -> None:
+        for job_id in job_ids:
             # a job that ended meanwhile (its session finished) has nothing left to free
             with contextlib.suppress(ServiceError):
-                self.service.cancel_job(job.job_id, owner=owner)
-            del self._jobs[key]
-            excess -= 1
+                self.service.cancel_job(job_id, owner=owner)
 
     def _alive(self, job_id: str, owner: str | None) -> bool:
         return self.service.get_job(job_id, owner=owner)["status"] in _LIVE

@@ -226,7 +226,9 @@ async def get_sampler(sampler_id: str, request: Request) -> dict:
 async def asample(request: Request) -> dict:
     owner = _owner(request)
     body = await _parse(request, bodies.SampleBody, "asample")
-    request_id, sequence_ids = _ops(request).sample(body, owner)
+    # In a worker thread: a sample on a model may start a sampling job and release another
+    # (model_samplers.py), which must not hold up the event loop's other requests.
+    request_id, sequence_ids = await run_in_threadpool(_ops(request).sample, body, owner)
     return _future(request_id, sample_sequence_ids=sequence_ids)
 
 

@@ -332,3 +332,32 @@ def test_download_ttl_and_delete(service_client, server_url, tmp_path):
     rest.delete_checkpoint_from_tinker_path(path).result()
     remaining = rest.list_checkpoints(client.model_id).result().checkpoints
     assert path not in {c.tinker_path for c in remaining}
+
+
+def test_a_released_model_job_is_cancelled_outside_the_registry_lock(server_app, monkeypatch):
+    """Cancelling closes an engine (seconds for a vLLM process or Ray actors): done under the
+    registry's lock it would hold up every other sampler's requests meanwhile."""
+    from arctic_platform.server.tinker.model_samplers import ModelSamplingJobs
+    from arctic_platform.server.tinker.state import Session
+
+    service = server_app.state.service
+    registry = ModelSamplingJobs(service, limit=1)
+    session = Session("lock-test", owner=None)
+    cancel = service.cancel_job
+    lock_free_during_cancel = []
+
+    def cancel_checking_the_lock(job_id, **kwargs):
+        free = registry._lock.acquire(blocking=False)
+        if free:
+            registry._lock.release()
+        lock_free_during_cancel.append(free)
+        return cancel(job_id, **kwargs)
+
+    monkeypatch.setattr(service, "cancel_job", cancel_checking_the_lock)
+    first = registry.sub_job(session, None, TINY)
+    second = registry.begin(session, None, "builtin:small")
+    assert lock_free_during_cancel == [True]  # the first job was released, lock not held
+    assert service.get_job(first.split(":")[0])["status"] == "cancelled"
+    registry.end(None, "builtin:small", second)
+    for job_id in session.job_ids[1:]:
+        service.cancel_job(job_id)
