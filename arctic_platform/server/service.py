@@ -536,12 +536,18 @@ class Service:
         APIs (Tinker) build their own runners over the engines this way."""
         job = self._job(sub.job_id, None, check_owner=False)
         stops = (job.stop,) if stop is None else (job.stop, stop)
-        with self._lock:  # so the idle expiry sees the job either idle or busy, never between
+        return self._enqueue(job, sub, self._guarded, job, sub, op, runner, stops)
+
+    def _enqueue(self, job: Job, sub: SubJob, fn, *args) -> Future:
+        """Queue ``fn(*args)`` on ``sub`` as an op of ``job``: the job must be running, and it is
+        busy (``in_flight``) until the op ends. Under the lock, so the idle expiry sees the job
+        either idle or busy, never between."""
+        with self._lock:
             self._require_running(job)
             if sub.queue is None:
                 raise Conflict(f"sub-job {sub.sub_job_id} has no engine", code="job_not_running")
             job.last_active_at = time.time()
-            future = sub.queue.submit(self._guarded, job, sub, op, runner, stops)
+            future = sub.queue.submit(fn, *args)
             job.in_flight.add(future)
         future.add_done_callback(lambda f: self._op_done(job, f))
         return future
@@ -560,14 +566,7 @@ class Service:
         The target job counts it as its own op: it must be running (a Conflict otherwise,
         which leaves the calling job healthy), and the idle expiry sees it busy, then used."""
         target = self._job(sub.job_id, None, check_owner=False)
-        with self._lock:  # as in submit_runner: the expiry sees the target idle or busy
-            self._require_running(target)
-            if sub.queue is None:
-                raise Conflict(f"sub-job {sub.sub_job_id} has no engine", code="job_not_running")
-            target.last_active_at = time.time()
-            future = sub.queue.submit(fn, *args)
-            target.in_flight.add(future)
-        future.add_done_callback(lambda f: self._op_done(target, f))
+        future = self._enqueue(target, sub, fn, *args)
         try:
             return future.result()
         finally:
