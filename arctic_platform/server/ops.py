@@ -38,7 +38,7 @@ def prepare_op(service, sub, op: str, body: Any) -> Callable[[], Any]:
 
 
 def _forward_backward(service, sub, engine, job_id, body):
-    batch, meta, processing, _ = train_envelope(body, op="forward-backward")
+    batch, meta, processing, _ = train_envelope(body, op="forward-backward", limits=service.limits)
     tokens = service.limits.check_batch("forward-backward", batch)
 
     def run():
@@ -50,7 +50,7 @@ def _forward_backward(service, sub, engine, job_id, body):
 
 
 def _forward(service, sub, engine, job_id, body):
-    batch, meta, processing, _ = train_envelope(body, op="forward")
+    batch, meta, processing, _ = train_envelope(body, op="forward", limits=service.limits)
     tokens = service.limits.check_batch("forward", batch)
 
     def run():

@@ -12,7 +12,6 @@ sample without ``max_tokens`` exceeds it through the model's context alone.
 from __future__ import annotations
 
 import itertools
-import re
 from dataclasses import dataclass, field
 
 import httpx
@@ -25,6 +24,7 @@ from arctic_platform.server.auth import TokenAuth
 from arctic_platform.server.limits import ServerLimits
 from arctic_platform.server.service import Service, ServiceSettings
 from arctic_platform.server.tinker import proto
+from tests.server.helpers import peak_growth_mib
 from tests.server.tinker.conftest import ALICE, BOB, TINY
 
 response_conv = pytest.importorskip("tinker.proto.response_conv")
@@ -146,21 +146,6 @@ def forward(http, run: Run) -> list[float]:
     answer = result_of(http, fwd_bwd(http, run, [datum()], forward_only=True))
     output = response_conv.deserialize_forward_backward_output(answer.content)
     return output.loss_fn_outputs[0]["logprobs"].tolist()
-
-
-def _status_mib(key: str) -> float:
-    with open("/proc/self/status") as status:
-        return int(re.search(rf"{key}:\s+(\d+)", status.read()).group(1)) / 1024
-
-
-def peak_growth_mib(send) -> tuple[httpx.Response, float]:
-    """``send()``'s answer and how far this process's peak RSS (the server runs in it) rose
-    above its RSS before, in MiB."""
-    with open("/proc/self/clear_refs", "w") as refs:
-        refs.write("5")  # restart the peak (VmHWM) from the current RSS
-    before = _status_mib("VmRSS")
-    answer = send()
-    return answer, _status_mib("VmHWM") - before
 
 
 def assert_refused(answer: httpx.Response, status: int, field_name: str) -> dict:
