@@ -202,6 +202,7 @@ def test_a_sparse_row_wider_than_the_body_limit_is_a_413(http, run):
     assert body["limit"] == "max_body_mb" and grew < 100
 
 
+@pytest.mark.slow  # 12 k datums built and decoded
 def test_batches_beyond_the_default_limits_are_413s_naming_limit_and_flag(http, run):
     one_token = datum([5])
     rows = fwd_bwd(http, run, [one_token] * (LIMITS.max_batch_rows + 1))
