@@ -46,6 +46,11 @@ class ServerLimits:
         if not two_d:
             return 0
         rows, width = max(two_d, key=lambda s: s[0] * s[1])
+        return self.check_batch_shape(op, rows, width)
+
+    def check_batch_shape(self, op: str, rows: int, width: int) -> int:
+        """A ``[rows, width]`` batch, for callers that check it before building it (Tinker
+        datums); returns its token count."""
         self._bound(op, "batch rows", rows, "max_batch_rows")
         self._bound(op, "batch tokens", rows * width, "max_batch_tokens")
         return rows * width
@@ -56,14 +61,22 @@ class ServerLimits:
     def _bound(self, op: str, what: str, value: int, limit: str) -> None:
         bound = getattr(self, limit)
         if value > bound:
-            flag = "--" + limit.replace("_", "-")
-            raise PayloadTooLarge(
-                f"{op}: {value} {what} exceed this server's limit of {bound} ({flag})",
-                code="limit_exceeded",
-                limit=limit,
-                value=value,
-                maximum=bound,
-            )
+            raise limit_exceeded(f"{op}: {value} {what}", value, limit, bound)
+
+
+def limit_exceeded(
+    what: str, value: int, limit: str, bound: int, unit: str = ""
+) -> PayloadTooLarge:
+    """The 413 of every work limit: ``what`` exceeds ``bound``, set by the ``serve`` flag of the
+    same name as ``limit``."""
+    flag = "--" + limit.replace("_", "-")
+    return PayloadTooLarge(
+        f"{what} exceed this server's limit of {bound}{unit} ({flag})",
+        code="limit_exceeded",
+        limit=limit,
+        value=value,
+        maximum=bound,
+    )
 
 
 def _count(value: Any) -> int:

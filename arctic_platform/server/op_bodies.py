@@ -14,6 +14,7 @@ from pydantic import BaseModel, ValidationError
 
 from arctic_platform.contract.bodies import SNOWAPI_ENVELOPE_KEYS, TRAIN_ENVELOPE_KEYS
 from arctic_platform.server.errors import BadRequest
+from arctic_platform.server.limits import ServerLimits
 
 
 def parse(model: type[BaseModel], body: Any, *, what: str) -> Any:
@@ -54,14 +55,18 @@ def wake_tags(body: Any) -> list[str] | None:
     return body
 
 
-def train_envelope(body: Any, *, op: str) -> tuple[Mapping, dict, dict, bool]:
+def train_envelope(
+    body: Any, *, op: str, limits: ServerLimits | None = None
+) -> tuple[Mapping, dict, dict, bool]:
     """``(batch, meta, processing, reference_model)`` of a forward-backward/forward body.
 
     Accepts the on-prem/verl form ``{batch, meta, processing, router_replay?}`` and the SnowAPI
     form ``{args: (), kwargs: {...tensors}, context?, meta?, processing?}``, whose ``context``
     (per-token loss inputs and scalars) is mapped into the batch and meta
-    (:mod:`arctic_platform.server.cortex_context`). The processing names (post-processors, loss)
-    are checked here, so an unknown one is refused when the request is submitted.
+    (:mod:`arctic_platform.server.cortex_context`). That mapping builds new per-token arrays, so
+    the model inputs are held to ``limits`` (rows and tokens) before it. The processing names
+    (post-processors, loss) are checked here, so an unknown one is refused when the request is
+    submitted.
     """
     if not isinstance(body, Mapping):
         raise BadRequest(f"{op}: body must be an object, got {type(body).__name__}")
@@ -91,6 +96,8 @@ def train_envelope(body: Any, *, op: str) -> tuple[Mapping, dict, dict, bool]:
     if context:
         from arctic_platform.server.cortex_context import context_into_batch
 
+        if limits is not None:
+            limits.check_batch(op, batch)
         batch, scalars = context_into_batch(batch, context, op=op)
         clash = sorted(k for k in scalars if k in meta and meta[k] != scalars[k])
         if clash:

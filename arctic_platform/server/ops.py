@@ -38,7 +38,7 @@ def prepare_op(service, sub, op: str, body: Any) -> Callable[[], Any]:
 
 
 def _forward_backward(service, sub, engine, job_id, body):
-    batch, meta, processing, _ = train_envelope(body, op="forward-backward")
+    batch, meta, processing, _ = train_envelope(body, op="forward-backward", limits=service.limits)
     tokens = service.limits.check_batch("forward-backward", batch)
 
     def run():
@@ -50,7 +50,7 @@ def _forward_backward(service, sub, engine, job_id, body):
 
 
 def _forward(service, sub, engine, job_id, body):
-    batch, meta, processing, _ = train_envelope(body, op="forward")
+    batch, meta, processing, _ = train_envelope(body, op="forward", limits=service.limits)
     tokens = service.limits.check_batch("forward", batch)
 
     def run():
@@ -163,7 +163,7 @@ def _weight_sync(service, sub, engine, job_id, body):
 
 
 def _generate(service, sub, engine, job_id, body):
-    _check_generate(service, engine, "generate", body)
+    check_generate(service, engine, "generate", body.prompts, body.sampling_params)
 
     def run():
         samples = engine.generate(body.prompts, body.sampling_params)
@@ -174,14 +174,16 @@ def _generate(service, sub, engine, job_id, body):
 
 
 def _generate_stream(service, sub, engine, job_id, body):
-    _check_generate(service, engine, "generate-stream", body)
+    check_generate(service, engine, "generate-stream", body.prompts, body.sampling_params)
     return lambda: engine.generate(body.prompts, body.sampling_params)
 
 
-def _check_generate(service, engine, op: str, parsed) -> None:
-    # Without max_tokens a sample may run to the end of the engine's context.
+def check_generate(service, engine, op: str, prompts: list, sampling_params: Any) -> None:
+    """The work limits of a generate on ``engine``, for every API that samples (on-prem
+    ``generate``, Tinker ``asample``). Without max_tokens a sample may run to the end of the
+    engine's context; an engine not loaded yet (None) counts one token, a lower bound."""
     context = getattr(engine, "max_model_len", 1)
-    service.limits.check_generate(op, parsed.prompts, parsed.sampling_params, context)
+    service.limits.check_generate(op, prompts, sampling_params, context)
 
 
 def _log_probs(service, sub, engine, job_id, body):

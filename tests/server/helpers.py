@@ -1,6 +1,11 @@
-"""A GRPO step's data, built the way an RL loop builds it (shared by the server tests)."""
+"""Helpers shared by the server tests: a GRPO step's data built the way an RL loop builds it,
+weight comparisons, and the peak memory a request costs the server running in the test process."""
 
 from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -8,6 +13,7 @@ import torch
 from arctic_platform.advantages import grpo_advantages
 from arctic_platform.layout import training_batch
 
+T = TypeVar("T")
 PROMPTS = ["1+2=", "3+4="]
 SAMPLING = {"n": 4, "max_tokens": 6, "temperature": 1.0, "seed": 7}
 
@@ -33,3 +39,18 @@ def weights_of(engine) -> dict[str, torch.Tensor]:
 
 def same_weights(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _status_mib(key: str) -> float:
+    with open("/proc/self/status") as status:
+        return int(re.search(rf"{key}:\s+(\d+)", status.read()).group(1)) / 1024
+
+
+def peak_growth_mib(send: Callable[[], T]) -> tuple[T, float]:
+    """``send()``'s answer and how far this process's peak RSS rose above its RSS before, in
+    MiB: what a request costs a server running in this process (``serve_app``, ASGI)."""
+    with open("/proc/self/clear_refs", "w") as refs:
+        refs.write("5")  # restart the peak (VmHWM) from the current RSS
+    before = _status_mib("VmRSS")
+    answer = send()
+    return answer, _status_mib("VmHWM") - before

@@ -13,7 +13,7 @@ import pytest
 
 from arctic_platform import wire
 from tests.server.conftest import CORTEX, OCTET, job_request
-from tests.server.helpers import same_weights, weights_of
+from tests.server.helpers import peak_growth_mib, same_weights, weights_of
 from tests.server.test_cortex import create, submit_frame
 from tests.wire.test_fuzz import mutate, random_shape, reshaped
 
@@ -163,3 +163,27 @@ def test_a_group_whose_frame_is_malformed_is_released_for_a_definite_retry(http,
         http.post(f"{CORTEX}/{job_id}/forward-backward", content=c, headers=OCTET) for c in chunks
     ]
     assert again[-1].status_code == 400
+
+
+def test_a_context_is_mapped_only_once_the_batch_is_within_the_limits(http, service):
+    """A SnowAPI context is mapped into the batch in numpy (int64 index arrays, realigned copies):
+    an oversized batch is refused before, not after, that work."""
+    job_id = create(http, job_request("training"))
+    rows, width = 2048, 4096  # 8 Mi tokens: twice --max-batch-tokens
+    assert rows * width > service.limits.max_batch_tokens
+    ids = np.ones((rows, width), np.uint8)
+    frame = wire.dumps(
+        {
+            "kwargs": {"input_ids": ids, "attention_mask": ids},
+            "context": {"input_ids": ids, "loss_mask": ids},
+        }
+    )
+    answer, grew = peak_growth_mib(
+        lambda: http.post(
+            f"/forward-backward?job_id={job_id}:training:0", content=frame, headers=OCTET
+        )
+    )
+    body_mib = len(frame) / 2**20
+    assert grew < body_mib + 100, f"peak RSS rose {grew:.0f} MiB for a {body_mib:.0f} MiB body"
+    assert answer.status_code == 413, answer.text
+    assert answer.json()["limit"] == "max_batch_tokens"

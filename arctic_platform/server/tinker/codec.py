@@ -4,10 +4,20 @@ Decoding checks what the engines cannot: chunk kinds, dtypes, shapes and sparse 
 :class:`BadRequest` naming the field (``data[3].loss_fn_inputs.weights``), so a malformed body
 never reaches an engine. Encoding writes the protobuf results the SDK requires for ``forward``,
 ``forward_backward`` and ``sample``.
+
+A tensor's declared shape is untrusted: a sparse tensor of a few bytes may declare gigabytes, and
+dims may be negative or overflow a machine integer. So every shape is checked, in Python integers,
+before anything of its size exists: a loss input holds one value, or one row, per ``model_input``
+token of its datum (``[N]`` or ``[N, K]``, as the Tinker API defines them; anything else is a 400),
+a dense tensor's values fill its shape exactly, and the dense bytes that a request's loss inputs
+decode to may not exceed what the server accepts as a whole body (``serve --max-body-mb``), since
+a sparse tensor is a compression of its dense form, not a way around the body limit (413
+``limit_exceeded``).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -16,9 +26,12 @@ import numpy as np
 from google.protobuf.message import DecodeError
 
 from arctic_platform.server.errors import BadRequest
+from arctic_platform.server.limits import limit_exceeded
 from arctic_platform.server.tinker import proto
 
 _NUMPY_DTYPES = {proto.DTYPE_FLOAT32: np.float32, proto.DTYPE_INT64: np.int64}
+# The serve flag whose body limit bounds what a request's loss inputs decode to (module doc).
+BODY_LIMIT = "max_body_mb"
 
 
 @dataclass(frozen=True)
@@ -31,18 +44,24 @@ class Datum:
 
 @dataclass(frozen=True)
 class ForwardBackwardRequest:
-    """A decoded ``/api/v1/forward_backward`` body."""
+    """A parsed ``/api/v1/forward_backward`` body. ``data`` holds its datums as received;
+    :func:`decode_data` decodes them as part of the op's validation, so that a refused datum uses
+    up the request's ``seq_id`` like any other refusal."""
 
     model_id: str
     seq_id: int
-    data: list[Datum]
+    data: Sequence[Any]
     loss_fn: str
     loss_fn_config: dict[str, float | str]
     forward_only: bool
+    max_data_bytes: int
 
 
-def decode_forward_backward(body: bytes | bytearray) -> ForwardBackwardRequest:
-    """Parse a protobuf ``ForwardBackwardRequest``; a malformed one is a 400."""
+def decode_forward_backward(
+    body: bytes | bytearray, *, max_data_bytes: int
+) -> ForwardBackwardRequest:
+    """Parse a protobuf ``ForwardBackwardRequest``; a malformed one is a 400. Its loss inputs may
+    decode to at most ``max_data_bytes`` (the server's body limit, module doc)."""
     message = proto.ForwardBackwardRequest()
     try:
         message.ParseFromString(bytes(body))
@@ -54,14 +73,42 @@ def decode_forward_backward(body: bytes | bytearray) -> ForwardBackwardRequest:
     return ForwardBackwardRequest(
         model_id=message.model_id,
         seq_id=int(message.seq_id),
-        data=[_datum(d, f"data[{i}]") for i, d in enumerate(message.data)],
+        data=message.data,
         loss_fn=message.loss_fn,
         loss_fn_config=config,
         forward_only=bool(message.forward_only),
+        max_data_bytes=max_data_bytes,
     )
 
 
-def _datum(message, field: str) -> Datum:
+def decode_data(request: ForwardBackwardRequest) -> list[Datum]:
+    """The request's datums as numpy arrays: 400 naming the field for a malformed one, 413 when
+    its loss inputs would decode to more than ``request.max_data_bytes`` (checked before any of
+    them is allocated)."""
+    budget = _Budget(request.max_data_bytes)
+    return [_datum(d, f"data[{i}]", budget) for i, d in enumerate(request.data)]
+
+
+class _Budget:
+    """The dense bytes a request's loss inputs may still decode to."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.used = 0
+
+    def take(self, nbytes: int, field: str) -> None:
+        self.used += nbytes
+        if self.used > self.limit:
+            raise limit_exceeded(
+                f"forward_backward: {field}: loss inputs decoding to {self.used} bytes",
+                self.used,
+                BODY_LIMIT,
+                self.limit,
+                unit=" bytes (the body limit)",
+            )
+
+
+def _datum(message, field: str, budget: _Budget) -> Datum:
     pieces = []
     for j, chunk in enumerate(message.model_input):
         kind = chunk.WhichOneof("chunk")
@@ -73,31 +120,41 @@ def _datum(message, field: str) -> Datum:
         pieces.append(_buffer(chunk.encoded_text.tokens, np.int32, f"{field}.model_input[{j}]"))
     tokens = np.concatenate(pieces).astype(np.int64) if pieces else np.zeros(0, np.int64)
     inputs = {
-        name: tensor_to_numpy(t, f"{field}.loss_fn_inputs.{name}")
+        name: tensor_to_numpy(t, f"{field}.loss_fn_inputs.{name}", tokens.size, budget)
         for name, t in message.loss_fn_inputs.items()
     }
     return Datum(tokens=tokens, inputs=inputs)
 
 
-def tensor_to_numpy(message, field: str) -> np.ndarray:
-    """A ``Tensor`` message as a dense numpy array of its declared shape."""
+def tensor_to_numpy(message, field: str, tokens: int, budget: _Budget) -> np.ndarray:
+    """A loss input ``Tensor`` of a datum of ``tokens`` tokens as a dense numpy array of its
+    declared shape, every bound checked before it is allocated (module doc)."""
     dtype = _NUMPY_DTYPES.get(message.dtype)
     if dtype is None:
         raise BadRequest(f"{field}: unsupported dtype {message.dtype}; float32 or int64")
-    shape = tuple(int(s) for s in message.shape)
+    shape = [int(s) for s in message.shape]
+    if any(d < 0 for d in shape):
+        raise BadRequest(f"{field}: shape {shape} has a negative dimension")
+    if len(shape) not in (1, 2) or shape[0] != tokens:
+        raise BadRequest(
+            f"{field}: shape {shape} does not fit its datum: a loss input holds one value or one "
+            f"row per model_input token, [{tokens}] or [{tokens}, K]"
+        )
+    count = math.prod(shape)
+    nbytes = count * np.dtype(dtype).itemsize
     if message.WhichOneof("encoding") == "sparse_csr":
+        if len(shape) != 2:
+            raise BadRequest(f"{field}: a sparse tensor needs a 2-D shape, got {shape}")
+        budget.take(nbytes, field)
         return _csr_to_dense(message.sparse_csr, dtype, shape, field)
     values = _buffer(message.dense, dtype, field)
-    if not shape:
-        return values
-    if int(np.prod(shape)) != values.size:
-        raise BadRequest(f"{field}: {values.size} values do not fill shape {list(shape)}")
+    if values.size != count:
+        raise BadRequest(f"{field}: {values.size} values do not fill shape {shape}")
+    budget.take(nbytes, field)
     return values.reshape(shape)
 
 
-def _csr_to_dense(csr, dtype, shape: tuple[int, ...], field: str) -> np.ndarray:
-    if len(shape) != 2:
-        raise BadRequest(f"{field}: a sparse tensor needs a 2-D shape, got {list(shape)}")
+def _csr_to_dense(csr, dtype, shape: list[int], field: str) -> np.ndarray:
     values = _buffer(csr.values, dtype, field)
     crow = _buffer(csr.crow_indices, np.int64, field)
     cols = _buffer(csr.col_indices, np.int64, field)
@@ -110,7 +167,7 @@ def _csr_to_dense(csr, dtype, shape: tuple[int, ...], field: str) -> np.ndarray:
         or np.any(np.diff(crow) < 0)
         or np.any((cols < 0) | (cols >= width))
     ):
-        raise BadRequest(f"{field}: inconsistent sparse CSR indices for shape {list(shape)}")
+        raise BadRequest(f"{field}: inconsistent sparse CSR indices for shape {shape}")
     dense = np.zeros(shape, dtype=dtype)
     row_of = np.repeat(np.arange(rows), np.diff(crow))
     dense[row_of, cols] = values

@@ -86,11 +86,19 @@ def processing_for(loss_fn: str, config: dict) -> dict:
     return {"loss_fn": loss_fn, "config": {"loss_agg_mode": "token-sum", **config}}
 
 
+def batch_shape(data: list[Datum]) -> tuple[int, int]:
+    """``(rows, width)`` of the batch :func:`build_batch` makes of ``data`` (a row of ``N + 1``
+    tokens per datum, module doc), known before the batch exists so that the server's limits
+    are checked first."""
+    if not data:
+        raise BadRequest("data: no datums given")
+    return len(data), max(d.tokens.size for d in data) + 1
+
+
 def build_batch(data: list[Datum], spec: TinkerLoss) -> dict[str, np.ndarray]:
     """The engine batch of ``data`` as numpy arrays (see module doc); a datum missing an input is
     a 400."""
-    if not data:
-        raise BadRequest("data: no datums given")
+    rows, width = batch_shape(data)
     lengths = []
     for i, datum in enumerate(data):
         n = datum.tokens.size
@@ -106,7 +114,6 @@ def build_batch(data: list[Datum], spec: TinkerLoss) -> dict[str, np.ndarray]:
                     f"token), got {list(value.shape)}"
                 )
         lengths.append(n)
-    rows, width = len(data), max(lengths) + 1
     input_ids = np.zeros((rows, width), dtype=np.int64)
     attention_mask = np.zeros((rows, width), dtype=np.int64)
     labels = np.full((rows, width), IGNORE_INDEX, dtype=np.int64)

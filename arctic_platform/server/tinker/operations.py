@@ -10,14 +10,17 @@ found while running come back through the future as ``{"error", "category"}``.
 from __future__ import annotations
 
 import contextlib
+import math
 import uuid
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
 from typing import Any
 
+from arctic_platform.contract.bodies import learning_rate_problem
 from arctic_platform.engine.models import resolve_model_path
 from arctic_platform.server.errors import BadRequest, Conflict, ServiceError
+from arctic_platform.server.ops import check_generate
 from arctic_platform.server.service import Service
 from arctic_platform.server.tinker import bodies, codec, losses
 from arctic_platform.server.tinker.checkpoints import (
@@ -40,6 +43,8 @@ STARTUP_TIMEOUT_S = 1800.0
 # both together are peft's "all-linear" (every linear layer but the output head).
 ATTN_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj"]
 MLP_MODULES = ["gate_proj", "up_proj", "down_proj"]
+# The op name a refused asample's limit error gives (the route the tenant called).
+SAMPLE_OP = "asample"
 
 
 class TinkerOps:
@@ -159,10 +164,14 @@ class TinkerOps:
 
     def forward_backward(self, request: codec.ForwardBackwardRequest, owner: str | None) -> str:
         run = self.state.run(request.model_id, owner)
+        op = "forward" if request.forward_only else "forward-backward"
 
         def prepare():
+            data = codec.decode_data(request)
             spec = losses.check_loss(request.loss_fn, request.loss_fn_config)
-            batch = losses.build_batch(request.data, spec)
+            # the on-prem batch limits, checked before the batch is allocated
+            self.service.limits.check_batch_shape(op, *losses.batch_shape(data))
+            batch = losses.build_batch(data, spec)
             processing = losses.processing_for(request.loss_fn, request.loss_fn_config)
 
             def runner(engine) -> OpResult:
@@ -171,14 +180,13 @@ class TinkerOps:
                 else:
                     out = engine.forward_backward(batch, None, processing, with_logprobs=True)
                 body = codec.encode_forward_backward_output(
-                    losses.per_datum(out["logprobs"], request.data),
+                    losses.per_datum(out["logprobs"], data),
                     losses.loss_metrics(out["metric_sums"]),
                 )
                 return OpResult(protobuf=body)
 
             return runner
 
-        op = "forward" if request.forward_only else "forward-backward"
         return self._sequenced(run, request.seq_id, owner, op, prepare)
 
     def optim_step(self, body: bodies.OptimStepBody, owner: str | None) -> str:
@@ -190,8 +198,12 @@ class TinkerOps:
             p = body.adam_params
             if p is None:
                 raise BadRequest("adam_params: required (only the Adam optimizer is supported)")
-            if p.learning_rate <= 0:
-                raise BadRequest("adam_params.learning_rate: must be > 0")
+            problem = learning_rate_problem(p.learning_rate)
+            if problem is not None:
+                raise BadRequest(f"adam_params.{problem}")
+            for name, value in p:  # JSON admits 1e999; an infinite decay wrecks the weights
+                if not math.isfinite(value):
+                    raise BadRequest(f"adam_params.{name}: must be finite, got {value}")
             adam = AdamSettings(
                 betas=(p.beta1, p.beta2),
                 eps=p.eps,
@@ -411,6 +423,9 @@ class TinkerOps:
         params = _sampling_params(body)
         if body.topk_prompt_logprobs or body.topk_sample_logprobs:
             raise BadRequest("topk_prompt_logprobs/topk_sample_logprobs: not supported here")
+        # The on-prem generate limits, before anything is started: here without the engine
+        # (its context is not known while it loads), again with it when the sample is queued.
+        check_generate(self.service, None, SAMPLE_OP, [prompt], params)
         outer: Future = Future()
         if sampler.sub_job_id is not None:
             sub_job_id = sampler.sub_job_id
@@ -436,6 +451,7 @@ class TinkerOps:
 
         def attach() -> None:
             sub = self.service.resolve(sub_job_id, owner=owner)
+            check_generate(self.service, sub.engine, SAMPLE_OP, [prompt], params)
             submit = partial(self.service.submit_runner, sub, "generate")
             done = self._batcher.add(
                 sub, prompt, params, want_prompt_logprobs, submit, key=key, before=load

@@ -165,7 +165,9 @@ async def forward_backward(request: Request) -> dict:
         raise BadRequest(f"forward_backward: expected a protobuf body ({proto.CONTENT_TYPE})")
     if request.headers.get("content-encoding", "identity") != "identity":
         raise BadRequest("forward_backward: compressed bodies are not accepted")
-    parsed = codec.decode_forward_backward(await read_body(request))
+    parsed = codec.decode_forward_backward(
+        await read_body(request), max_data_bytes=request.app.state.max_body_bytes
+    )
     request_id = await run_in_threadpool(_ops(request).forward_backward, parsed, owner)
     return _future(request_id, model_id=parsed.model_id)
 

@@ -48,11 +48,11 @@ def test_request_decoding_matches_the_sdk_encoder():
     )
     message = forward_backward_request_to_proto(request)
     message.forward_only = True
-    decoded = codec.decode_forward_backward(message.SerializeToString())
+    decoded = codec.decode_forward_backward(message.SerializeToString(), max_data_bytes=1024)
     assert (decoded.model_id, decoded.seq_id, decoded.loss_fn) == ("m", 3, "ppo")
     assert decoded.forward_only is True
     assert decoded.loss_fn_config == {"clip_low_threshold": pytest.approx(0.7), "mode": "x"}
-    datum = decoded.data[0]
+    datum = codec.decode_data(decoded)[0]
     assert datum.tokens.tolist() == [5, 6, 7]
     assert datum.inputs["target_tokens"].tolist() == [6, 7, 8]
     np.testing.assert_array_equal(datum.inputs["weights"], sparse.numpy())
@@ -94,10 +94,11 @@ def test_malformed_bodies_name_the_field():
         )
     )
     message.data[0].loss_fn_inputs["target_tokens"].dense = b"\x01\x02\x03"
+    decoded = codec.decode_forward_backward(message.SerializeToString(), max_data_bytes=1024)
     with pytest.raises(BadRequest, match=r"data\[0\]\.loss_fn_inputs\.target_tokens"):
-        codec.decode_forward_backward(message.SerializeToString())
+        codec.decode_data(decoded)
     with pytest.raises(BadRequest, match="malformed protobuf"):
-        codec.decode_forward_backward(b"\xff\xff\xff")
+        codec.decode_forward_backward(b"\xff\xff\xff", max_data_bytes=1024)
 
 
 def test_sequencer_starts_in_seq_id_order_and_refuses_reuse():
