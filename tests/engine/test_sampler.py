@@ -183,7 +183,9 @@ def test_logprobs_equal_an_independent_forward(engine, reference, temperature):
         for t, entry in enumerate(out["logprobs"]):
             token = out["token_ids"][t]
             assert entry["token_id"] == token
-            assert entry["logprob"] == pytest.approx(expected[t, token].item(), abs=1e-5)
+            # float32 rounding of two differently shaped forwards (batched with a KV cache, or
+            # one row at once) grows with the log-prob's size: relative and absolute tolerance
+            assert entry["logprob"] == pytest.approx(expected[t, token].item(), rel=1e-5, abs=1e-5)
             # vLLM's rank: 1 + how many tokens are likelier than the sampled one
             assert entry["rank"] == 1 + int((expected[t] > expected[t, token] + 1e-6).sum())
             top_values, top_ids = expected[t].topk(3)
