@@ -399,8 +399,13 @@ class FsdpStrategy(_ProcessGroup):
         streams are made of."""
         if self._mirror is None:
             dtype = next(model.parameters()).dtype
+            # It holds weights and never runs attention: no GPU-stack attention to try on CPU.
             config = self._model_config.model_copy(
-                update={"device": "cpu", "dtype": _DTYPE_NAMES.get(dtype, "auto")}
+                update={
+                    "device": "cpu",
+                    "dtype": _DTYPE_NAMES.get(dtype, "auto"),
+                    "attn_implementation": None,
+                }
             )
             self._mirror = load_causal_lm(config, torch.device("cpu"))
         return self._mirror

@@ -6,6 +6,8 @@ model, so built-in models exercise exactly the code path real checkpoints take.
 
 from __future__ import annotations
 
+import importlib.util
+import logging
 import threading
 from pathlib import Path
 
@@ -15,6 +17,16 @@ from arctic_platform.engine.builtin import builtin_model_path, is_builtin
 from arctic_platform.engine.config import LoraConfig, ModelConfig
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+log = logging.getLogger(__name__)
+# Attention implementations that need a GPU stack beyond torch (a package, a CUDA device): the
+# module each imports and the package that installs it. A hub kernel
+# (``kernels-community/flash-attn2``, any name with a ``/``) needs the ``kernels`` package.
+GPU_STACK_ATTENTION = {
+    "flash_attention_2": ("flash_attn", "flash_attn"),
+    "flash_attention_3": ("flash_attn_interface", "flash_attn_3"),
+    "flash_attention_4": ("flash_attn", "flash_attn_4"),
+}
+HUB_KERNELS = ("kernels", "kernels")
 
 
 # transformers' model construction is not thread-safe (it patches global init functions and
@@ -71,9 +83,32 @@ def load_tokenizer(config: ModelConfig):
     return tokenizer
 
 
-def load_causal_lm(config: ModelConfig, device: torch.device | None = None):
-    """Load the model described by ``config`` onto ``device``, with LoRA adapters if configured."""
+def needs_gpu_stack(attn_implementation: str | None) -> bool:
+    """Whether ``attn_implementation`` is a GPU-stack one (flash attention, a hub kernel)."""
+    if attn_implementation is None:
+        return False
+    base = attn_implementation.rsplit("|", 1)[-1]  # "paged|flash_attention_2"
+    return base in GPU_STACK_ATTENTION or "/" in base
+
+
+def load_causal_lm(
+    config: ModelConfig,
+    device: torch.device | None = None,
+    *,
+    fallbacks: dict[str, str] | None = None,
+):
+    """Load the model described by ``config`` onto ``device``, with LoRA adapters if configured.
+
+    A GPU-stack attention implementation (:func:`needs_gpu_stack`) that cannot run here (its
+    package is missing, no CUDA device) degrades instead of failing the job: the model keeps
+    transformers' default (``sdpa``, or ``eager`` for a model without sdpa), the fallback is
+    logged and written into ``fallbacks`` as ``{"attn_implementation": "flash_attention_2 ->
+    sdpa (flash_attn is not installed)"}``. Frameworks tuned for GPUs (SkyRL's Arctic
+    integration defaults to ``flash_attention_2``) then run on any machine.
+    """
     device = device or resolve_device(config.device)
+    requested = config.attn_implementation
+    on_gpu_stack = needs_gpu_stack(requested)
     with MODEL_INIT_LOCK:
         path = resolve_model_path(config.name)
     read_ahead(path)
@@ -87,12 +122,42 @@ def load_causal_lm(config: ModelConfig, device: torch.device | None = None):
         model = AutoModelForCausalLM.from_pretrained(
             path,
             dtype=resolve_dtype(config.dtype, device),
-            attn_implementation=config.attn_implementation or "sdpa",
+            # None: transformers' default (sdpa, else eager); a GPU stack is tried once loaded
+            attn_implementation=None if on_gpu_stack else (requested or "sdpa"),
             trust_remote_code=config.trust_remote_code,
         ).to(device)
+        if on_gpu_stack:
+            fallback = _try_attention(model, requested)
+            if fallback is not None:
+                log.warning("%s: attn_implementation: %s", config.name, fallback)
+                if fallbacks is not None:
+                    fallbacks["attn_implementation"] = fallback
         if config.lora is not None:
             model = apply_lora(model, config.lora)
     return model
+
+
+def _try_attention(model, requested: str) -> str | None:
+    """Switch the loaded ``model`` to ``requested`` through transformers' own checks (package,
+    version, device, model support); None when it took, else ``"requested -> used (why)"``."""
+    reason = "chosen by transformers"
+    try:
+        model.set_attn_implementation(requested)
+    except (ImportError, ValueError, OSError) as exc:  # its refusals, or a hub kernel not fetched
+        reason = _why_not(requested, exc)
+    used = model.config._attn_implementation
+    return None if used == requested else f"{requested} -> {used} ({reason})"
+
+
+def _why_not(requested: str, exc: BaseException) -> str:
+    """The short reason a GPU-stack attention implementation cannot run: the missing package
+    when that is the cause, else transformers' own words (after its "the following error:")."""
+    base = requested.rsplit("|", 1)[-1]
+    module, package = HUB_KERNELS if "/" in base else GPU_STACK_ATTENTION[base]
+    if importlib.util.find_spec(module) is None:
+        return f"{package} is not installed"
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return text.rsplit("error:", 1)[-1].strip()
 
 
 def apply_lora(model, lora: LoraConfig):

@@ -94,9 +94,16 @@ class TrainingEngine:
         config = self.parallel.adapt_config(config)
         self.config = config
         self.device = resolve_device(config.model.device)
+        # GPU-stack settings that could not run here and what ran instead (setting -> "requested
+        # -> used (why)"): the job lists them with its ignored settings.
+        self.setting_fallbacks: dict[str, str] = {}
         # Loading the weights draws no random numbers; seeding and the adapters' random
         # initialisation use process-global generators, so concurrent builds take turns there.
-        model = load_causal_lm(config.model.model_copy(update={"lora": None}), self.device)
+        model = load_causal_lm(
+            config.model.model_copy(update={"lora": None}),
+            self.device,
+            fallbacks=self.setting_fallbacks,
+        )
         with MODEL_INIT_LOCK:
             seed_everything(config.seed)
             if config.model.lora is not None:

@@ -202,6 +202,8 @@ class RayTrainingEngine:
             self.close()
             raise
         self.vocab_size = int(started[0]["vocab_size"])
+        # Every rank loads the same model on the same kind of device: rank 0's speak for all.
+        self.setting_fallbacks: dict[str, str] = dict(started[0]["setting_fallbacks"])
 
     # -- compute --------------------------------------------------------------------------
 

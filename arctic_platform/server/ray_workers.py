@@ -142,7 +142,8 @@ class TrainingWorker(_StoppableWorker):
     def start(
         self, config, strategy: str, master_addr: str, master_port: int, timeout_s: float
     ) -> Any:
-        """Join the process group and build the engine; ``{vocab_size, backend, pid}``."""
+        """Join the process group and build the engine; ``{vocab_size, setting_fallbacks,
+        backend, pid}``."""
         from arctic_platform.engine.data_parallel import data_parallel_strategy, join_process_group
         from arctic_platform.engine.trainer import TrainingEngine
 
@@ -159,7 +160,12 @@ class TrainingWorker(_StoppableWorker):
                     store=self.store,
                 )
             self.engine = TrainingEngine(config, parallel=parallel)
-            return {"vocab_size": self.engine.vocab_size, "backend": backend, "pid": os.getpid()}
+            return {
+                "vocab_size": self.engine.vocab_size,
+                "setting_fallbacks": self.engine.setting_fallbacks,
+                "backend": backend,
+                "pid": os.getpid(),
+            }
 
         return _replying(build)
 

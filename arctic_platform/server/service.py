@@ -115,6 +115,9 @@ class SubJob:
     queue: ThreadPoolExecutor | None = None
     # What the engine loads: ``spec.model_name`` checked against the owner's space (see paths.py).
     model_path: str | None = None
+    # GPU-stack settings the engine could not honour here, and what it ran instead (the
+    # engine's ``setting_fallbacks``): reported with the spec's ignored settings.
+    fallbacks: dict[str, str] = field(default_factory=dict)
 
     def info(self) -> dict:
         settings = self.spec.training_config or self.spec.inference_config
@@ -125,7 +128,7 @@ class SubJob:
             "status": self.status,
             "model_name": self.spec.model_name,
             key: settings.model_dump(mode="json", by_alias=True) if settings else None,
-            "ignored_settings": self.spec.ignored_settings,
+            "ignored_settings": {**self.spec.ignored_settings, **self.fallbacks},
         }
 
 
@@ -775,6 +778,9 @@ class Service:
                     max_workers=1, thread_name_prefix=sub.sub_job_id.replace(":", "-")
                 )
                 sub.engine = engine
+                sub.fallbacks = dict(getattr(engine, "setting_fallbacks", {}))
+                for setting, fallback in sub.fallbacks.items():
+                    self._log(job, f"{sub.sub_job_id}: {setting}: {fallback}")
                 sub.status = "running"
                 # Checked only once the engine is stored: a cancel that came earlier released
                 # nothing of this engine, so it is released here; one that comes later finds it

@@ -25,16 +25,28 @@ from pathlib import Path
 import numpy as np
 
 PROMPTS = ["1+2=", "3+4="]
-N = 2
-MAX_TOKENS = 6
+N = 2  # generator.n_samples_per_prompt
+MAX_TOKENS = 6  # generator.sampling_params.max_generate_length
+MAX_PROMPT = 58  # trainer.max_prompt_length
+# SkyRL's defaults that reach the config: trainer.policy.optimizer_config (lr, weight_decay,
+# max_grad_norm), generator.inference_engine.gpu_memory_utilization, and ArcticRLTrainerConfig's
+# own (integrations/arctic_rl/config.py): ZoRRO on, ZeRO stage 0, liger, flash-attention 2,
+# gradient checkpointing, chunked logits ("memory", 4 GiB), Arctic Inference on, vLLM knobs.
+LR, WEIGHT_DECAY, GRAD_CLIP, BETAS, EPS = 1e-6, 1e-2, 1.0, [0.9, 0.999], 1e-8
+ATTN = "flash_attention_2"
 
 
 def build_rl_config(protocol: str) -> dict:
-    """The 18 fields SkyRL's ``build_rl_config`` sets (CPU-sized values)."""
+    """What SkyRL's ``build_rl_config`` returns with every SkyRL and ``trainer.arctic_rl`` default
+    left as is; only the sizes are CPU-sized (a built-in model, 2 prompts x 2 samples, 1 GPU for
+    each of training and sampling, as ``policy_num_gpus_per_node=1`` and ``num_engines=1``)."""
+    max_length = MAX_PROMPT + MAX_TOKENS
+    mini_batch = len(PROMPTS) * N  # policy_mini_batch_size * n_samples_per_prompt
+    micro = N  # ZoRRO on: one prompt group per micro-batch
     return {
         "model_name": "builtin:tiny",
         "backend": "local",
-        "comm_protocol": protocol,
+        "comm_protocol": protocol,  # SkyRL always says "ray"; the replay runs both protocols
         # Absolute, as SkyRL's trainer.ckpt_path (~/ckpts/...): outside the server's data folder,
         # which the server this driver launched (http) or its state actor (ray) accepts.
         "checkpoint_path": str(Path.cwd() / "ckpts"),
@@ -43,36 +55,65 @@ def build_rl_config(protocol: str) -> dict:
         "log_prob_gpus": 0,
         "log_prob_engine": "vllm",
         "colocate": False,
-        "vllm_config": {"tensor_parallel_size": 1, "max_model_len": 64, "max_num_seqs": 256},
+        "vllm_config": {
+            "tensor_parallel_size": 1,
+            "gpu_memory_utilization": 0.8,
+            "max_model_len": max_length,
+            "max_num_seqs": 256,
+            "enforce_eager": True,
+            "enable_chunked_prefill": True,
+            "enable_prefix_caching": True,
+            "forest_cascade_attn_configs": "{}",  # use_arctic_inference (one engine)
+        },
         "ds_config": {
-            "train_micro_batch_size_per_gpu": 1,
-            "train_batch_size": len(PROMPTS) * N,
-            "gradient_accumulation_steps": len(PROMPTS) * N,
+            "train_micro_batch_size_per_gpu": micro,
+            "train_batch_size": mini_batch,
+            "gradient_accumulation_steps": mini_batch // micro,
+            "sequence_parallel_size": 1,
             "bf16": {"enabled": True},
-            "gradient_clipping": 1.0,
+            "gradient_clipping": GRAD_CLIP,
             "optimizer": {
                 "type": "AdamW",
-                "params": {"lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.01},
+                "params": {"lr": LR, "betas": BETAS, "eps": EPS, "weight_decay": WEIGHT_DECAY},
             },
-            "zero_optimization": {"stage": 0},
+            "zero_optimization": {
+                "stage": 0,
+                "offload_optimizer": {"device": "none"},
+                "offload_param": {"device": "none"},
+            },
         },
         "ds_worker_config": {
             "use_liger": True,
             "enable_gradient_checkpointing": True,
-            "attn_implementation": "sdpa",  # SkyRL's arl.attn_implementation (GPU default: fa2)
+            "attn_implementation": ATTN,
+            "zorro_train_enable": True,
+            "response_len": MAX_TOKENS,
+            "max_token_len": MAX_PROMPT + N * MAX_TOKENS,
+            "rollout_n": N,
+            "temperature": 1.0,
+            "use_unpad": True,
+            "logits_optimization": "memory",
+            "logits_optimization_peak_mem_size_in_gib": 4.0,
+            "logits_compute_from_fp32_inputs": False,
+            "logits_compute_in_fp32": False,
         },
         "training_config": {
             "training_horizon": 1000,
-            "optimizer": {"lr": 1e-3, "weight_decay": 0.01, "betas": [0.9, 0.999]},
+            "optimizer": {
+                "lr": LR,
+                "weight_decay": WEIGHT_DECAY,
+                "betas": BETAS,
+                "gradient_clipping": GRAD_CLIP,
+            },
             "lr_scheduler": {"type": "constant", "warmup_ratio": 0.0},
-            "max_length": 64,
+            "max_length": max_length,
             "model_config": None,
-            "attn_implementation": "sdpa",
+            "attn_implementation": ATTN,
         },
         "arctic_inference_config": None,
         "full_determinism": False,
         "seed": 42,
-        "startup_timeout": 600.0,
+        "startup_timeout": 300.0,
         "server_logs": False,
         # Not a SkyRL field: a free port, so parallel test runs do not meet on 7000.
         **({"port": 0} if protocol == "http" else {}),
@@ -109,7 +150,7 @@ def repack(tokenizer, results: list[dict]) -> tuple[dict, dict]:
         "rollout_n": N,
         "max_prompt_len": batch["prompts"].shape[1],
         "max_response_len": batch["responses"].shape[1],
-        "max_token_len_per_gpu": 64,
+        "max_token_len_per_gpu": MAX_PROMPT + N * MAX_TOKENS,  # ZoRRO on
         "temperature": 1.0,
         "calculate_entropy": True,
         "drop_position_ids": False,
@@ -211,6 +252,24 @@ def experiment(reconnect_config, server_state) -> dict:
     return asyncio.run(trainer_loop())
 
 
+def training_job_info(pre_client, reconnect_cfg, server_state) -> dict:
+    """The training sub-job's info (its settings and ``ignored_settings``) as the server lists it:
+    ``GET /jobs/{id}`` on the http server, the state actor's ``get_job`` on ray."""
+    job_id = pre_client.training_job_id.split(":", 1)[0]
+    if server_state is not None:
+        import ray
+
+        status, info = ray.get(server_state.get_job.remote(job_id))
+        assert status == "ok", info
+    else:
+        from arctic_platform.client.jobs import JobsClient, ServerAddress
+
+        with JobsClient(ServerAddress(url=reconnect_cfg.backend.base_url)) as jobs:
+            info = jobs.show(job_id)
+    (training,) = [s for s in info["sub_jobs"] if s["job_type"] == "training"]
+    return {k: training[k] for k in ("training_config", "ignored_settings")}
+
+
 def main(protocol: str) -> None:
     import ray
 
@@ -225,6 +284,9 @@ def main(protocol: str) -> None:
     answer = ray.get(task.remote(reconnect_cfg, server_state))
     answer["gcs_address"] = ray.get_runtime_context().gcs_address
     answer["comm_protocol"] = rl_config.comm_protocol
+    # Not SkyRL's: what the test checks was reported, from where each backend's users read it.
+    answer["client_ignored"] = sorted(rl_config.ignored_settings)
+    answer["training_job"] = training_job_info(pre_client, reconnect_cfg, server_state)
     print(json.dumps(answer), flush=True)
 
 

@@ -1,4 +1,5 @@
-"""SkyRL's driver, replayed (``replay_driver``): every call answers, and nothing outlives it.
+"""SkyRL's driver, replayed (``replay_driver``) with SkyRL's real defaults (flash-attention 2,
+liger, ZeRO, chunked logits, Arctic Inference): every call answers, and nothing outlives it.
 
 The driver never calls ``shutdown()``; after it exits, no process it started may remain: neither
 a launched ``arctic-platform serve`` (http) nor the Ray cluster it started (ray). Both protocols
@@ -7,6 +8,7 @@ run the same seeded step, so their answers must agree.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -22,6 +24,16 @@ pytest.importorskip("ray")
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[3]
+# SkyRL's GPU defaults that have no effect on these engines: accepted, reported, never fatal.
+REPORTED = {
+    "ds_worker_config.use_liger",
+    "ds_worker_config.zorro_train_enable",
+    "ds_worker_config.use_unpad",
+    "ds_config.zero_optimization",
+    "ds_config.bf16",
+    "ds_config.sequence_parallel_size",
+    "arctic_inference_config",
+}
 
 
 def processes_in(folder: Path) -> list[int]:
@@ -89,6 +101,16 @@ def test_skyrl_driver_sequence_on_http_and_ray_leaves_nothing_behind(tmp_path):
         saved = Path(answer["saved"]["path"])  # where SkyRL's absolute ckpt_path points
         assert saved.parent == tmp_path / protocol / "ckpts" and saved.is_dir()
         assert answer["job_ids"][0] and answer["job_ids"][1] and answer["job_ids"][2] is None
+        # SkyRL's real defaults ran: flash-attention 2 was asked for and, where flash_attn is
+        # missing, the job degraded to sdpa and lists it; the other GPU knobs stay reported.
+        training = answer["training_job"]
+        assert training["training_config"]["attn_implementation"] == "flash_attention_2"
+        fallback = training["ignored_settings"].get("attn_implementation")
+        if importlib.util.find_spec("flash_attn") is None:
+            assert fallback == "flash_attention_2 -> sdpa (flash_attn is not installed)"
+        else:
+            assert fallback is None
+        assert set(answer["client_ignored"]) >= REPORTED
     http, ray = answers["http"], answers["ray"]
     assert http["outputs"] == ray["outputs"]  # same seeds, same engines: same step
     assert http["grad_norm"] == pytest.approx(ray["grad_norm"], rel=1e-4)
