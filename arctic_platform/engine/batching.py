@@ -36,15 +36,8 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
+from arctic_platform.contract.batch_layout import FLOAT_FIELDS, IGNORE_INDEX, MASK_FIELDS
 from arctic_platform.engine.errors import EngineInputError
-
-# Per-token float fields of the verl layout: [B, S], zeros over the prompt; ``loss_weights`` scales
-# each token's cross-entropy term (Tinker's ``weights``).
-FLOAT_FIELDS = ("advantages", "old_log_probs", "ref_log_prob", "rollout_is_weights", "loss_weights")
-# Per-token 0/1 masks of the verl layout, and ECHO's (losses/cortex_grpo_echo.py): [B, S].
-MASK_FIELDS = ("response_mask", "loss_mask", "sft_mask", "echo_observation_mask")
-# Label value that marks a position without a target (HF convention).
-IGNORE_INDEX = -100
 
 
 @dataclass(frozen=True)

@@ -104,6 +104,11 @@ def builtin_model_path(name: str) -> str:
     return str(target)
 
 
+def resolve_model_path(name: str) -> str:
+    """Map a model name to something ``from_pretrained`` accepts (built-ins become paths)."""
+    return builtin_model_path(name) if is_builtin(name) else name
+
+
 def build_tokenizer():
     """Build the character-level fast tokenizer shared by every built-in model."""
     from tokenizers import Tokenizer, decoders, models

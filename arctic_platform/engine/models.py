@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from arctic_platform.engine.builtin import builtin_model_path, is_builtin
+from arctic_platform.engine.builtin import resolve_model_path
 from arctic_platform.engine.config import LoraConfig, ModelConfig
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -48,11 +48,6 @@ def read_ahead(path: str) -> None:
             with open(file, "rb") as handle:
                 while handle.read(READ_AHEAD_BYTES):
                     continue
-
-
-def resolve_model_path(name: str) -> str:
-    """Map a model name to something ``from_pretrained`` accepts (built-ins become paths)."""
-    return builtin_model_path(name) if is_builtin(name) else name
 
 
 def resolve_device(device: str) -> torch.device:

@@ -19,7 +19,8 @@ from typing import Any
 
 import torch
 
-from arctic_platform.engine.batching import IGNORE_INDEX, Batch
+from arctic_platform.contract.batch_layout import IGNORE_INDEX
+from arctic_platform.engine.batching import Batch
 from arctic_platform.engine.errors import EngineInputError
 from arctic_platform.engine.losses.aggregation import config_aggregation
 from arctic_platform.engine.losses.base import LossOutput, masked_sum, register_loss

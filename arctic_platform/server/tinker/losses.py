@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from arctic_platform import wire
-from arctic_platform.engine.batching import IGNORE_INDEX
+from arctic_platform.contract.batch_layout import IGNORE_INDEX
 from arctic_platform.server.errors import BadRequest
 from arctic_platform.server.tinker.codec import Datum
 

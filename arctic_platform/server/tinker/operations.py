@@ -18,7 +18,7 @@ from functools import partial
 from typing import Any
 
 from arctic_platform.contract.bodies import learning_rate_problem
-from arctic_platform.engine.models import resolve_model_path
+from arctic_platform.engine.builtin import resolve_model_path
 from arctic_platform.server.errors import BadRequest, Conflict, ServiceError
 from arctic_platform.server.ops import check_generate
 from arctic_platform.server.service import Service
