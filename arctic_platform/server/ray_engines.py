@@ -30,15 +30,23 @@ before each model call (:mod:`arctic_platform.server.data_parallel`). A job canc
 job's actors; an op whose actors die that way ends as stopped too.
 
 Failures: replies are gathered as they arrive, and the first worker that died
-(``RayActorError``) or raised ends the op with :class:`WorkerFailure` naming the worker; the Service
-then marks the job failed and releases its engines, which kills the job's remaining actors and
-frees its placement group. Other jobs are untouched.
+(``RayActorError``, or its reply lost with its node) or raised ends the op with
+:class:`WorkerFailure` naming the worker; the Service then marks the job failed and releases its
+engines, which kills the job's remaining actors (a rank waiting in a collective for a dead peer
+included) and frees its placement group. Other jobs are untouched. When a node of the job is lost
+(Ray reports it dead) the error is :class:`NodeLost`, naming the node's id and address and the
+workers that ran there, whichever rank failed first. Ray's verdict can lag the first symptom, so
+the failure waits up to ``PEER_FAILURE_WAIT_S`` for it: a surviving rank often fails first, its
+collective broken by the dead peer (it waits for a peer's death or a node's loss, the cause worth
+naming), and an actor on a node that vanished without shutting down is first only unreachable
+(``ActorUnavailableError``; it waits for the node to be declared dead).
 """
 
 from __future__ import annotations
 
 import contextlib
 import threading
+import time
 import uuid
 import warnings
 import weakref
@@ -67,20 +75,30 @@ START_TIMEOUT_S = 600.0
 STOP_POLL_S = 0.1
 COLLECTIVE_TIMEOUT_S = 1800.0
 WEIGHT_CHUNK_BYTES = 64 * 1024 * 1024
+# How long a failure waits for Ray's verdict on a peer or a node (see module doc): Ray's default
+# health checks declare a node whose raylet is gone dead within about 15 s.
+PEER_FAILURE_WAIT_S = 30.0
 
 
 class WorkerFailure(RuntimeError):
     """A worker actor died or raised: the job cannot continue (the Service fails it)."""
 
 
+class NodeLost(WorkerFailure):
+    """A node the job's workers ran on left the cluster (see module doc)."""
+
+
 class _Actors:
     """The actors of one sub-job and a gather that fails fast on the first failing actor."""
 
-    def __init__(self, sub_job_id: str, role: str, actors: list, names: list[str]) -> None:
+    def __init__(
+        self, sub_job_id: str, role: str, actors: list, names: list[str], nodes: list
+    ) -> None:
         self.sub_job_id = sub_job_id
         self.role = role
         self.handles = actors
         self.names = names
+        self.nodes = nodes  # each actor's node id (its placement bundle's node), None if unknown
         self.killed = False
 
     def describe(self, rank: int) -> str:
@@ -121,24 +139,84 @@ class _Actors:
                 rank = pending.pop(ref)
                 try:
                     replies[rank] = ray.get(ref)
-                except ray.exceptions.RayActorError as exc:
+                except ray.exceptions.RayError as exc:
                     reason = cancellation.requested()
-                    if self.killed and reason is not None:  # a job cancel released the actors
+                    died = not isinstance(exc, ray.exceptions.RayTaskError)
+                    if died and self.killed and reason is not None:  # a job cancel killed them
                         raise cancellation.OpCancelled(reason) from None
-                    raise WorkerFailure(
-                        f"{self.describe(rank)} died during {what}: {_first_line(exc)}"
-                    ) from None
-                except ray.exceptions.RayTaskError as exc:
-                    cause = exc.cause if exc.cause is not None else exc
-                    raise WorkerFailure(
-                        f"{self.describe(rank)} failed during {what}: "
-                        f"{type(cause).__name__}: {_first_line(cause)}"
-                    ) from None
+                    raise self._failure(rank, exc, what, pending) from None
         stopped = [r for r in replies.values() if isinstance(r, Stopped)]
         if stopped:
             raise cancellation.OpCancelled(cancellation.requested() or stopped[0].reason)
         _raise_rejection(replies.values())
         return replies
+
+    def _failure(self, rank: int, exc: Exception, what: str, pending: dict) -> WorkerFailure:
+        """The error that ends ``what`` now that ``rank`` failed with ``exc`` (a Ray error),
+        ``pending`` (``{ref: rank}``) not having answered: a lost node, else a dead peer of a
+        rank that raised, else ``rank``'s own failure (see module doc)."""
+        import ray
+
+        raised = isinstance(exc, ray.exceptions.RayTaskError)
+        unreachable = isinstance(exc, ray.exceptions.ActorUnavailableError)
+        deaths = {} if raised else {rank: exc}
+        lost = self._lost_nodes()
+        if not lost and (unreachable or (raised and pending)):
+            lost = self._await_verdict(pending, deaths, until_dead=unreachable)
+        if lost:
+            return NodeLost("; ".join(self._describe_node(n, lost[n], what) for n in lost))
+        if deaths:
+            dead, error = min(deaths.items())
+            return WorkerFailure(f"{self.describe(dead)} died during {what}: {_first_line(error)}")
+        cause = exc.cause if exc.cause is not None else exc
+        return WorkerFailure(
+            f"{self.describe(rank)} failed during {what}: "
+            f"{type(cause).__name__}: {_first_line(cause)}"
+        )
+
+    def _await_verdict(self, pending: dict, deaths: dict, *, until_dead: bool) -> dict:
+        """Wait up to ``PEER_FAILURE_WAIT_S`` for Ray to report a node of the job lost (returned)
+        or, unless ``until_dead`` (an actor Ray could not reach: only its node's fate tells),
+        for a rank of ``pending`` to die (added to ``deaths``) or all of them to answer."""
+        import ray
+
+        deadline = time.monotonic() + PEER_FAILURE_WAIT_S
+        while time.monotonic() < deadline:
+            if lost := self._lost_nodes():
+                return lost
+            if not until_dead and (deaths or not pending):
+                break
+            if not pending:
+                time.sleep(STOP_POLL_S)
+                continue
+            ready, _ = ray.wait(list(pending), num_returns=1, timeout=STOP_POLL_S)
+            for ref in ready:
+                peer = pending.pop(ref)
+                try:
+                    ray.get(ref)
+                except ray.exceptions.RayTaskError:
+                    pass  # another symptom; the first rank's error stands
+                except ray.exceptions.RayError as exc:
+                    deaths[peer] = exc
+        return self._lost_nodes()
+
+    def _lost_nodes(self) -> dict[str, dict]:
+        """The job's nodes Ray reports dead: ``{node id: its ray.nodes() entry}``."""
+        import ray
+
+        mine = {node for node in self.nodes if node}
+        if not mine:
+            return {}
+        return {n["NodeID"]: n for n in ray.nodes() if n["NodeID"] in mine and not n["Alive"]}
+
+    def _describe_node(self, node: str, entry: dict, what: str) -> str:
+        """``node <id> (<address>) lost during <what> (<Ray's reason>): it ran <workers>``."""
+        why = entry.get("DeathReasonMessage") or ""
+        ran = ", ".join(self.describe(r) for r, n in enumerate(self.nodes) if n == node)
+        return (
+            f"node {node} ({entry.get('NodeManagerAddress', 'unknown address')}) lost during "
+            f"{what}{f' ({why})' if why else ''}: it ran {ran}"
+        )
 
     def _stop(self, op_id: str, reason: str, ranks: list[int]) -> None:
         """Ask the actors of ``ranks`` to stop ``op_id`` (in their ``control`` group)."""
@@ -180,7 +258,8 @@ class RayTrainingEngine:
             remote.options(name=names[r], **placement.options("training", r)).remote(r, workers)
             for r in range(workers)
         ]
-        self.actors = _Actors(sub_job_id, "training", handles, names)
+        nodes = [placement.node_of("training", r) for r in range(workers)]
+        self.actors = _Actors(sub_job_id, "training", handles, names, nodes)
         try:
             addr, port = "", 0
             if workers > 1:
@@ -403,7 +482,7 @@ class RayInferenceEngine:
             .options(name=name, **placement.options(kind, index))
             .remote(kind)
         )
-        self.actors = _Actors(sub_job_id, kind, [handle], [name])
+        self.actors = _Actors(sub_job_id, kind, [handle], [name], [placement.node_of(kind, index)])
         try:
             started = self.actors.gather(
                 {0: handle.start.remote(config)}, "startup", START_TIMEOUT_S

@@ -92,6 +92,9 @@ class Placement:
     shape: JobShape
     colocate: bool
     group: Any = None
+    # The node each bundle was placed on (hex node ids, by bundle index), read once the group is
+    # ready: after a node is lost Ray reschedules its bundles, so this is where the actors ran.
+    bundle_nodes: dict[int, str] = field(default_factory=dict)
     _released: bool = field(default=False, repr=False)
 
     @classmethod
@@ -118,11 +121,12 @@ class Placement:
     def reserve(self, wait: PlacementWait, *, name: str = "") -> None:
         """Create the placement group and wait for it (see :meth:`create`); nothing is left
         reserved or pending when this raises."""
-        from ray.util.placement_group import placement_group
+        from ray.util.placement_group import placement_group, placement_group_table
 
         self.group = placement_group(self.bundles(), strategy="PACK", name=name)
         try:
             self._wait_ready(wait)
+            self.bundle_nodes = dict(placement_group_table(self.group)["bundles_to_node_id"])
         except BaseException:
             self.release()
             raise
@@ -161,20 +165,28 @@ class Placement:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         if self.colocate:
-            bundle = index % self.shape.devices
             share = SHARES[role]
             resources = {"num_cpus": share, "num_gpus": share if self.use_gpu else 0}
+        elif self.use_gpu:
+            resources = {"num_cpus": 1, "num_gpus": 1}
         else:
-            counts = (self.shape.training_workers, self.shape.samplers, self.shape.scorers)
-            bundle = sum(counts[: ROLES.index(role)]) + index
-            if self.use_gpu:
-                resources = {"num_cpus": 1, "num_gpus": 1}
-            else:
-                resources = {"num_cpus": SHARES[role], "num_gpus": 0}
+            resources = {"num_cpus": SHARES[role], "num_gpus": 0}
         strategy = PlacementGroupSchedulingStrategy(
-            placement_group=self.group, placement_group_bundle_index=bundle
+            placement_group=self.group, placement_group_bundle_index=self._bundle(role, index)
         )
         return {**resources, "scheduling_strategy": strategy}
+
+    def node_of(self, role: str, index: int) -> str | None:
+        """The node (hex id) the ``index``-th actor of ``role`` was placed on; None before the
+        group is ready."""
+        return self.bundle_nodes.get(self._bundle(role, index))
+
+    def _bundle(self, role: str, index: int) -> int:
+        """The bundle the ``index``-th actor of ``role`` runs in (see module doc)."""
+        if self.colocate:
+            return index % self.shape.devices
+        counts = (self.shape.training_workers, self.shape.samplers, self.shape.scorers)
+        return sum(counts[: ROLES.index(role)]) + index
 
     def release(self) -> None:
         """Give the placement group back to the cluster (pending or not); idempotent."""
