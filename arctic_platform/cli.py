@@ -246,6 +246,28 @@ def serve(
     max_batch_tokens: Annotated[
         int, typer.Option(min=1, help="Rows x sequence length of one training/forward batch.")
     ] = ServerLimits.max_batch_tokens,
+    body_read_timeout: Annotated[
+        float,
+        typer.Option(
+            help="Seconds a request body may take to arrive; a slower upload is answered 408 "
+            "and its connection closed.",
+        ),
+    ] = ServerLimits.body_read_timeout,
+    max_uploads_per_tenant: Annotated[
+        int,
+        typer.Option(
+            min=1,
+            help="Request bodies one tenant may be sending at once; one more gets 429.",
+        ),
+    ] = ServerLimits.max_uploads_per_tenant,
+    max_chunk_group_mb: Annotated[
+        int,
+        typer.Option(
+            min=1,
+            help="MiB one tenant's incomplete Cortex chunk groups may hold (also the largest "
+            "frame it can send in chunks); a chunk beyond it gets 413.",
+        ),
+    ] = ServerLimits.max_chunk_group_mb,
     tinker_session_timeout: Annotated[
         float,
         typer.Option(
@@ -285,6 +307,10 @@ def serve(
         raise typer.BadParameter(
             f"--tinker-session-timeout: must be > 0 seconds, got {tinker_session_timeout}"
         )
+    if not body_read_timeout > 0:
+        raise typer.BadParameter(
+            f"--body-read-timeout: must be > 0 seconds, got {body_read_timeout}"
+        )
     if job_idle_timeout is not None and not job_idle_timeout > 0:
         raise typer.BadParameter(f"--job-idle-timeout: must be > 0 seconds, got {job_idle_timeout}")
     if ray:
@@ -320,6 +346,9 @@ def serve(
             max_sample_tokens=max_sample_tokens,
             max_batch_rows=max_batch_rows,
             max_batch_tokens=max_batch_tokens,
+            body_read_timeout=body_read_timeout,
+            max_uploads_per_tenant=max_uploads_per_tenant,
+            max_chunk_group_mb=max_chunk_group_mb,
         ),
     )
 

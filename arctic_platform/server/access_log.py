@@ -3,6 +3,8 @@
 Every response carries ``X-Request-ID`` (the caller's, when it sent one, else a new one); the
 ``arctic_platform.access`` logger records ``{request_id, method, path, status, duration_ms}``.
 Clients log the id of a failed request, so an operator can find the server's side of it.
+A client that disconnects before its body arrived is status 499 (nginx's "client closed
+request", :class:`~arctic_platform.server.errors.ClientDisconnected`): this line is all it logs.
 """
 
 from __future__ import annotations

@@ -17,7 +17,12 @@ from arctic_platform.server import cortex, jobs_api, onprem
 from arctic_platform.server.access_log import AccessLog
 from arctic_platform.server.auth import TokenAuth
 from arctic_platform.server.errors import ServiceError
-from arctic_platform.server.http_common import owner_of, service_error_response
+from arctic_platform.server.http_common import (
+    UploadSlots,
+    close_unread_bodies,
+    owner_of,
+    service_error_response,
+)
 from arctic_platform.server.service import Service
 from arctic_platform.server.tinker import routes as tinker_routes
 from arctic_platform.server.tinker.operations import TinkerOps
@@ -58,6 +63,7 @@ def create_app(
     app.state.auth = auth or TokenAuth([])
     app.state.metrics_auth = metrics_auth or TokenAuth([])
     app.state.max_body_bytes = max_body_bytes
+    app.state.uploads = UploadSlots()
     app.state.instance = instance or new_instance_id()
     app.state.tinker = tinker
     app.add_exception_handler(ServiceError, service_error_response)
@@ -67,6 +73,7 @@ def create_app(
     app.include_router(jobs_api.router)
     app.include_router(onprem.router)
     app.include_router(tinker_routes.router)
+    app.add_middleware(close_unread_bodies)
     app.add_middleware(AccessLog)
     return app
 

@@ -8,7 +8,8 @@ generation delivers its outputs as events too.
 Large request bodies arrive as DSSST1 chunk groups. :class:`ChunkGroups` reassembles them and
 guarantees **at-most-once execution** per ``chunk_group_id`` and frame hash: a retried final chunk
 gets the original ``request_id`` back instead of running the op again, which is what makes a
-retried ``forward-backward`` safe (gradients are applied once).
+retried ``forward-backward`` safe (gradients are applied once). The chunks of incomplete groups
+are held in memory, so what one tenant may hold there is capped (``--max-chunk-group-mb``).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import hashlib
 import threading
 import time
 import uuid
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -27,6 +28,7 @@ from typing import Any
 from arctic_platform import wire
 from arctic_platform.engine.cancellation import CancelToken
 from arctic_platform.server.errors import BadRequest, Conflict, NotFound
+from arctic_platform.server.limits import ServerLimits
 
 INLINE_RESULT_BYTES = 8 * 1024 * 1024
 RESULT_CHUNK_BYTES = 4 * 1024 * 1024
@@ -236,8 +238,10 @@ def _encode_result(value: Any) -> tuple[dict | None, list[dict]]:
 @dataclass
 class _Group:
     descriptor: dict
+    owner: str | None
     chunk_digests: dict[int, str] = field(default_factory=dict)
     chunks: dict[int, bytes] = field(default_factory=dict)
+    held: int = 0  # bytes of ``chunks``, counted in ChunkGroups' per-owner total
     request_id: str | None = None
     scheduled: bool = False
     ready: threading.Event = field(default_factory=threading.Event)
@@ -271,6 +275,9 @@ _GROUP_KEYS = ("total_chunks", "frame_sha256", "frame_size_bytes", "operation")
 # chunks of up to 60 MiB: this allows frames far beyond any body limit).
 MAX_CHUNKS_PER_GROUP = 4096
 MAX_GROUP_ID_CHARS = 128
+# Seconds an incomplete group is kept without a new chunk, and a completed group's request id.
+STALE_S = 600.0
+RETENTION_S = 3600.0
 
 
 def check_descriptor(meta: dict) -> tuple[str, int]:
@@ -316,17 +323,35 @@ class ChunkGroups:
     """Reassembles request chunk groups per sub-job, executing each group at most once.
 
     Completed groups keep only their chunk digests and ``request_id`` (no payload), for
-    ``retention_s``; incomplete groups are dropped after ``stale_s`` without new chunks.
+    ``retention_s``; incomplete groups are dropped after ``stale_s`` without new chunks (by
+    :meth:`expire_stale`, which the Service also runs on a timer, so an abandoned group's bytes
+    are freed even when no other chunk arrives). The bytes an owner's incomplete groups hold are
+    bounded by ``limits.max_chunk_group_mb``.
     """
 
-    def __init__(self, *, retention_s: float = 3600.0, stale_s: float = 600.0) -> None:
+    def __init__(
+        self,
+        *,
+        limits: ServerLimits | None = None,
+        retention_s: float = RETENTION_S,
+        stale_s: float = STALE_S,
+    ) -> None:
         self._lock = threading.Lock()
         self._groups: dict[tuple[str, str], _Group] = {}
+        self._held: Counter = Counter()  # owner -> bytes in its incomplete groups
+        self._limits = limits or ServerLimits()
         self._retention_s = retention_s
-        self._stale_s = stale_s
+        self.stale_s = stale_s
 
-    def receive(self, sub_job_id: str, frame: bytes) -> ChunkOutcome:
-        """Take one posted body. A body that is not a chunk passes through as a whole frame."""
+    def held_bytes(self, owner: str | None) -> int:
+        """Bytes ``owner``'s incomplete groups hold."""
+        with self._lock:
+            return self._held[owner]
+
+    def receive(self, sub_job_id: str, frame: bytes, *, owner: str | None) -> ChunkOutcome:
+        """Take one posted body of ``owner``. A body that is not a chunk passes through as a
+        whole frame; a chunk beyond the owner's byte cap is refused (413 ``limit_exceeded``)
+        and changes nothing."""
         meta = wire.read_byte_chunk_metadata(frame)
         if meta is None:
             return ChunkOutcome(frame=frame)
@@ -340,7 +365,7 @@ class ChunkGroups:
         digest = hashlib.sha256(payload).hexdigest()
         key = (sub_job_id, group_id)
         with self._lock:
-            self._expire()
+            self._expire(time.time() - self.stale_s)
             group = self._groups.get(key)
             if group is None:
                 if index != 0:
@@ -349,7 +374,10 @@ class ChunkGroups:
                         code="chunk_group_restart_required",
                         chunk_group_id=group_id,
                     )
-                group = _Group(descriptor={k: meta.get(k) for k in _GROUP_KEYS})
+                # A frame that can never fit is refused before any of it is held.
+                self._limits.check_chunk_bytes(meta["frame_size_bytes"])
+                self._limits.check_chunk_bytes(self._held[owner] + len(frame))
+                group = _Group(descriptor={k: meta.get(k) for k in _GROUP_KEYS}, owner=owner)
                 self._groups[key] = group
             self._check_same_group(group, meta, group_id)
             known = group.chunk_digests.get(index)
@@ -363,8 +391,12 @@ class ChunkGroups:
             if group.scheduled:
                 # A retry of a group that already ran (or is being scheduled): same request.
                 return self._existing(group, group_id)
+            added = len(frame) - len(group.chunks.get(index, b""))
+            self._limits.check_chunk_bytes(self._held[group.owner] + added)
             group.chunk_digests[index] = digest
             group.chunks[index] = frame
+            group.held += added
+            self._held[group.owner] += added
             if not group.complete:
                 if index == group.total - 1:
                     missing = group.missing()
@@ -392,13 +424,15 @@ class ChunkGroups:
             group = self._groups.get((sub_job_id, group_id))
             if group is not None:
                 group.request_id = request_id
-                group.chunks.clear()
+                self._release(group)
                 group.ready.set()
 
     def forget(self, sub_job_id: str, group_id: str) -> None:
         """Drop a group whose frame was rejected, so a corrected retry can start over."""
         with self._lock:
             group = self._groups.pop((sub_job_id, group_id), None)
+            if group is not None:
+                self._release(group)
         if group is not None:
             group.ready.set()
 
@@ -430,9 +464,28 @@ class ChunkGroups:
                     chunk_group_id=group_id,
                 )
 
-    def _expire(self) -> None:
-        now = time.time()
+    def expire_stale(self, cutoff: float) -> list[str]:
+        """Drop the incomplete groups without a chunk since ``cutoff`` (``time.time()``), and
+        completed ones past their retention; their chunk group ids."""
+        with self._lock:
+            return self._expire(cutoff)
+
+    def _expire(self, cutoff: float) -> list[str]:
+        """:meth:`expire_stale` with the lock held."""
+        retained = cutoff + self.stale_s - self._retention_s  # completed groups' cutoff
+        dropped = []
         for key, group in list(self._groups.items()):
-            limit = self._retention_s if group.request_id is not None else self._stale_s
-            if now - group.touched > limit:
+            if group.touched < (retained if group.request_id is not None else cutoff):
                 del self._groups[key]
+                self._release(group)
+                group.ready.set()  # a retry waiting on it gets a definite answer
+                dropped.append(key[1])
+        return dropped
+
+    def _release(self, group: _Group) -> None:
+        """Free a group's chunks and count them off its owner's total (lock held)."""
+        group.chunks.clear()
+        self._held[group.owner] -= group.held
+        if not self._held[group.owner]:
+            del self._held[group.owner]
+        group.held = 0

@@ -15,6 +15,8 @@ import os
 from arctic_platform.server.errors import Unauthorized
 
 PAT_TYPE_HEADER = "x-snowflake-authorization-token-type"
+# The Tinker SDK sends its API key (one of the tokens) in this header.
+API_KEY_HEADER = "x-api-key"
 PAT_TYPE = "PROGRAMMATIC_ACCESS_TOKEN"
 
 

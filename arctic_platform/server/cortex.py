@@ -150,7 +150,7 @@ async def _chunked_octet_op(request: Request, job_id: str, op: str) -> dict:
     service = _service(request)
     service.note_activity(job_id, owner=owner)  # a large body's upload keeps the job alive
     body = await read_body(request)
-    outcome = await run_in_threadpool(service.chunk_groups.receive, job_id, body)
+    outcome = await run_in_threadpool(service.chunk_groups.receive, job_id, body, owner=owner)
     if outcome.request_id is not None:
         return {"request_id": outcome.request_id, "job_id": job_id}
     if outcome.frame is None:

@@ -54,11 +54,33 @@ class Conflict(ServiceError):
     code = "conflict"
 
 
+class RequestTimeout(ServiceError):
+    """The request body did not arrive within the server's read deadline (408)."""
+
+    status = 408
+    code = "request_timeout"
+
+
 class PayloadTooLarge(ServiceError):
     """Body above the server's limit (413)."""
 
     status = 413
     code = "payload_too_large"
+
+
+class TooManyRequests(ServiceError):
+    """A per-tenant concurrency limit is full; the same request can succeed later (429)."""
+
+    status = 429
+    code = "too_many_requests"
+
+
+class ClientDisconnected(ServiceError):
+    """The client closed the connection before its request body arrived. Nothing reaches it;
+    499 (nginx's "client closed request") is what the access log records."""
+
+    status = 499
+    code = "client_disconnected"
 
 
 class EngineFailure(ServiceError):

@@ -1,53 +1,141 @@
-"""Pieces both HTTP APIs share: body reading with a size limit, DSSST1 bodies, auth, errors.
+"""Pieces both HTTP APIs share: body reading, DSSST1 bodies, auth, errors.
 
-Bodies are read straight into one preallocated buffer (no chunk list joined afterwards), and DSSST1
-frames are decoded zero-copy from it, so a large upload costs one copy from the socket.
+A body is a claim until its bytes arrive: it is read into memory that grows with what has
+arrived (a Content-Length above the limit is refused at once, but one below it allocates
+nothing), within the read deadline, and a tenant has a bounded number of bodies being read at
+once. ``bytearray +=`` grows geometrically and large blocks are resized in place (realloc), so an
+honest large upload still costs about one copy from the socket; DSSST1 frames are decoded
+zero-copy from the result.
 """
 
 from __future__ import annotations
 
+import asyncio
+import collections
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
+from starlette.requests import ClientDisconnect
 
 from arctic_platform import wire
-from arctic_platform.server.auth import PAT_TYPE_HEADER
-from arctic_platform.server.errors import BadRequest, PayloadTooLarge, ServiceError
+from arctic_platform.server.auth import API_KEY_HEADER, PAT_TYPE_HEADER
+from arctic_platform.server.errors import (
+    BadRequest,
+    ClientDisconnected,
+    PayloadTooLarge,
+    RequestTimeout,
+    ServiceError,
+)
+from arctic_platform.server.limits import ServerLimits
 
 OCTET = "application/octet-stream"
 
 
 async def read_body(request: Request) -> bytearray:
-    """The request body, refused with 413 above the server's ``max_body_bytes``."""
-    limit: int = request.app.state.max_body_bytes
-    declared = request.headers.get("content-length")
-    if declared is not None:
-        try:
-            size = int(declared)
-        except ValueError:
-            raise BadRequest("Content-Length is not an integer") from None
-        if size > limit:
-            raise PayloadTooLarge(f"body of {size} bytes exceeds the {limit}-byte limit")
-        buffer = bytearray(size)
-        view = memoryview(buffer)
-        filled = 0
-        async for chunk in request.stream():
-            end = filled + len(chunk)
-            if end > size:
-                raise BadRequest("body is longer than its Content-Length")
-            view[filled:end] = chunk
-            filled = end
-        if filled != size:
-            raise BadRequest(f"body ended after {filled} of {size} bytes")
-        return buffer
+    """The request body. Refused: above the server's ``max_body_bytes`` (413), not arrived
+    within ``--body-read-timeout`` (408), beyond the tenant's ``--max-uploads-per-tenant``
+    bodies being read (429). A client that goes away mid-body is :class:`ClientDisconnected`."""
+    state = request.app.state
+    limit: int = state.max_body_bytes
+    declared = _declared_length(request, limit)
+    if declared == 0:
+        return bytearray()
+    limits: ServerLimits = state.service.limits
+    expected = "an unstated number of" if declared is None else f"{declared}"
     buffer = bytearray()
+    with state.uploads.hold(caller_of(request), limits):
+        try:
+            # One task for the whole body (not one per chunk): the deadline costs nothing per
+            # chunk. ``asyncio.TimeoutError`` is ``TimeoutError`` from Python 3.11 on.
+            await asyncio.wait_for(_receive(request, buffer, limit), limits.body_read_timeout)
+        except asyncio.TimeoutError:
+            raise RequestTimeout(
+                f"request body: {len(buffer)} of {expected} bytes arrived within the server's "
+                f"read deadline of {limits.body_read_timeout} s (--body-read-timeout)",
+                received=len(buffer),
+            ) from None
+        except ClientDisconnect:
+            raise ClientDisconnected(
+                f"client disconnected after {len(buffer)} of {expected} body bytes"
+            ) from None
+    if declared is not None and len(buffer) != declared:
+        raise BadRequest(f"body has {len(buffer)} bytes, its Content-Length says {declared}")
+    return buffer
+
+
+async def _receive(request: Request, buffer: bytearray, limit: int) -> None:
+    """Append the body to ``buffer`` as it arrives (what arrived is there if this is stopped)."""
     async for chunk in request.stream():
         buffer += chunk
         if len(buffer) > limit:
             raise PayloadTooLarge(f"body exceeds the {limit}-byte limit")
-    return buffer
+
+
+def _declared_length(request: Request, limit: int) -> int | None:
+    """The body's Content-Length (None when it is sent chunked), 413 above ``limit``."""
+    declared = request.headers.get("content-length")
+    if declared is None:
+        return None
+    try:
+        size = int(declared)
+    except ValueError:
+        raise BadRequest("Content-Length is not an integer") from None
+    if size > limit:
+        raise PayloadTooLarge(f"body of {size} bytes exceeds the {limit}-byte limit")
+    return size
+
+
+class UploadSlots:
+    """Request bodies being read, per tenant. Touched only on the event loop (by
+    :func:`read_body`), so it needs no lock."""
+
+    def __init__(self) -> None:
+        self._reading: collections.Counter = collections.Counter()
+
+    @contextmanager
+    def hold(self, tenant: str | None, limits: ServerLimits) -> Iterator[None]:
+        limits.check_uploads(self._reading[tenant] + 1)
+        self._reading[tenant] += 1
+        try:
+            yield
+        finally:
+            self._reading[tenant] -= 1
+            if not self._reading[tenant]:
+                del self._reading[tenant]
+
+
+def close_unread_bodies(app):
+    """ASGI middleware: an answer sent before its request's body was read whole closes the
+    connection. Otherwise the server goes on reading (and dropping) the rest of the body for as
+    long as the client takes to send it: a refused client claiming 255 MiB at a byte a minute
+    would hold its connection for ever."""
+
+    async def middleware(scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await app(scope, receive, send)
+        headers = dict(scope["headers"])
+        unread = headers.get(b"content-length", b"0") != b"0" or b"transfer-encoding" in headers
+
+        async def receive_tracked():
+            nonlocal unread
+            message = await receive()
+            if message["type"] == "http.request" and not message.get("more_body", False):
+                unread = False
+            return message
+
+        async def send_closing(message) -> None:
+            if unread and message["type"] == "http.response.start":
+                closing = [*message.get("headers", []), (b"connection", b"close")]
+                message = {**message, "headers": closing}
+            await send(message)
+
+        await app(scope, receive_tracked, send_closing)
+
+    return middleware
 
 
 def decode_frame(body: bytes | bytearray, *, what: str) -> Any:
@@ -85,6 +173,15 @@ def owner_of(request: Request) -> str | None:
     """The caller's owner id (None when the server runs without tokens)."""
     auth = request.app.state.auth
     return auth.owner(request.headers.get("authorization"), request.headers.get(PAT_TYPE_HEADER))
+
+
+def caller_of(request: Request) -> str | None:
+    """The caller's owner id on any of the APIs: from Tinker's ``X-API-Key`` when the request
+    carries one (the SDK's form of the same tokens), else from ``Authorization``."""
+    key = request.headers.get(API_KEY_HEADER)
+    if key:
+        return request.app.state.auth.owner(f"Bearer {key}")
+    return owner_of(request)
 
 
 def service_error_response(_: Request, exc: ServiceError) -> JSONResponse:

@@ -2,8 +2,9 @@
 
 A ``generate`` with ``n = 1_000_000`` or a training batch of millions of tokens is valid input that
 would occupy an op slot for hours. The server refuses such requests before they are queued, with
-413 ``limit_exceeded`` naming the limit and the flag that sets it. Each limit is a ``serve`` flag
-with a default sized for one GPU server (:data:`DEFAULT_LIMITS`).
+413 ``limit_exceeded`` naming the limit and the flag that sets it. A tenant's uploads are bounded
+the same way: bodies being read at once (429, since waiting helps) and bytes held in incomplete
+chunk groups. Each limit is a ``serve`` flag with a default sized for one GPU server.
 """
 
 from __future__ import annotations
@@ -12,17 +13,26 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from arctic_platform.server.errors import PayloadTooLarge
+from arctic_platform.server.errors import PayloadTooLarge, ServiceError, TooManyRequests
+
+MIB = 1024 * 1024
 
 
 @dataclass(frozen=True)
 class ServerLimits:
-    """Per-request work bounds (flag names are the field names with dashes)."""
+    """Bounds on one request's work and on one tenant's uploads (flag names are the field
+    names with dashes)."""
 
     max_samples_per_request: int = 4096
     max_sample_tokens: int = 4_194_304  # sum over samples of max_tokens
     max_batch_rows: int = 8192
     max_batch_tokens: int = 4_194_304
+    # Uploads (server/http_common.py, server/async_requests.py): seconds one request body may
+    # take to arrive (256 MiB at under 1 MB/s), and per tenant over all its requests, the bodies
+    # being read at once and the MiB held in incomplete Cortex chunk groups.
+    body_read_timeout: float = 300.0
+    max_uploads_per_tenant: int = 8
+    max_chunk_group_mb: int = 1024
 
     def check_generate(self, op: str, prompts: list, sampling_params: Any, context: int) -> None:
         """``n`` summed over prompts, and ``n x max_tokens`` (the context when unset)."""
@@ -61,21 +71,51 @@ class ServerLimits:
     def _bound(self, op: str, what: str, value: int, limit: str) -> None:
         bound = getattr(self, limit)
         if value > bound:
-            raise limit_exceeded(f"{op}: {value} {what}", value, limit, bound)
+            message = f"{op}: {value} {what} exceed this server's limit of {bound}"
+            raise limit_exceeded(message, limit=limit, value=value, maximum=bound)
+
+    def check_uploads(self, uploading: int) -> None:
+        """``uploading``: the tenant's bodies being read, this one included (429 beyond the
+        limit: the same request succeeds once one of them has arrived)."""
+        bound = self.max_uploads_per_tenant
+        if uploading > bound:
+            message = (
+                f"this tenant already has {uploading - 1} request bodies being read, the "
+                f"server's limit of concurrent uploads per tenant is {bound}"
+            )
+            raise limit_exceeded(
+                message,
+                limit="max_uploads_per_tenant",
+                value=uploading,
+                maximum=bound,
+                error=TooManyRequests,
+            )
+
+    def check_chunk_bytes(self, held: int) -> None:
+        """``held``: bytes a tenant's incomplete chunk groups would hold with the chunk (or
+        the whole frame) in question."""
+        bound = self.max_chunk_group_mb * MIB
+        if held > bound:
+            message = (
+                f"chunk groups: this tenant's incomplete chunk groups would hold {held} bytes, "
+                f"over this server's limit of {self.max_chunk_group_mb} MiB"
+            )
+            raise limit_exceeded(message, limit="max_chunk_group_mb", value=held, maximum=bound)
 
 
 def limit_exceeded(
-    what: str, value: int, limit: str, bound: int, unit: str = ""
-) -> PayloadTooLarge:
-    """The 413 of every work limit: ``what`` exceeds ``bound``, set by the ``serve`` flag of the
-    same name as ``limit``."""
+    message: str,
+    *,
+    limit: str,
+    value: int,
+    maximum: int,
+    error: type[ServiceError] = PayloadTooLarge,
+) -> ServiceError:
+    """The refusal of a request beyond ``limit`` (a field above): code ``limit_exceeded``, the
+    message ending with the flag that sets the limit."""
     flag = "--" + limit.replace("_", "-")
-    return PayloadTooLarge(
-        f"{what} exceed this server's limit of {bound}{unit} ({flag})",
-        code="limit_exceeded",
-        limit=limit,
-        value=value,
-        maximum=bound,
+    return error(
+        f"{message} ({flag})", code="limit_exceeded", limit=limit, value=value, maximum=maximum
     )
 
 

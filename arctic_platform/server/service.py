@@ -209,7 +209,7 @@ class Service:
         )
         self.store = MetadataStore(settings.data_dir / "metadata.sqlite3")
         self.requests = RequestStore()
-        self.chunk_groups = ChunkGroups()
+        self.chunk_groups = ChunkGroups(limits=settings.limits)
         self._lock = threading.RLock()
         self._jobs: dict[str, Job] = {}
         self.slots = FairSlots(settings.max_concurrent_ops, settings.max_ops_per_tenant)
@@ -220,6 +220,11 @@ class Service:
         self._restore()
         self._adopt_legacy_checkpoints()
         self._remove_stale_staging()
+        # Frees abandoned chunk groups' bytes even when no chunk arrives to trigger it.
+        self.chunk_reaper = IdleReaper(
+            "chunk group expiry", self.chunk_groups.stale_s, self.chunk_groups.expire_stale
+        )
+        self.chunk_reaper.start()
         self.idle_reaper: IdleReaper | None = None
         if settings.job_idle_timeout_s is not None:
             self.idle_reaper = IdleReaper(
@@ -701,6 +706,7 @@ class Service:
             closing.set()
 
     def _drain(self, drain_timeout: float | None) -> None:
+        self.chunk_reaper.stop()
         if self.idle_reaper is not None:
             self.idle_reaper.stop()
         timeout = self.settings.drain_timeout_s if drain_timeout is None else drain_timeout

@@ -43,12 +43,13 @@ def running_job(service):
     return info["job_id"]
 
 
-def make_app(service, tokens=(), max_body_bytes=256 * 1024 * 1024):
+def make_app(service, tokens=(), max_body_bytes=256 * 1024 * 1024, **options):
     return create_app(
         service,
         auth=TokenAuth(list(tokens)),
         max_body_bytes=max_body_bytes,
         close_service_on_shutdown=False,
+        **options,
     )
 
 

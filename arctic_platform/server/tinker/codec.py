@@ -100,11 +100,11 @@ class _Budget:
         self.used += nbytes
         if self.used > self.limit:
             raise limit_exceeded(
-                f"forward_backward: {field}: loss inputs decoding to {self.used} bytes",
-                self.used,
-                BODY_LIMIT,
-                self.limit,
-                unit=" bytes (the body limit)",
+                f"forward_backward: {field}: loss inputs decoding to {self.used} bytes exceed "
+                f"this server's limit of {self.limit} bytes (the body limit)",
+                limit=BODY_LIMIT,
+                value=self.used,
+                maximum=self.limit,
             )
 
 

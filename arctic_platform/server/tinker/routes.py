@@ -22,15 +22,15 @@ from fastapi.responses import FileResponse, JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 
 from arctic_platform.engine.builtin import BUILTIN_MODELS, BUILTIN_PREFIX, BuiltinSpec
+from arctic_platform.server.auth import API_KEY_HEADER
 from arctic_platform.server.errors import BadRequest, NotFound, Unauthorized
-from arctic_platform.server.http_common import decode_json, read_body
+from arctic_platform.server.http_common import caller_of, decode_json, read_body
 from arctic_platform.server.op_bodies import describe
 from arctic_platform.server.tinker import bodies, codec, proto
 from arctic_platform.server.tinker.checkpoints import TinkerPath
 from arctic_platform.server.tinker.futures import OpResult
 from arctic_platform.server.tinker.operations import TinkerOps
 
-API_KEY_HEADER = "x-api-key"
 API_KEY_PREFIX = "tml-"
 
 router = APIRouter(prefix="/api/v1")
@@ -46,10 +46,9 @@ def _owner(request: Request) -> str | None:
     auth = request.app.state.auth
     if not auth.enabled:
         return None
-    key = request.headers.get(API_KEY_HEADER)
-    if not key:
+    if not request.headers.get(API_KEY_HEADER):
         raise Unauthorized(f"missing API key (X-API-Key: {API_KEY_PREFIX}...)")
-    return auth.owner(f"Bearer {key}")
+    return caller_of(request)
 
 
 async def _parse(request: Request, model: type[Body], what: str) -> Body:
