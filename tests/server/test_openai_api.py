@@ -139,6 +139,10 @@ def test_completions_on_a_checkpoint_equal_the_run_s_sampler_async(server, run):
 
     answer = asyncio.run(ask())
     assert_same_samples(answer.choices, run.trained)
+    latest = sdk(server).completions.create(
+        model=f"job:{run.job_id}", prompt=PROMPTS, **_openai(PARAMS)
+    )
+    assert_same_samples(latest.choices, run.trained)  # the job's latest checkpoint is that one
     assert [s["text"] for s in run.trained] != [s["text"] for s in run.base]  # it did train
 
 
