@@ -23,6 +23,7 @@ from arctic_platform.server.http_common import (
     owner_of,
     service_error_response,
 )
+from arctic_platform.server.openai import routes as openai_routes
 from arctic_platform.server.service import Service
 from arctic_platform.server.tinker import routes as tinker_routes
 from arctic_platform.server.tinker.operations import TinkerOps
@@ -42,10 +43,10 @@ def create_app(
     metrics_auth: TokenAuth | None = None,
     tinker_session_timeout_s: float = SESSION_TIMEOUT_S,
 ) -> FastAPI:
-    """An app serving ``service`` with the on-prem (ops and ``/jobs``), Cortex-compatible and
-    Tinker routers. ``instance`` is the id ``/health`` reports (a fresh one by default);
-    ``metrics_auth`` holds the operator's scrape token, the one that sees every job in
-    ``/metrics``; Tinker sessions without a heartbeat for ``tinker_session_timeout_s`` are
+    """An app serving ``service`` with the on-prem (ops and ``/jobs``), Cortex-compatible,
+    Tinker and OpenAI-compatible routers. ``instance`` is the id ``/health`` reports (a fresh
+    one by default); ``metrics_auth`` holds the operator's scrape token, the one that sees every
+    job in ``/metrics``; Tinker sessions without a heartbeat for ``tinker_session_timeout_s`` are
     finished.
     """
     tinker = TinkerOps(service, session_timeout_s=tinker_session_timeout_s)
@@ -73,6 +74,8 @@ def create_app(
     app.include_router(jobs_api.router)
     app.include_router(onprem.router)
     app.include_router(tinker_routes.router)
+    for prefix in openai_routes.PREFIXES:
+        app.include_router(openai_routes.router, prefix=prefix)
     app.add_middleware(close_unread_bodies)
     app.add_middleware(AccessLog)
     return app

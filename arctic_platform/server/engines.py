@@ -66,18 +66,19 @@ def inference_config_for(service, sub, source: dict | None, *, device: str) -> S
         sub.spec,
         device=device,
         default_seed=service.settings.default_seed,
-        model_name=_weights_dir(source) if source is not None else sub.model_path,
+        model_name=weights_dir(source) if source is not None else sub.model_path,
         vllm_python=service.settings.vllm_python,
     )
 
 
-def _weights_dir(source: dict) -> str:
-    """The directory of a checkpoint that ``from_pretrained`` loads as a full model."""
+def weights_dir(source: dict, *, field: str = "source_checkpoint_info") -> str:
+    """The directory of checkpoint record ``source`` that ``from_pretrained`` loads as a full
+    model (for a sub-job started from it, or an OpenAI-compatible ``model``: ``field``)."""
     root = Path(source["path"])
     for candidate in (root, root / "hf"):
         if (candidate / "config.json").is_file():
             return str(candidate)
     raise BadRequest(
-        f"source_checkpoint_info: checkpoint {source['checkpoint_id']} holds only a LoRA adapter; "
-        "save it with export_hf=true to start an inference sub-job from it"
+        f"{field}: checkpoint {source['checkpoint_id']} holds only a LoRA adapter; "
+        "save it with export_hf=true to sample from it"
     )

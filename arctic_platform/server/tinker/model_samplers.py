@@ -1,5 +1,6 @@
 """Sampling jobs on a model (a base model or a saved ``sampler_weights`` checkpoint), shared by
-every Tinker sampler one owner has on that model, at most :data:`MAX_MODEL_SAMPLING_JOBS` per owner.
+every Tinker sampler one owner has on that model (and by its OpenAI-compatible requests,
+:mod:`arctic_platform.server.openai`), at most :data:`MAX_MODEL_SAMPLING_JOBS` per owner.
 
 The SDK has no call that releases a sampling client, and the cookbook's RL loop creates one on
 each periodic checkpoint (``create_sampling_client(model_path=...)``) and uses it for one step;
@@ -42,50 +43,64 @@ class ModelSamplingJobs:
         self.service = service
         self.limit = limit
         self._lock = threading.Lock()
-        self._jobs: OrderedDict[tuple[str | None, str], _Job] = OrderedDict()
+        # (owner, model, sub-job kind) -> its job
+        self._jobs: OrderedDict[tuple[str | None, str, str], _Job] = OrderedDict()
 
-    def sub_job(self, session: Session, owner: str | None, model: str) -> str:
-        """The sampling sub-job on ``model``, started (for ``session``) if it has none running;
-        it becomes the owner's most recently used."""
+    def sub_job(
+        self, session: Session | None, owner: str | None, model: str, kind: str = "sampling"
+    ) -> str:
+        """The ``kind`` sub-job (``sampling``, or ``log_prob`` for prompt scoring) on ``model``,
+        started (for ``session``, which cancels it when it finishes; None: only the limit and
+        the Service's idle expiry release it) if it has none running; it becomes the owner's
+        most recently used."""
         with self._lock:
-            job, released = self._use(session, owner, model)
+            job, released = self._use(session, owner, model, kind)
         self._cancel(released, owner)
-        return job.job_id + ":sampling:0"
+        return f"{job.job_id}:{kind}:0"
 
-    def begin(self, session: Session, owner: str | None, model: str) -> str:
+    def begin(
+        self, session: Session | None, owner: str | None, model: str, kind: str = "sampling"
+    ) -> str:
         """:meth:`sub_job`, counting a sample in flight on it (not released until :meth:`end`)."""
         with self._lock:
-            job, released = self._use(session, owner, model)
+            job, released = self._use(session, owner, model, kind)
             job.in_flight += 1
         self._cancel(released, owner)
-        return job.job_id + ":sampling:0"
+        return f"{job.job_id}:{kind}:0"
 
-    def end(self, owner: str | None, model: str, sub_job_id: str) -> None:
+    def end(self, owner: str | None, model: str, sub_job_id: str, kind: str = "sampling") -> None:
         """A sample that :meth:`begin` counted has finished."""
         with self._lock:
-            job = self._jobs.get((owner, model))
+            job = self._jobs.get((owner, model, kind))
             if job is not None and sub_job_id.startswith(job.job_id + ":"):
                 job.in_flight -= 1
 
     def jobs(self, owner: str | None) -> dict[str, str]:
         """The owner's model sampling jobs by model, least recently used first."""
         with self._lock:
-            return {model: job.job_id for (o, model), job in self._jobs.items() if o == owner}
+            return {
+                model: job.job_id
+                for (o, model, kind), job in self._jobs.items()
+                if o == owner and kind == "sampling"
+            }
 
-    def _use(self, session: Session, owner: str | None, model: str) -> tuple[_Job, list[str]]:
+    def _use(
+        self, session: Session | None, owner: str | None, model: str, kind: str
+    ) -> tuple[_Job, list[str]]:
         """The job on ``model`` (started if none runs), made the most recently used, and the
         ids of the jobs dropped beyond the limit, which the caller cancels after the lock."""
-        key = (owner, model)
+        key = (owner, model, kind)
         job = self._jobs.get(key)
         if job is None or not self._alive(job.job_id, owner):
             info = self.service.create_job(
                 {
-                    "experiment_name": f"tinker sampler {Path(model).name}",
-                    "sub_job_configs": [{"job_type": "sampling", "model_name": model}],
+                    "experiment_name": f"{kind} on {Path(model).name}",
+                    "sub_job_configs": [{"job_type": kind, "model_name": model}],
                 },
                 owner=owner,
             )
-            session.job_ids.append(info["job_id"])
+            if session is not None:
+                session.job_ids.append(info["job_id"])
             job = self._jobs[key] = _Job(info["job_id"])
         self._jobs.move_to_end(key)
         return job, self._beyond_limit(owner)

@@ -1,0 +1,122 @@
+"""The routes: ``POST completions``, ``POST chat/completions``, ``GET models``, mounted under
+``/v1`` (plain OpenAI base URLs) and ``/oai/api/v1`` (Tinker's).
+
+Auth: a server token as ``Authorization: Bearer`` (what the ``openai`` SDK sends) or
+``X-API-Key``. Each request runs its ops through ``Service.submit`` on the caller's model job
+(:func:`.models.model_sub_job`); a request refused by the work limits is refused before a job is
+started for it. A streamed request is answered as a stream only once its op succeeded, so a
+refusal keeps its status code.
+"""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from fastapi.concurrency import run_in_threadpool
+from fastapi.responses import StreamingResponse
+
+from arctic_platform.server.errors import BadRequest
+from arctic_platform.server.http_common import decode_json, read_body
+from arctic_platform.server.openai import codec, models
+from arctic_platform.server.openai.bodies import ChatRequest, CompletionRequest, parse
+from arctic_platform.server.openai.errors import OpenAIRoute
+from arctic_platform.server.ops import check_generate
+
+PREFIXES = ("/v1", "/oai/api/v1")
+API_KEY_HEADER = "x-api-key"
+
+router = APIRouter(route_class=OpenAIRoute)
+
+
+def _owner(request: Request) -> str | None:
+    """The caller's owner id from ``Authorization: Bearer`` or ``X-API-Key``."""
+    header = request.headers.get("authorization")
+    key = request.headers.get(API_KEY_HEADER)
+    if not header and key:
+        header = f"Bearer {key}"
+    return request.app.state.auth.owner(header)
+
+
+async def _serve(request: Request, model, what: str, run):
+    """Parse the body as ``model``, run ``run(service, tinker, owner, body)`` off the event
+    loop, and answer with its result: JSON, or server-sent events for ``stream``."""
+    owner = _owner(request)
+    body = parse(model, decode_json(await read_body(request), what=what))
+    state = request.app.state
+    answer = await run_in_threadpool(run, state.service, state.tinker, owner, body)
+    if not body.stream:
+        return answer
+    usage = body.stream_options is not None and body.stream_options.include_usage
+    return StreamingResponse(
+        codec.events(answer, include_usage=usage), media_type="text/event-stream"
+    )
+
+
+@router.get("/models")
+async def list_models(request: Request) -> dict:
+    owner = _owner(request)
+    names = await run_in_threadpool(
+        models.listed, request.app.state.service, request.app.state.tinker, owner
+    )
+    return {
+        "object": "list",
+        "data": [{"id": name, "object": "model", "owned_by": "arctic-platform"} for name in names],
+    }
+
+
+@router.post("/completions")
+async def completions(request: Request):
+    return await _serve(request, CompletionRequest, "completions", _complete)
+
+
+@router.post("/chat/completions")
+async def chat_completions(request: Request):
+    return await _serve(request, ChatRequest, "chat/completions", _chat)
+
+
+def _complete(service, tinker, owner, body: CompletionRequest) -> dict:
+    """``generate`` for the samples and, with ``echo`` (and ``logprobs``, or ``max_tokens=0``:
+    scoring only), ``log-probs`` for the prompt's log-probs (on a log-prob job of the same
+    weights: the engine that scores as training does); the generated tokens then continue the
+    prompt tokens that were scored."""
+    if body.max_tokens == 0 and not body.echo:
+        raise BadRequest(
+            "max_tokens: 0 generates nothing; use echo=true to score", param="max_tokens"
+        )
+    prompts = body.prompts()
+    params = codec.sampling_params(body)
+    check_generate(service, None, "generate", prompts, params)
+    model = models.resolve(service, tinker, owner, body.model)
+    scored, spell, token_prompts = None, None, prompts
+    if body.echo and (body.logprobs is not None or body.max_tokens == 0):
+        top_k = max(1, body.logprobs)
+        with models.model_sub_job(service, tinker, owner, model, "log_prob") as sub:
+            scored = service.submit(sub, "log-probs", {"prompts": prompts, "top_k": top_k})
+            scored = scored.result()["results"]
+            spell = codec.Spelling(sub.engine)
+        token_prompts = [s["prompt_token_ids"] for s in scored]
+    samples: list[dict] = []
+    if body.max_tokens > 0:
+        with models.model_sub_job(service, tinker, owner, model, "sampling") as sub:
+            op = {"prompts": token_prompts, "sampling_params": params}
+            samples = service.submit(sub, "generate", op).result()["results"]
+            spell = codec.Spelling(sub.engine)
+    return codec.completion(body, prompts, samples, scored, spell)
+
+
+def _chat(service, tinker, owner, body: ChatRequest) -> dict:
+    """The messages rendered with the model's chat template, then ``generate``."""
+    params = codec.sampling_params(body)
+    check_generate(service, None, "generate", [""], params)
+    model = models.resolve(service, tinker, owner, body.model)
+    with models.model_sub_job(service, tinker, owner, model, "sampling") as sub:
+        tokenizer = codec.tokenizer_of(sub.engine)
+        if not getattr(tokenizer, "chat_template", None):
+            raise BadRequest(
+                f"messages: model {body.model!r} has no chat template; use /completions",
+                param="messages",
+            )
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        op = {"prompts": [prompt], "sampling_params": params}
+        samples = service.submit(sub, "generate", op).result()["results"]
+        return codec.chat(body, samples, codec.Spelling(sub.engine))
