@@ -159,7 +159,12 @@ class TrainingWorker(_StoppableWorker):
                     store=self.store,
                 )
             self.engine = TrainingEngine(config, parallel=parallel)
-            return {"vocab_size": self.engine.vocab_size, "backend": backend, "pid": os.getpid()}
+            return {
+                "vocab_size": self.engine.vocab_size,
+                "max_model_len": self.engine.max_model_len,
+                "backend": backend,
+                "pid": os.getpid(),
+            }
 
         return _replying(build)
 
@@ -252,7 +257,11 @@ class InferenceWorker(_StoppableWorker):
                 from arctic_platform.engine.logprob_engine import LogProbEngine
 
                 self.engine = LogProbEngine(config)
-            return {"vocab_size": self.engine.vocab_size, "pid": os.getpid()}
+            return {
+                "vocab_size": self.engine.vocab_size,
+                "max_model_len": self.engine.max_model_len,
+                "pid": os.getpid(),
+            }
 
         return _replying(build)
 
