@@ -13,6 +13,7 @@ import torch
 
 from arctic_platform.engine.builtin import builtin_model_path, is_builtin
 from arctic_platform.engine.config import LoraConfig, ModelConfig
+from arctic_platform.engine.model_files import fetch_model
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -20,7 +21,8 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 # transformers' model construction is not thread-safe (it patches global init functions and
 # resolves its names lazily), and seeding and random weight initialisation use process-global
 # generators. Engines built on concurrent threads (one per job on a server) hold this lock around
-# those steps; the slow part, reading the files, happens before it (see :func:`read_ahead`).
+# those steps; the slow parts, downloading a hub model (:func:`local_model_path`) and reading the
+# files (:func:`read_ahead`), happen before it.
 MODEL_INIT_LOCK = threading.Lock()
 READ_AHEAD_BYTES = 16 * 1024 * 1024
 
@@ -43,6 +45,15 @@ def resolve_model_path(name: str) -> str:
     return builtin_model_path(name) if is_builtin(name) else name
 
 
+def local_model_path(name: str) -> str:
+    """The local folder of model ``name``: a built-in is written once (under the lock: building
+    it initialises a model), a hub name downloaded unlocked (:func:`fetch_model`)."""
+    if is_builtin(name):
+        with MODEL_INIT_LOCK:
+            return builtin_model_path(name)
+    return fetch_model(name)
+
+
 def resolve_device(device: str) -> torch.device:
     """``auto`` means the first CUDA device when there is one, else the CPU."""
     if device == "auto":
@@ -59,8 +70,7 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 
 def load_tokenizer(config: ModelConfig):
     """Load the tokenizer; a missing pad token falls back to the eos token."""
-    with MODEL_INIT_LOCK:
-        path = resolve_model_path(config.name)
+    path = local_model_path(config.name)
     read_ahead(path)
     with MODEL_INIT_LOCK:
         from transformers import AutoTokenizer
@@ -74,8 +84,7 @@ def load_tokenizer(config: ModelConfig):
 def load_causal_lm(config: ModelConfig, device: torch.device | None = None):
     """Load the model described by ``config`` onto ``device``, with LoRA adapters if configured."""
     device = device or resolve_device(config.device)
-    with MODEL_INIT_LOCK:
-        path = resolve_model_path(config.name)
+    path = local_model_path(config.name)
     read_ahead(path)
     with MODEL_INIT_LOCK:
         from transformers import AutoModelForCausalLM
