@@ -156,3 +156,23 @@ def test_model_bytes_per_tenant_are_capped_before_anything_loads(tmp_path):
         assert service.create_job(job_request("sampling"))["job_id"]
     finally:
         service.close()
+
+
+def test_serve_flags_set_the_quota(monkeypatch):
+    from typer.testing import CliRunner
+
+    from arctic_platform import cli
+    from arctic_platform.server import serve
+    from arctic_platform.server.tenant_quota import DEFAULT_MAX_JOBS_PER_TENANT
+
+    seen = []
+    monkeypatch.setattr(serve, "serve", lambda **kwargs: seen.append(kwargs["quota"]))
+    assert CliRunner().invoke(cli.app, ["serve"]).exit_code == 0
+    flags = ["--max-jobs-per-tenant", "3", "--max-model-bytes-per-tenant", "1000"]
+    assert CliRunner().invoke(cli.app, ["serve", *flags]).exit_code == 0
+    assert seen == [
+        TenantQuota(max_jobs_per_tenant=DEFAULT_MAX_JOBS_PER_TENANT),
+        TenantQuota(max_jobs_per_tenant=3, max_model_bytes_per_tenant=1000),
+    ]
+    refused = CliRunner().invoke(cli.app, ["serve", "--max-jobs-per-tenant", "0"])
+    assert refused.exit_code == 2 and "--max-jobs-per-tenant" in refused.output
