@@ -15,6 +15,7 @@ import arctic_platform
 from arctic_platform.jobs_cli import app as jobs_app
 from arctic_platform.server.limits import ServerLimits
 from arctic_platform.server.ray_placement import PLACEMENT_TIMEOUT_S
+from arctic_platform.server.tenant_quota import DEFAULT_MAX_JOBS_PER_TENANT, TenantQuota
 from arctic_platform.server.tinker.session_reaper import SESSION_TIMEOUT_S
 
 app = typer.Typer(
@@ -283,6 +284,22 @@ def serve(
             "Status, list and log reads do not count as use. Default: jobs live until cancelled.",
         ),
     ] = None,
+    max_jobs_per_tenant: Annotated[
+        int,
+        typer.Option(
+            min=1,
+            help="Jobs one tenant may hold at once (created and not yet ended; a Tinker training "
+            "client or model sampler is one each); more are refused with 409 limit_exceeded.",
+        ),
+    ] = DEFAULT_MAX_JOBS_PER_TENANT,
+    max_model_bytes_per_tenant: Annotated[
+        int | None,
+        typer.Option(
+            min=1,
+            help="Bytes of model weights (the model folders' weight files) one tenant's live jobs "
+            "may load in all; more are refused with 409 limit_exceeded. Default: no bound.",
+        ),
+    ] = None,
 ) -> None:
     """Serve the on-prem and Cortex-compatible HTTP APIs over one set of engines."""
     from arctic_platform._extras import require
@@ -341,6 +358,10 @@ def serve(
         drain_timeout=drain_timeout,
         tinker_session_timeout_s=tinker_session_timeout,
         job_idle_timeout_s=job_idle_timeout,
+        quota=TenantQuota(
+            max_jobs_per_tenant=max_jobs_per_tenant,
+            max_model_bytes_per_tenant=max_model_bytes_per_tenant,
+        ),
         limits=ServerLimits(
             max_samples_per_request=max_samples_per_request,
             max_sample_tokens=max_sample_tokens,

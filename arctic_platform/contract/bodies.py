@@ -5,8 +5,9 @@ key); :mod:`arctic_platform.contract.ops` names which model each op takes. Tenso
 (forward-backward, forward) are described by :data:`TRAIN_ENVELOPE_KEYS` and
 :data:`SNOWAPI_ENVELOPE_KEYS`, which the client checks before sending and the server on receipt.
 
-Values that every edge checks are ruled on here once: :func:`learning_rate_problem` and
-:func:`prompts_problem` say what is wrong with a value (or None), and each edge raises that in its
+Values that every edge checks are ruled on here once: :func:`learning_rate_problem`,
+:func:`prompts_problem` and :func:`context_problem` (a sequence against the model's context, which
+the engine knows) say what is wrong with a value (or None), and each edge raises that in its
 own kind: the body models as a validation error (a 400 naming the field), the client as a
 ``TypeError``/``ValueError`` before anything is sent, the engines (called in process, e.g. by the
 Tinker API) as an ``EngineInputError``. Nothing else keeps a copy of these rules.
@@ -15,10 +16,11 @@ Tinker API) as an ``EngineInputError``. Nothing else keeps a copy of these rules
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
+import numpy as np
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, NonNegativeInt
 from pydantic_core import PydanticCustomError
 
@@ -79,6 +81,39 @@ def prompts_problem(prompts: Any, *, name: str = "prompts") -> Problem | None:
                 wrong_type=True,
             )
     return None
+
+
+def context_problem(field: str, what: str, tokens: int, context: int) -> Problem | None:
+    """A sequence the model sees whole (a training row, a prompt with its completion or its new
+    tokens) must fit the model's context: ``tokens`` at most ``context``. Beyond it a forward costs
+    quadratic time in a length nothing bounds (a 10^6-token row ran for hours), so every engine
+    and the server's submit path refuse it with this one message."""
+    if tokens <= context:
+        return None
+    return Problem(
+        field, f"{what} is {tokens} tokens, more than the model's context of {context} tokens"
+    )
+
+
+def longest_row_problem(
+    batch: Any, context: int, *, field: str, what: str = "row {row}"
+) -> Problem | None:
+    """:func:`context_problem` for the longest row of a ``[B, S]`` batch (numpy arrays or CPU
+    torch tensors): its real tokens, from ``attention_mask`` (every column without one), are what
+    the model runs over, so padding never counts against the context. ``field`` and ``what`` may
+    name the row as ``{row}``."""
+    if not isinstance(batch, Mapping):
+        return None
+    mask = batch.get("attention_mask", batch.get("input_ids"))
+    shape = getattr(mask, "shape", ())
+    if len(shape) != 2 or 0 in shape:
+        return None  # the engine's validation names what is wrong with it
+    if "attention_mask" in batch:
+        lengths = np.count_nonzero(np.asarray(mask), axis=1)
+    else:
+        lengths = np.full(shape[0], shape[1])
+    row = int(lengths.argmax())
+    return context_problem(field.format(row=row), what.format(row=row), int(lengths[row]), context)
 
 
 def _ruled_by(problem_of: Callable[[Any], Problem | None]) -> BeforeValidator:

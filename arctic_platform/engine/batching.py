@@ -37,6 +37,7 @@ import numpy as np
 import torch
 
 from arctic_platform.contract.batch_layout import FLOAT_FIELDS, IGNORE_INDEX, MASK_FIELDS
+from arctic_platform.contract.bodies import longest_row_problem
 from arctic_platform.engine.errors import EngineInputError
 
 
@@ -122,12 +123,15 @@ class Batch:
             )
 
 
-def validate_batch(batch: Mapping, *, vocab_size: int | None = None) -> Batch:
+def validate_batch(
+    batch: Mapping, *, vocab_size: int | None = None, max_seq_len: int | None = None
+) -> Batch:
     """Convert and check every known field of ``batch``; unknown keys are ignored.
 
     Raises :class:`EngineInputError` naming the field for a missing ``input_ids`` or
-    ``attention_mask``, a wrong shape or dtype, mask values other than 0/1, an empty row, token ids
-    outside the vocabulary, or labels on padded positions.
+    ``attention_mask``, a wrong shape or dtype, mask values other than 0/1, an empty row, a row
+    with more real tokens than ``max_seq_len`` (the model's context), token ids outside the
+    vocabulary, or labels on padded positions.
     """
     if not isinstance(batch, Mapping):
         raise EngineInputError("batch", f"expected a dict of tensors, got {type(batch).__name__}")
@@ -152,6 +156,10 @@ def validate_batch(batch: Mapping, *, vocab_size: int | None = None) -> Batch:
             "batch.attention_mask", f"row {int(empty.nonzero()[0, 0])} has no tokens"
         )
     tensors["attention_mask"] = mask
+    if max_seq_len is not None:
+        problem = longest_row_problem(tensors, max_seq_len, field="batch.input_ids")
+        if problem is not None:
+            raise EngineInputError(problem.field, problem.message)
 
     standard = (mask.long().cumsum(1) - 1).clamp(min=0)
     given = _integer(batch, "position_ids")

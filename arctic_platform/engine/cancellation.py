@@ -7,6 +7,10 @@ generation, between microbatches of a forward pass), which raises :class:`OpCanc
 token is set. Code that runs outside any scope (a training loop using an engine directly) never
 stops early. The token travels in a context variable so that engine signatures need not change.
 
+One microbatch can be long (a row as long as the model's context), so :func:`stop_before_blocks`
+makes each transformer block of a model a stop point as well: a cancel ends even a single-row
+forward (or its recomputation in a checkpointed backward) within one block's compute.
+
 Processes that must stop together (the ranks of a data-parallel job, which meet in collectives)
 run their loop under :func:`deferred`: the engine checks then raise nothing, and the loop asks
 the returned function at points where all ranks agree (one all-reduce) whether to stop.
@@ -18,6 +22,7 @@ import contextlib
 import contextvars
 import threading
 from collections.abc import Callable, Iterator
+from typing import Any
 
 
 class OpCancelled(Exception):
@@ -89,3 +94,25 @@ def _reason(tokens: tuple[CancelToken, ...]) -> str | None:
         if token.cancelled:
             return token.reason
     return None
+
+
+def stop_before_blocks(model: Any) -> int:
+    """Call :func:`check` before every transformer block of ``model`` (a forward pre-hook on each
+    module whose class the model lists in ``_no_split_modules``, transformers' name for its
+    blocks); returns how many blocks became stop points.
+
+    Safe under data parallelism: where ranks must stop together they run under :func:`deferred`,
+    in which :func:`check` never raises, so a block's check stops one rank only where a rank may
+    stop alone (one process, or a DDP no-grad forward, which has no collective).
+    """
+    blocks = set(getattr(model, "_no_split_modules", None) or ())
+    count = 0
+    for module in model.modules():
+        if type(module).__name__ in blocks:
+            module.register_forward_pre_hook(_check_hook)
+            count += 1
+    return count
+
+
+def _check_hook(module: Any, args: Any) -> None:
+    check()

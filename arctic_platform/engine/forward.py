@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -31,6 +32,14 @@ from arctic_platform.engine.prompt_sharing import (
     SharedMicroBatch,
     plan_request,
 )
+
+
+class ModelBounds(Protocol):
+    """What validation needs of the model a training request runs on (a training engine, or the
+    Ray proxy standing in for its workers): its vocabulary and its context."""
+
+    vocab_size: int
+    max_model_len: int
 
 
 @dataclass(frozen=True)
@@ -71,9 +80,13 @@ def prepare_request(
     packing: bool,
     default_loss: str | None,
     prompt_sharing: PromptSharing = "off",
+    max_seq_len: int | None = None,
 ) -> Request:
-    """Validate everything about a request and plan its microbatches; no side effects."""
-    parsed_batch = validate_batch(batch, vocab_size=vocab_size)
+    """Validate everything about a request and plan its microbatches; no side effects.
+
+    ``max_seq_len`` is the model's context: a longer row is refused (see
+    :func:`~arctic_platform.engine.batching.validate_batch`)."""
+    parsed_batch = validate_batch(batch, vocab_size=vocab_size, max_seq_len=max_seq_len)
     parsed_meta, parsed_processing = parse_request(meta, processing, default_loss=default_loss)
     loss = None
     if parsed_processing.loss_fn is not None:
@@ -105,7 +118,7 @@ def prepare_training_request(
     processing: Mapping | None,
     config: TrainingEngineConfig,
     *,
-    vocab_size: int,
+    model: ModelBounds,
     backward: bool,
 ) -> Request:
     """:func:`prepare_request` under a training engine's microbatch budget, packing and prompt
@@ -120,11 +133,12 @@ def prepare_training_request(
         batch,
         meta,
         processing,
-        vocab_size=vocab_size,
+        vocab_size=model.vocab_size,
         max_tokens=config.max_tokens_per_microbatch,
         packing=config.packing,
         default_loss=default_loss_for(batch) if backward else None,
         prompt_sharing="off" if config.gradient_checkpointing else config.prompt_sharing,
+        max_seq_len=model.max_model_len,
     )
     if backward and request.loss is None:
         raise EngineInputError("processing.loss_fn", "forward_backward needs a loss")

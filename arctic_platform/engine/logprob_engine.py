@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from arctic_platform.contract.bodies import prompts_problem
+from arctic_platform.contract.bodies import context_problem, prompts_problem
 from arctic_platform.engine.config import ModelConfig, SamplingEngineConfig
 from arctic_platform.engine.errors import EngineInputError
 from arctic_platform.engine.forward import Request, check_top_k, forward_no_grad, prepare_request
@@ -118,6 +118,7 @@ class LogProbEngine:
             max_tokens=self.max_tokens,
             packing=True,
             default_loss=None,
+            max_seq_len=self.max_model_len,
             prompt_sharing=self.prompt_sharing,
         )
 
@@ -143,12 +144,11 @@ class LogProbEngine:
         for i, (p, c) in enumerate(zip(prompt_ids, completion_ids, strict=True)):
             if not p:
                 raise EngineInputError(f"prompts[{i}]", "is empty")
-            if len(p) + len(c) > self.max_model_len:
-                raise EngineInputError(
-                    f"prompts[{i}]",
-                    f"prompt + completion is {len(p) + len(c)} tokens, more than "
-                    f"max_model_len={self.max_model_len}",
-                )
+            problem = context_problem(
+                f"prompts[{i}]", "prompt + completion", len(p) + len(c), self.max_model_len
+            )
+            if problem is not None:
+                raise EngineInputError(problem.field, problem.message)
         return prompt_ids, completion_ids
 
     def _ids(self, field: str, value, *, special: bool) -> list[int]:

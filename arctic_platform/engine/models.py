@@ -13,8 +13,9 @@ from pathlib import Path
 
 import torch
 
-from arctic_platform.engine.builtin import resolve_model_path
+from arctic_platform.engine.builtin import builtin_model_path, is_builtin
 from arctic_platform.engine.config import LoraConfig, ModelConfig
+from arctic_platform.engine.model_files import fetch_model
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 log = logging.getLogger(__name__)
@@ -32,7 +33,8 @@ HUB_KERNELS = ("kernels", "kernels")
 # transformers' model construction is not thread-safe (it patches global init functions and
 # resolves its names lazily), and seeding and random weight initialisation use process-global
 # generators. Engines built on concurrent threads (one per job on a server) hold this lock around
-# those steps; the slow part, reading the files, happens before it (see :func:`read_ahead`).
+# those steps; the slow parts, downloading a hub model (:func:`local_model_path`) and reading the
+# files (:func:`read_ahead`), happen before it.
 MODEL_INIT_LOCK = threading.Lock()
 READ_AHEAD_BYTES = 16 * 1024 * 1024
 
@@ -48,6 +50,15 @@ def read_ahead(path: str) -> None:
             with open(file, "rb") as handle:
                 while handle.read(READ_AHEAD_BYTES):
                     continue
+
+
+def local_model_path(name: str) -> str:
+    """The local folder of model ``name``: a built-in is written once (under the lock: building
+    it initialises a model), a hub name downloaded unlocked (:func:`fetch_model`)."""
+    if is_builtin(name):
+        with MODEL_INIT_LOCK:
+            return builtin_model_path(name)
+    return fetch_model(name)
 
 
 def resolve_device(device: str) -> torch.device:
@@ -66,8 +77,7 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 
 def load_tokenizer(config: ModelConfig):
     """Load the tokenizer; a missing pad token falls back to the eos token."""
-    with MODEL_INIT_LOCK:
-        path = resolve_model_path(config.name)
+    path = local_model_path(config.name)
     read_ahead(path)
     with MODEL_INIT_LOCK:
         from transformers import AutoTokenizer
@@ -104,8 +114,7 @@ def load_causal_lm(
     device = device or resolve_device(config.device)
     requested = config.attn_implementation
     on_gpu_stack = needs_gpu_stack(requested)
-    with MODEL_INIT_LOCK:
-        path = resolve_model_path(config.name)
+    path = local_model_path(config.name)
     read_ahead(path)
     with MODEL_INIT_LOCK:
         from transformers import AutoModelForCausalLM

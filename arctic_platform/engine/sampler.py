@@ -486,6 +486,7 @@ class SamplingEngine:
             max_tokens=self.config.max_tokens_per_microbatch,
             packing=False,
             default_loss=None,
+            max_seq_len=self.max_model_len,
         )
         scored = forward_no_grad(self.model, request, self.device)["logprobs"][0]
         return [None, *(float(v) for v in scored[1:])]

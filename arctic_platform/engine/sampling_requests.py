@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from arctic_platform.contract.bodies import prompts_problem
+from arctic_platform.contract.bodies import context_problem, prompts_problem
 from arctic_platform.engine.config import SamplingEngineConfig
 from arctic_platform.engine.errors import EngineInputError
 from arctic_platform.engine.sampling_params import SamplingParams
@@ -128,12 +128,14 @@ class RequestShaper:
             raise EngineInputError(f"{field}.logprobs", f"at most {limit}, got {params.logprobs}")
         length = len(ids)
         max_new = params.max_tokens or self.max_model_len - length
-        if max_new < 1 or length + max_new > self.max_model_len:
-            raise EngineInputError(
-                f"prompts[{index}]",
-                f"prompt of {length} tokens plus max_tokens={max_new} exceeds the context of "
-                f"{self.max_model_len} tokens (max_model_len)",
-            )
+        problem = context_problem(
+            f"prompts[{index}]",
+            f"a prompt of {length} tokens plus max_tokens={max_new}",
+            length + max(max_new, 1),
+            self.max_model_len,
+        )
+        if problem is not None:
+            raise EngineInputError(problem.field, problem.message)
         if params.min_tokens > max_new:
             raise EngineInputError(
                 f"{field}.min_tokens", f"{params.min_tokens} exceeds the {max_new} tokens left"

@@ -41,6 +41,7 @@ import torch
 
 from arctic_platform.contract.bodies import learning_rate_problem
 from arctic_platform.contract.results import loss_fields
+from arctic_platform.engine import cancellation
 from arctic_platform.engine import checkpoint as ckpt
 from arctic_platform.engine.config import TrainingEngineConfig
 from arctic_platform.engine.data_parallel import ParallelStrategy
@@ -60,6 +61,7 @@ from arctic_platform.engine.models import (
     load_tokenizer,
     resolve_device,
 )
+from arctic_platform.engine.sampling_requests import model_context
 from arctic_platform.engine.schedule import build_scheduler, lr_factor
 from arctic_platform.engine.weights import DEFAULT_CHUNK_BYTES, stream_weights
 
@@ -114,6 +116,10 @@ class TrainingEngine:
             )
         self.model = model.train()
         self.vocab_size = int(model.get_input_embeddings().num_embeddings)
+        # The longest row a request may hold (the model's context): longer ones are refused.
+        self.max_model_len = model_context(model.config)
+        # A long row is one microbatch: let a cancel stop it between transformer blocks too.
+        cancellation.stop_before_blocks(model)
         # The module microbatches run through (the DDP wrapper, or the model sharded in place).
         self._module = self.parallel.attach(model, config.model, self.device)
         self._trainable = [p for p in model.parameters() if p.requires_grad]
@@ -355,12 +361,7 @@ class TrainingEngine:
         if batch is not None or self.parallel.world_size == 1:
             try:
                 request = prepare_training_request(
-                    batch,
-                    meta,
-                    processing,
-                    self.config,
-                    vocab_size=self.vocab_size,
-                    backward=backward,
+                    batch, meta, processing, self.config, model=self, backward=backward
                 )
             except EngineInputError as exc:
                 problem = exc

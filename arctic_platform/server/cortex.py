@@ -67,6 +67,9 @@ async def list_jobs(request: Request, status: str | None = None) -> dict:
 
 @router.get("/capacity")
 async def capacity(request: Request) -> dict:
+    """The caller's share of the server; the operator's scrape credential sees every tenant's."""
+    if request.app.state.metrics_auth.holds(request.headers.get("authorization")):
+        return _service(request).capacity(every_tenant=True)
     return _service(request).capacity(owner=owner_of(request))
 
 

@@ -22,20 +22,22 @@ def build_engine(service, sub, source: dict | None) -> Any:
         from arctic_platform.server.ray_engines import build_ray_engine
 
         return build_ray_engine(service, sub, source)
-    if sub.kind == "training":
-        from arctic_platform.engine.trainer import TrainingEngine
+    from arctic_platform.engine.models import MODEL_INIT_LOCK
 
+    with MODEL_INIT_LOCK:
+        # The first import of an engine module resolves transformers' lazily loaded names, which
+        # is not thread-safe: two tenants' first jobs, built at once, failed with ImportError.
+        from arctic_platform.engine.logprob_engine import LogProbEngine
+        from arctic_platform.engine.sampling_backends import build_sampling_engine
+        from arctic_platform.engine.trainer import TrainingEngine
+    if sub.kind == "training":
         engine = TrainingEngine(training_config_for(service, sub, source, device=settings.device))
         if source is not None:
             engine.load_checkpoint(source["path"])
         return engine
     config = inference_config_for(service, sub, source, device=settings.device)
     if sub.kind == "sampling":
-        from arctic_platform.engine.sampling_backends import build_sampling_engine
-
         return build_sampling_engine(config)
-    from arctic_platform.engine.logprob_engine import LogProbEngine
-
     return LogProbEngine(config)
 
 

@@ -67,10 +67,12 @@ async def health(request: Request) -> dict:
 
 @router.get("/status")
 async def status(request: Request) -> dict:
-    jobs = _service(request).list_jobs(owner=owner_of(request))
+    owner = owner_of(request)
+    jobs = _service(request).list_jobs(owner=owner)
     subs = {s["sub_job_id"]: _onprem_info(j, s) for j in jobs for s in j["sub_jobs"]}
     service = _service(request)
-    return {"device": service.settings.device, "jobs": subs, "running_ops": service.running_ops}
+    running = service.running_ops(owner)
+    return {"device": service.settings.device, "jobs": subs, "running_ops": running}
 
 
 @router.post("/initialize")

@@ -13,6 +13,7 @@ from typing import Any
 
 from arctic_platform.contract import ops as contract
 from arctic_platform.contract import results
+from arctic_platform.contract.bodies import longest_row_problem
 from arctic_platform.server.errors import BadRequest, NotFound
 from arctic_platform.server.op_bodies import parse, train_envelope, wake_tags
 
@@ -37,9 +38,24 @@ def prepare_op(service, sub, op: str, body: Any) -> Callable[[], Any]:
     return _HANDLERS[op](service, sub, sub.engine, sub.sub_job_id, parsed)
 
 
+def check_context(
+    engine, op: str, batch, *, field: str = "batch.input_ids", what: str = "row {row}"
+) -> None:
+    """A row longer than the engine's model context is a 400 here, on the caller's thread, so
+    nothing is queued (the engine refuses it too, for callers that reach it directly); ``field``
+    and ``what`` name the row as the caller's API does (``{row}``: its index)."""
+    context = getattr(engine, "max_model_len", None)
+    problem = None
+    if context is not None:
+        problem = longest_row_problem(batch, context, field=field, what=what)
+    if problem is not None:
+        raise BadRequest(f"{op}: {problem.field}: {problem.message}", field=problem.field)
+
+
 def _forward_backward(service, sub, engine, job_id, body):
     batch, meta, processing, _ = train_envelope(body, op="forward-backward", limits=service.limits)
     tokens = service.limits.check_batch("forward-backward", batch)
+    check_context(engine, "forward-backward", batch)
 
     def run():
         out = engine.forward_backward(batch, meta, processing)
@@ -52,6 +68,7 @@ def _forward_backward(service, sub, engine, job_id, body):
 def _forward(service, sub, engine, job_id, body):
     batch, meta, processing, _ = train_envelope(body, op="forward", limits=service.limits)
     tokens = service.limits.check_batch("forward", batch)
+    check_context(engine, "forward", batch)
 
     def run():
         out = engine.forward(batch, meta, processing)

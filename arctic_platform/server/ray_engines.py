@@ -283,6 +283,7 @@ class RayTrainingEngine:
         self.vocab_size = int(started[0]["vocab_size"])
         # Every rank loads the same model on the same kind of device: rank 0's speak for all.
         self.setting_fallbacks: dict[str, str] = dict(started[0]["setting_fallbacks"])
+        self.max_model_len = int(started[0]["max_model_len"])
 
     # -- compute --------------------------------------------------------------------------
 
@@ -429,7 +430,7 @@ class RayTrainingEngine:
             # Object-store arrays are read-only; validation only reads them.
             warnings.filterwarnings("ignore", message=".*not writable.*")
             return prepare_training_request(
-                batch, meta, processing, self.config, vocab_size=self.vocab_size, backward=backward
+                batch, meta, processing, self.config, model=self, backward=backward
             )
 
     def _split(self, batch: Mapping, request) -> tuple[list[np.ndarray], list[dict | None]]:
@@ -491,6 +492,7 @@ class RayInferenceEngine:
             self.close()
             raise
         self.vocab_size = int(started[0]["vocab_size"])
+        self.max_model_len = int(started[0]["max_model_len"])
 
     def generate(self, prompts, sampling_params=None):
         return self._call("generate", prompts, sampling_params)

@@ -163,6 +163,7 @@ class TrainingWorker(_StoppableWorker):
             return {
                 "vocab_size": self.engine.vocab_size,
                 "setting_fallbacks": self.engine.setting_fallbacks,
+                "max_model_len": self.engine.max_model_len,
                 "backend": backend,
                 "pid": os.getpid(),
             }
@@ -258,7 +259,11 @@ class InferenceWorker(_StoppableWorker):
                 from arctic_platform.engine.logprob_engine import LogProbEngine
 
                 self.engine = LogProbEngine(config)
-            return {"vocab_size": self.engine.vocab_size, "pid": os.getpid()}
+            return {
+                "vocab_size": self.engine.vocab_size,
+                "max_model_len": self.engine.max_model_len,
+                "pid": os.getpid(),
+            }
 
         return _replying(build)
 

@@ -61,6 +61,11 @@ class FairSlots:
         with self._cond:
             return sum(self._running.values())
 
+    def running_of(self, tenant: str | None) -> int:
+        """How many of ``tenant``'s ops hold a slot."""
+        with self._cond:
+            return self._running[tenant]
+
     def _grant(self) -> None:
         """Hand free slots to waiting tenants in turn (called with the condition held)."""
         granted = False

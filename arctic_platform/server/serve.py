@@ -15,6 +15,7 @@ from pathlib import Path
 from arctic_platform.server.auth import TokenAuth
 from arctic_platform.server.limits import ServerLimits
 from arctic_platform.server.ray_placement import PLACEMENT_TIMEOUT_S
+from arctic_platform.server.tenant_quota import DEFAULT_MAX_JOBS_PER_TENANT, TenantQuota
 from arctic_platform.server.tinker.session_reaper import SESSION_TIMEOUT_S
 
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
@@ -52,6 +53,7 @@ def serve(
     limits: ServerLimits | None = None,
     tinker_session_timeout_s: float = SESSION_TIMEOUT_S,
     job_idle_timeout_s: float | None = None,
+    quota: TenantQuota | None = None,
 ) -> None:
     """Run the server until SIGINT/SIGTERM; ops in flight get ``drain_timeout`` seconds to
     finish, then their jobs are failed and the ops stopped.
@@ -66,7 +68,8 @@ def serve(
     interpreter that runs vLLM for them. ``metrics_token_env`` names the variable holding the
     operator's scrape token for ``/metrics``. Tinker sessions without a heartbeat for
     ``tinker_session_timeout_s`` are finished; jobs with no op for ``job_idle_timeout_s`` (None:
-    never) are cancelled.
+    never) are cancelled. ``quota`` bounds each tenant's live jobs (by default
+    :data:`~arctic_platform.server.tenant_quota.DEFAULT_MAX_JOBS_PER_TENANT`) and model bytes.
     """
     import uvicorn
 
@@ -111,6 +114,7 @@ def serve(
             max_ops_per_tenant=max_ops_per_tenant or default_share(max_concurrent_ops, auth),
             drain_timeout_s=drain_timeout,
             job_idle_timeout_s=job_idle_timeout_s,
+            quota=quota or TenantQuota(max_jobs_per_tenant=DEFAULT_MAX_JOBS_PER_TENANT),
         )
     )
     app = create_app(

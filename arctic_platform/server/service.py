@@ -57,6 +57,7 @@ from arctic_platform.server.paths import CHECKPOINTS_DIR, PathPolicy
 from arctic_platform.server.ray_placement import PLACEMENT_TIMEOUT_S
 from arctic_platform.server.scheduler import FairSlots
 from arctic_platform.server.store import MetadataStore
+from arctic_platform.server.tenant_quota import TenantQuota, weight_bytes
 
 TERMINAL = ("failed", "cancelled", "terminated")
 LOG_LINES_PER_JOB = 2000
@@ -100,6 +101,9 @@ class ServiceSettings:
     # released (``serve --job-idle-timeout``); None: jobs live until cancelled. See
     # :meth:`Service.expire_idle_jobs` for what counts as activity.
     job_idle_timeout_s: float | None = None
+    # Live jobs and loaded model bytes one tenant may hold (``serve --max-jobs-per-tenant``,
+    # ``--max-model-bytes-per-tenant``); unbounded by default (an in-process Service has one user).
+    quota: TenantQuota = field(default_factory=TenantQuota)
 
 
 @dataclass
@@ -161,6 +165,8 @@ class Job:
     # When the job last showed its owner's use (an op submitted or finished, a poll of one):
     # what the idle expiry measures from.
     last_active_at: float = field(default_factory=time.time)
+    # Bytes of model weights the job's engines load (what --max-model-bytes-per-tenant counts).
+    model_bytes: int = 0
 
     def info(self) -> dict:
         return {
@@ -272,10 +278,12 @@ class Service:
             request=parsed.model_dump(mode="json", by_alias=True, exclude_none=True),
             experiment_name=parsed.experiment_name,
             sub_jobs=sub_jobs,
+            model_bytes=sum(weight_bytes(p) for p in model_paths),
         )
         with self._lock:
             if self._closed:
                 raise Conflict("the server is shutting down")
+            self._check_quota(job)
             self._jobs[job_id] = job
         self._log(job, f"created with {len(sub_jobs)} sub-job(s)")
         self._persist(job)
@@ -286,6 +294,41 @@ class Service:
             self._builders.add(builder)
         builder.start()
         return job.info()
+
+    def _check_quota(self, job: Job) -> None:
+        """Refuse ``job`` if its owner would hold more live jobs or model bytes than the quota
+        allows, counting ``job`` (under the lock, so concurrent creates count each other)."""
+        live = [
+            j
+            for j in self._jobs.values()
+            if j.owner == job.owner and j.status not in TERMINAL and j is not job
+        ]
+        self.settings.quota.check(
+            jobs=len(live) + 1, model_bytes=sum(j.model_bytes for j in live) + job.model_bytes
+        )
+
+    def _fetch_model(self, job: Job, sub: SubJob) -> None:
+        """Before ``sub``'s engine is built: download a hub model (unlocked, with timeouts, see
+        ``engine/model_files.py``) and count the weights a built-in or hub model turned out to
+        have against the owner's quota. Ray workers fetch models on their own nodes."""
+        from arctic_platform.engine.builtin import is_builtin
+        from arctic_platform.engine.model_files import fetch_model
+
+        if self.settings.engine_backend != "local" or sub.model_path is None:
+            return
+        if Path(sub.model_path).is_dir():
+            return  # a local folder: measured when the job was created
+        if is_builtin(sub.model_path):
+            if self.settings.quota.max_model_bytes_per_tenant is None:
+                return
+            from arctic_platform.engine.models import local_model_path
+
+            folder = local_model_path(sub.model_path)
+        else:
+            folder = sub.model_path = fetch_model(sub.model_path)
+        with self._lock:
+            job.model_bytes += weight_bytes(folder)
+            self._check_quota(job)
 
     def _settle_checkpoint_dir(self, spec: SubJobConfig, owner: str | None, *, field: str) -> None:
         """Resolve a training sub-job's own checkpoint root where its owner may write (a 400
@@ -391,9 +434,16 @@ class Service:
         with self._lock:
             job.last_active_at = time.time()
 
-    def capacity(self, *, owner: str | None = None) -> dict:
+    def capacity(self, *, owner: str | None = None, every_tenant: bool = False) -> dict:
+        """The Cortex ``capacity`` answer: the server's size, and the sub-jobs and running ops
+        of ``owner`` (of every tenant for the operator's scrape credential, as ``/metrics``):
+        another tenant's load is not the caller's business."""
         with self._lock:
-            active = sum(len(j.sub_jobs) for j in self._jobs.values() if j.status not in TERMINAL)
+            active = sum(
+                len(j.sub_jobs)
+                for j in self._jobs.values()
+                if j.status not in TERMINAL and (every_tenant or j.owner == owner)
+            )
         return {
             "has_reservation": False,
             "max_total_gpus": 0,
@@ -402,13 +452,13 @@ class Service:
             "device": self.settings.device,
             "active_sub_jobs": active,
             "max_concurrent_ops": self.settings.max_concurrent_ops,
-            "running_ops": self.running_ops,
+            "running_ops": self.running_ops(owner, every_tenant=every_tenant),
         }
 
-    @property
-    def running_ops(self) -> int:
-        """How many ops are executing on an engine right now (not queued ones)."""
-        return self.slots.running()
+    def running_ops(self, owner: str | None, *, every_tenant: bool = False) -> int:
+        """How many of ``owner``'s ops (every tenant's) are executing on an engine right now
+        (not queued ones)."""
+        return self.slots.running() if every_tenant else self.slots.running_of(owner)
 
     def tail_logs(
         self, job_id: str, *, owner: str | None = None, cursor: Any = None, max_lines: int = 200
@@ -777,6 +827,7 @@ class Service:
                 source = None
                 if sub.spec.source_checkpoint_info is not None:
                     source = self._source_checkpoint(sub.spec, job.owner, field="sub_job_configs")
+                self._fetch_model(job, sub)
                 # A cancel stops a build that waits (for Ray resources) and releases what it holds.
                 with cancellation.scope(job.stop):
                     engine = build_engine(self, sub, source)

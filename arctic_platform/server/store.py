@@ -1,7 +1,9 @@
 """Job and checkpoint metadata that outlives the server process (SQLite in the data dir).
 
 Engines live in memory and die with the process; what a user needs after a restart is the list of
-jobs (with how they ended) and their checkpoints, so a new job can start from one. SQLite is in the
+jobs (with how they ended) and their checkpoints, so a new job can start from one, and which Tinker
+session ids this server issued, so a session lost in a restart is told it ended (410) rather than
+that it never existed (404). SQLite is in the
 standard library, transactional and safe against a crash mid-write.
 """
 
@@ -35,6 +37,11 @@ CREATE TABLE IF NOT EXISTS checkpoints (
     checkpoint_type TEXT NOT NULL,
     created_at REAL NOT NULL,
     PRIMARY KEY (job_id, checkpoint_id)
+);
+CREATE TABLE IF NOT EXISTS tinker_sessions (
+    session_id TEXT PRIMARY KEY,
+    owner TEXT,
+    created_at REAL NOT NULL
 );
 """
 
@@ -123,3 +130,19 @@ class MetadataStore:
                 "DELETE FROM checkpoints WHERE job_id = ? AND checkpoint_id = ?",
                 (job_id, checkpoint_id),
             )
+
+    def put_tinker_session(self, session_id: str, owner: str | None, created_at: float) -> None:
+        with self._lock:
+            self._db.execute(
+                "INSERT OR REPLACE INTO tinker_sessions VALUES (?, ?, ?)",
+                (session_id, owner, created_at),
+            )
+
+    def tinker_session(self, session_id: str) -> dict[str, Any] | None:
+        """The record of a Tinker session this server issued (in any run), or None."""
+        with self._lock:
+            row = self._db.execute(
+                "SELECT owner, created_at FROM tinker_sessions WHERE session_id = ?",
+                (session_id,),
+            ).fetchone()
+        return None if row is None else {"owner": row[0], "created_at": row[1]}

@@ -41,7 +41,7 @@ def assert_close_dicts(a: dict, b: dict, **tol) -> None:
 
 def kinds(engine: TrainingEngine, batch) -> list[str]:
     request = prepare_training_request(
-        batch, None, None, engine.config, vocab_size=engine.vocab_size, backward=False
+        batch, None, None, engine.config, model=engine, backward=False
     )
     return [type(mb).__name__ for mb in request.plan]
 
@@ -110,7 +110,7 @@ def test_saved_prompt_tokens_are_reported(batch):
 def test_a_small_token_budget_never_splits_a_group(batch):
     engine = TrainingEngine(engine_config(max_tokens_per_microbatch=30))
     request = prepare_training_request(
-        batch, None, None, engine.config, vocab_size=engine.vocab_size, backward=True
+        batch, None, None, engine.config, model=engine, backward=True
     )
     prompts = [tuple(row[row != 0]) for row in batch["prompts"]]
     shared = [mb for mb in request.plan if isinstance(mb, SharedMicroBatch)]
@@ -164,7 +164,7 @@ def test_reference_model_logprobs_equal_the_unshared_pass(batch):
 def test_knob_off_is_todays_plan_bit_for_bit(batch):
     engine = TrainingEngine(engine_config(max_tokens_per_microbatch=60, prompt_sharing="off"))
     request = prepare_training_request(
-        batch, None, None, engine.config, vocab_size=engine.vocab_size, backward=True
+        batch, None, None, engine.config, model=engine, backward=True
     )
     parsed = validate_batch(batch)
     today = plan_microbatches(parsed, parsed.input_ids, max_tokens=60, packing=True)

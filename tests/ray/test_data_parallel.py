@@ -19,6 +19,7 @@ import pytest
 from safetensors.numpy import load_file
 
 from arctic_platform.client import create_arctic_rl_client
+from arctic_platform.engine.builtin import BUILTIN_MODELS
 from arctic_platform.layout import training_batch
 from tests.ray.cluster import ray_backend
 
@@ -271,6 +272,11 @@ def test_bad_input_changes_nothing_on_any_rank(runs, batches, ddp):
     bad = dict(batches[0], input_ids=np.where(batches[0]["attention_mask"] == 1, 500, 0))
     with pytest.raises(InvalidRequestError, match="batch.input_ids"):
         ddp.fwd_bwd({"batch": bad, "processing": {"loss_fn": "verl_grpo"}})
+    context = BUILTIN_MODELS["tiny"].max_position_embeddings
+    ids = np.ones((1, context + 1), dtype=np.int64)
+    long = {"input_ids": ids, "attention_mask": ids, "labels": ids}
+    with pytest.raises(InvalidRequestError, match=rf"row 0 is {context + 1} tokens, more than"):
+        ddp.fwd_bwd({"batch": long})  # refused before the proxy splits it
 
     kind, workers = ray.get(ddp.get_server_state().actors.remote(ddp.training_job_id))
     assert kind == "ok" and len(workers) == 2

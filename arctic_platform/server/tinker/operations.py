@@ -20,7 +20,7 @@ from typing import Any
 from arctic_platform.contract.bodies import learning_rate_problem
 from arctic_platform.engine.builtin import resolve_model_path
 from arctic_platform.server.errors import BadRequest, Conflict, ServiceError
-from arctic_platform.server.ops import check_generate
+from arctic_platform.server.ops import check_context, check_generate
 from arctic_platform.server.service import Service
 from arctic_platform.server.tinker import bodies, codec, losses
 from arctic_platform.server.tinker.checkpoints import (
@@ -52,7 +52,7 @@ class TinkerOps:
 
     def __init__(self, service: Service, session_timeout_s: float = SESSION_TIMEOUT_S) -> None:
         self.service = service
-        self.state = TinkerState()
+        self.state = TinkerState(service.store)
         self.reaper = SessionReaper(self.state, self.finish_session, session_timeout_s)
         self.futures = FutureStore()
         self.checkpoints = CheckpointStore(
@@ -173,6 +173,15 @@ class TinkerOps:
             self.service.limits.check_batch_shape(op, *losses.batch_shape(data))
             batch = losses.build_batch(data, spec)
             processing = losses.processing_for(request.loss_fn, request.loss_fn_config)
+            trainer = self.service.resolve(run.training_sub_job, owner=owner).engine
+            if trainer is not None:  # still loading: the engine refuses it when it runs
+                check_context(
+                    trainer,
+                    op,
+                    batch,
+                    field="data[{row}].model_input",
+                    what="the datum's model_input with its last target token",
+                )
 
             def runner(engine) -> OpResult:
                 if request.forward_only:

@@ -2,7 +2,8 @@
 
 * A **session** (``create_session``) belongs to the caller's owner id; the SDK heartbeats it every
   10 s and finishes it (``/sessions/{id}/finish``) when the script ends, which cancels the Service
-  jobs it created so their engines are freed. A finished session answers 410, as the SDK expects.
+  jobs it created so their engines are freed. A finished session answers 410, as the SDK expects,
+  and so does one lost in a server restart (its id is remembered in the metadata store).
 * A **training run** (Tinker's model id ``<session>:train:<n>``) is one Service job with a LoRA
   training sub-job and a sampling sub-job on the same base model.
   ``save_weights_and_get_sampling_client`` takes a **snapshot** of the trainer's LoRA adapters
@@ -32,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from arctic_platform.server.errors import Conflict, NotFound, ServiceError
+from arctic_platform.server.store import MetadataStore
 
 # Adapter snapshots a training run keeps for its sampling clients (the newest ones).
 MAX_SNAPSHOTS = 8
@@ -156,16 +158,26 @@ class Sampler:
 
 
 class TinkerState:
-    """Registries of sessions, runs and samplers; thread-safe; owner-scoped lookups."""
+    """Registries of sessions, runs and samplers; thread-safe; owner-scoped lookups.
 
-    def __init__(self) -> None:
+    With ``records`` (the server's metadata store) every session id issued is written there too,
+    so that after a restart, which loses the sessions and their jobs, a client that heartbeats a
+    lost session hears that it ended (410, as for a finished one) and stops, rather than 404.
+    Remembering the ids is simpler than recognising them (a signature would need a key that
+    outlives the process, and would vouch for ids of any other server holding it).
+    """
+
+    def __init__(self, records: MetadataStore | None = None) -> None:
         self._lock = threading.Lock()
+        self._records = records
         self.sessions: dict[str, Session] = {}
         self.runs: dict[str, TrainingRun] = {}
         self.samplers: dict[str, Sampler] = {}
 
     def new_session(self, owner: str | None) -> Session:
         session = Session(session_id=uuid.uuid4().hex, owner=owner)
+        if self._records is not None:
+            self._records.put_tinker_session(session.session_id, owner, session.last_heartbeat)
         with self._lock:
             self.sessions[session.session_id] = session
         return session
@@ -182,11 +194,23 @@ class TinkerState:
         """The caller's session; 404 if unknown, 410 if finished (when ``active``)."""
         with self._lock:
             session = self.sessions.get(session_id)
+        if session is None:
+            session = self._lost_in_restart(session_id)
         if session is None or session.owner != owner:
             raise NotFound(f"session {session_id!r} not found")
         if active and session.finished:
             raise SessionGone(f"session {session_id} was finished")
         return session
+
+    def _lost_in_restart(self, session_id: str) -> Session | None:
+        """A session an earlier run of this server issued, kept from now on as finished (its
+        jobs ended with that run); None for an id this server never issued."""
+        record = None if self._records is None else self._records.tinker_session(session_id)
+        if record is None:
+            return None
+        lost = Session(session_id, record["owner"], record["created_at"], finished=True)
+        with self._lock:
+            return self.sessions.setdefault(session_id, lost)
 
     def add_run(self, run: TrainingRun) -> None:
         with self._lock:

@@ -57,7 +57,7 @@ def cookbook_data(loss: str, *, prompt_inputs: float = 0.0) -> list[Datum]:
 
 def shares(engine: TrainingEngine, batch) -> bool:
     request = prepare_training_request(
-        batch, None, None, engine.config, vocab_size=engine.vocab_size, backward=False
+        batch, None, None, engine.config, model=engine, backward=False
     )
     return any(type(mb).__name__ == "SharedMicroBatch" for mb in request.plan)
 

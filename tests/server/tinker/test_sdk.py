@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from arctic_platform.engine.builtin import BUILTIN_MODELS
 from arctic_platform.server.tinker.model_samplers import MAX_MODEL_SAMPLING_JOBS
 from tests.server.tinker.conftest import (
     ALICE,
@@ -284,6 +285,25 @@ def test_bad_requests_name_the_field_and_leave_the_model_alone(service_client):
     with pytest.raises(tinker.BadRequestError, match=r"loss_fn_inputs\.logprobs: missing"):
         client.forward_backward([datum], "importance_sampling").result()
     # the refused requests used up their seq_ids; the client goes on, weights untouched
+    client.optim_step(types.AdamParams(learning_rate=1e-1)).result()
+    after = client.forward([datum], "cross_entropy").result()
+    assert logprobs_of(after, 0) == logprobs_of(before, 0)
+
+
+def test_a_datum_longer_than_the_context_is_refused_and_changes_nothing(service_client):
+    client = service_client.create_lora_training_client(base_model=TINY, rank=4, seed=2).result()
+    _, datum = sft_datum("5+5=10", 4)
+    before = client.forward([datum], "cross_entropy").result()
+    context = BUILTIN_MODELS["tiny"].max_position_embeddings
+    tokens = encode("1") * context  # with its last target the model would run over context + 1
+    long = types.Datum(
+        model_input=types.ModelInput.from_ints(tokens),
+        loss_fn_inputs={"target_tokens": tokens, "weights": [1.0] * context},
+    )
+    refused = rf"data\[0\]\.model_input: .* is {context + 1} tokens, more than the model's context"
+    for call in (client.forward_backward, client.forward):
+        with pytest.raises(tinker.BadRequestError, match=refused):
+            call([long, datum], "cross_entropy").result()
     client.optim_step(types.AdamParams(learning_rate=1e-1)).result()
     after = client.forward([datum], "cross_entropy").result()
     assert logprobs_of(after, 0) == logprobs_of(before, 0)

@@ -75,3 +75,29 @@ def test_serve_refuses_a_bad_session_timeout_naming_the_flag(value):
     result = CliRunner().invoke(cli.app, ["serve", "--tinker-session-timeout", value])
     assert result.exit_code == 2
     assert "--tinker-session-timeout" in result.output
+
+
+def test_a_session_lost_in_a_restart_is_gone_not_unknown(tmp_path):
+    """The server restarts (a new Service on the same data dir): the SDK's heartbeat of a session
+    from before gets 410, as for a finished session, so the client stops; an id the server never
+    issued, or another tenant's, stays 404."""
+    from arctic_platform.server.auth import TokenAuth
+
+    def app():
+        service = Service(ServiceSettings(data_dir=tmp_path, device="cpu"))
+        return create_app(service, auth=TokenAuth(["tml-a", "tml-b"]))
+
+    def client(url: str, key: str) -> httpx.Client:
+        return httpx.Client(base_url=f"{url}/api/v1", headers={"X-API-Key": key})
+
+    with serve_app(app()) as url, client(url, "tml-a") as http:
+        session = http.post("/create_session", json={}).json()["session_id"]
+        assert http.post("/session_heartbeat", json={"session_id": session}).status_code == 200
+    with serve_app(app()) as url, client(url, "tml-a") as http, client(url, "tml-b") as other:
+        beat = http.post("/session_heartbeat", json={"session_id": session})
+        assert beat.status_code == 410, beat.text
+        assert beat.json()["code"] == "session_finished"
+        assert http.post(f"/sessions/{session}/finish", json={}).status_code == 204
+        assert other.post("/session_heartbeat", json={"session_id": session}).status_code == 404
+        never = http.post("/session_heartbeat", json={"session_id": "0" * 32})
+        assert never.status_code == 404

@@ -1,0 +1,65 @@
+"""How much one tenant may hold at once: live jobs, and the bytes of the models they load.
+
+Per-request limits (:mod:`arctic_platform.server.limits`) bound one op; they do not stop a tenant
+from creating job after job, each holding loaded models (one tenant made 15 jobs, 30 models, and
+nothing refused it). A job counts from its creation until it ends (failed, cancelled, terminated),
+on every API that creates jobs: the on-prem ``/initialize``, the Cortex create-job, and the Tinker
+training clients and model samplers (each one job). Beyond a quota ``create job`` is refused with
+409 ``limit_exceeded`` naming the limit and its ``serve`` flag: the refusal is about what the
+tenant holds now, which retrying does not change (429 would make clients retry), and cancelling
+one of its jobs lifts it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from arctic_platform.server.errors import Conflict
+
+# ``serve --max-jobs-per-tenant``: more than one person's experiments at once (a driver holds one
+# job, a Tinker script a few), far fewer than a server's memory holds.
+DEFAULT_MAX_JOBS_PER_TENANT = 8
+# Weight files: what ``from_pretrained`` loads into memory (tokenizers and configs are small).
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
+
+
+@dataclass(frozen=True)
+class TenantQuota:
+    """Per-tenant bounds (flag names are the field names with dashes); None: no bound."""
+
+    max_jobs_per_tenant: int | None = None
+    max_model_bytes_per_tenant: int | None = None
+
+    def check(self, *, jobs: int, model_bytes: int) -> None:
+        """Refuse a new job that would give its tenant ``jobs`` live jobs loading ``model_bytes``
+        of weights in all (the new job included)."""
+        self._bound("live jobs", jobs, "max_jobs_per_tenant")
+        self._bound("bytes of model weights", model_bytes, "max_model_bytes_per_tenant")
+
+    def _bound(self, what: str, value: int, limit: str) -> None:
+        bound = getattr(self, limit)
+        if bound is not None and value > bound:
+            flag = "--" + limit.replace("_", "-")
+            raise Conflict(
+                f"create job: it would give you {value} {what}, more than this server's limit of "
+                f"{bound} per tenant ({flag}); cancel a job you no longer use",
+                code="limit_exceeded",
+                limit=limit,
+                value=value,
+                maximum=bound,
+            )
+
+
+def weight_bytes(model_dir: str | None) -> int:
+    """The size of the weight files in a local model folder (0 for anything else: a hub name not
+    downloaded yet is measured once it is)."""
+    if model_dir is None:
+        return 0
+    folder = Path(model_dir)
+    if not folder.is_dir():
+        return 0
+    files = [f for f in folder.iterdir() if f.suffix in WEIGHT_SUFFIXES and f.is_file()]
+    if any(f.suffix == ".safetensors" for f in files):  # what from_pretrained then loads
+        files = [f for f in files if f.suffix == ".safetensors"]
+    return sum(f.stat().st_size for f in files)
