@@ -3,6 +3,7 @@ reason naming the hub's timeout (no other tenant's job creation waits for it).""
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 import time
@@ -23,6 +24,7 @@ class SilentHub:
         self._socket = socket.create_server(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self._socket.getsockname()[1]}"
         self.connections: list[socket.socket] = []
+        self._closed = threading.Event()
         threading.Thread(target=self._accept, daemon=True).start()
 
     def _accept(self) -> None:
@@ -31,12 +33,22 @@ class SilentHub:
                 connection, _ = self._socket.accept()
             except OSError:
                 return  # closed
+            if self._closed.is_set():  # a client's retry that raced the close
+                connection.close()
+                return
             self.connections.append(connection)
 
     def close(self) -> None:
-        """Close the listener and every held connection: the clients' reads end at once."""
+        """Close the listener and every held connection: the clients' reads end at once.
+
+        The listener is shut down before it is closed: closing alone does not wake the accept
+        blocked in the other thread on Linux, which would go on accepting (and holding) a
+        client's retry."""
+        self._closed.set()
+        with contextlib.suppress(OSError):  # not listening any more: nothing to wake
+            self._socket.shutdown(socket.SHUT_RDWR)
         self._socket.close()
-        for connection in self.connections:
+        for connection in list(self.connections):
             connection.close()
 
 
