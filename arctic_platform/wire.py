@@ -621,6 +621,14 @@ def loads(data: bytes | bytearray | memoryview, *, tensor_type: TensorType = "nu
     return _decode(_parse_frame(data), tensor_type)
 
 
+def loads_with_metadata(
+    data: bytes | bytearray | memoryview, *, tensor_type: TensorType = "numpy"
+) -> tuple[Any, dict]:
+    """:func:`loads` and :func:`read_metadata` of one frame, parsing its header once."""
+    frame = _parse_frame(data)
+    return _decode(frame, tensor_type), _op_metadata(frame)
+
+
 def _decode(frame: _Frame, tensor_type: TensorType) -> Any:
     tree = _structure(frame)
     decoder = _Decoder(frame, tensor_type)
