@@ -269,6 +269,14 @@ def serve(
             "frame it can send in chunks); a chunk beyond it gets 413.",
         ),
     ] = ServerLimits.max_chunk_group_mb,
+    max_json_mb: Annotated[
+        int,
+        typer.Option(
+            min=1,
+            help="MiB of JSON in one request body or DSSST1 frame header (parsed JSON costs "
+            "several times its size in memory); more gets 413.",
+        ),
+    ] = ServerLimits.max_json_mb,
     tinker_session_timeout: Annotated[
         float,
         typer.Option(
@@ -370,6 +378,7 @@ def serve(
             body_read_timeout=body_read_timeout,
             max_uploads_per_tenant=max_uploads_per_tenant,
             max_chunk_group_mb=max_chunk_group_mb,
+            max_json_mb=max_json_mb,
         ),
     )
 

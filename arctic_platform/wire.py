@@ -60,6 +60,13 @@ PAYLOAD_KEY = "payload"
 MAX_HEADER_BYTES = 64 * 1024 * 1024
 CHUNK_OVERHEAD_BYTES = 8192
 MAX_TREE_DEPTH = 256
+# Tensors and structure-tree nodes in one frame. Each costs a few hundred bytes of Python objects
+# and a view to build, so a header listing 650k empty tensors cost 774 MiB and 49 s to decode. A
+# verl or SkyRL training batch carries 10-30 tensors, a per-row list (one array per sample, up to
+# the server's 8192 rows) a few thousand: the caps are 100 x that, counted while the header is
+# parsed so a frame over them is refused before its entries are built.
+MAX_FRAME_TENSORS = 65_536
+MAX_TREE_NODES = 1_048_576
 # numpy 1.x arrays have at most 32 dimensions (numpy 2: 64); a frame may not ask for more.
 MAX_TENSOR_DIMS = 32
 # A shape's byte size counting zero dims as 1 must fit numpy's index type, or numpy refuses it
@@ -441,6 +448,25 @@ def _parse_entry(key: str, spec: Any, data_size: int) -> _Entry:
     return _Entry(code, shape, offsets[0], offsets[1])
 
 
+class _Objects:
+    """``object_pairs_hook`` of a frame header: counts its JSON objects as they are parsed (one
+    per tensor, plus the header and ``__metadata__``) and stops the parse once they exceed
+    :data:`MAX_FRAME_TENSORS`, so a header of millions of entries is refused after building at
+    most the cap's worth of them."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def __call__(self, pairs: list[tuple[str, Any]]) -> dict:
+        self.count += 1
+        if self.count > MAX_FRAME_TENSORS + 2:
+            raise ValueError(
+                f"header declares more than {MAX_FRAME_TENSORS} tensors, the most one frame may "
+                f"hold (wire.MAX_FRAME_TENSORS)"
+            )
+        return dict(pairs)
+
+
 def _parse_frame(data: Any) -> _Frame:
     buffer = _as_buffer(data)
     try:
@@ -452,7 +478,7 @@ def _parse_frame(data: Any) -> _Frame:
         if 8 + size > len(buffer):
             raise ValueError(f"header length {size} exceeds the {len(buffer)}-byte payload")
         try:
-            header = json.loads(bytes(buffer[8 : 8 + size]).decode("utf-8"))
+            header = json.loads(str(buffer[8 : 8 + size], "utf-8"), object_pairs_hook=_Objects())
         except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
             raise ValueError(f"header is not valid JSON ({exc})") from None
         if not isinstance(header, dict):
@@ -485,7 +511,7 @@ def _structure(frame: _Frame) -> Any:
         raise WireError("frame has no DSSST1 structure metadata (__metadata__['dss'])")
     try:
         structure = json.loads(text)
-    except (json.JSONDecodeError, RecursionError) as exc:
+    except (ValueError, RecursionError) as exc:  # ValueError: also an integer of 5,000 digits
         raise WireError(f"DSSST1 structure metadata is not valid JSON: {exc}") from None
     if not isinstance(structure, dict) or "tree" not in structure:
         raise WireError("DSSST1 structure metadata must be an object with a 'tree'")
@@ -503,6 +529,7 @@ class _Decoder:
     def __init__(self, frame: _Frame, tensor_type: TensorType) -> None:
         self.frame = frame
         self.used: set[str] = set()
+        self.nodes = 0
         self.torch = None
         if tensor_type == "torch":
             from arctic_platform._extras import require
@@ -545,6 +572,12 @@ class _Decoder:
     def node(self, node: Any, depth: int = 0) -> Any:
         if depth > MAX_TREE_DEPTH:
             raise WireError(f"structure tree nests deeper than {MAX_TREE_DEPTH} levels")
+        self.nodes += 1
+        if self.nodes > MAX_TREE_NODES:
+            raise WireError(
+                f"structure tree has more than {MAX_TREE_NODES} nodes, the most one frame may "
+                "hold (wire.MAX_TREE_NODES)"
+            )
         if not isinstance(node, list) or not node or not isinstance(node[0], str):
             raise WireError(f"malformed structure node {_short(node)}")
         tag = node[0]
@@ -588,6 +621,14 @@ def loads(data: bytes | bytearray | memoryview, *, tensor_type: TensorType = "nu
     return _decode(_parse_frame(data), tensor_type)
 
 
+def loads_with_metadata(
+    data: bytes | bytearray | memoryview, *, tensor_type: TensorType = "numpy"
+) -> tuple[Any, dict]:
+    """:func:`loads` and :func:`read_metadata` of one frame, parsing its header once."""
+    frame = _parse_frame(data)
+    return _decode(frame, tensor_type), _op_metadata(frame)
+
+
 def _decode(frame: _Frame, tensor_type: TensorType) -> Any:
     tree = _structure(frame)
     decoder = _Decoder(frame, tensor_type)
@@ -611,9 +652,20 @@ def _op_metadata(frame: _Frame) -> dict:
         return {}
     try:
         value = json.loads(text)
-    except (json.JSONDecodeError, RecursionError):
+    except (ValueError, RecursionError):
         return {}
     return value if isinstance(value, dict) else {}
+
+
+def header_bytes(data: bytes | bytearray | memoryview) -> int:
+    """The size of a frame's JSON header as its length prefix declares it, once the frame is
+    long enough to hold that header (0 otherwise: :func:`loads` says what is wrong). Lets a
+    server hold a frame's JSON to its own limit before parsing any of it."""
+    buffer = _as_buffer(data)
+    if len(buffer) < 8:
+        return 0
+    (size,) = struct.unpack_from("<Q", buffer, 0)
+    return size if 8 + size <= len(buffer) else 0
 
 
 def read_metadata(data: bytes | bytearray | memoryview) -> dict:

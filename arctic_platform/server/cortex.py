@@ -29,8 +29,8 @@ from arctic_platform.contract.generate_columns import as_columns, wants_columns
 from arctic_platform.contract.ops import BINARY_RESULTS, QUICK_OPERATIONS
 from arctic_platform.server.errors import BadRequest, NotFound
 from arctic_platform.server.http_common import (
-    decode_frame,
-    decode_json,
+    frame_of,
+    json_of,
     owner_of,
     read_body,
 )
@@ -53,7 +53,7 @@ def _service(request: Request):
 @router.post("")
 async def create_job(request: Request) -> dict:
     owner = owner_of(request)
-    body = decode_json(await read_body(request), what="create job")
+    body = await json_of(request, await read_body(request), what="create job")
     if isinstance(body, dict) and "job_id" in body:
         raise BadRequest("create job: job_id: the server chooses job ids; remove this field")
     info = await run_in_threadpool(_service(request).create_job, body, owner=owner)
@@ -153,6 +153,8 @@ async def _chunked_octet_op(request: Request, job_id: str, op: str) -> dict:
     service = _service(request)
     service.note_activity(job_id, owner=owner)  # a large body's upload keeps the job alive
     body = await read_body(request)
+    # receive parses the body's header: a chunk's JSON is held to the limit like a whole frame's
+    service.limits.check_json(f"{op}: DSSST1 header", wire.header_bytes(body))
     outcome = await run_in_threadpool(service.chunk_groups.receive, job_id, body, owner=owner)
     if outcome.request_id is not None:
         return {"request_id": outcome.request_id, "job_id": job_id}
@@ -164,10 +166,10 @@ async def _chunked_octet_op(request: Request, job_id: str, op: str) -> dict:
             "total_chunks": outcome.total,
         }
     try:
-        payload = decode_frame(outcome.frame, what=op)
+        payload, metadata = await frame_of(request, outcome.frame, what=op)
         if op == "forward" and isinstance(payload, dict):
             payload.setdefault("reference_model", False)
-        columns = op == "generate" and wants_columns(wire.read_metadata(outcome.frame))
+        columns = op == "generate" and wants_columns(metadata)
         request_id = _submit(
             service, job_id, op, payload, owner, reshape=as_columns if columns else None
         )
@@ -211,7 +213,7 @@ def _queue(service, job_id: str, sub, op: str, body: Any, *, reshape=None) -> st
 @router.post("/{job_id}/generate-stream")
 async def generate_stream(job_id: str, request: Request) -> dict:
     owner = owner_of(request)
-    body = decode_json(await read_body(request), what="generate-stream")
+    body = await json_of(request, await read_body(request), what="generate-stream")
     parsed = parse(GenerateBody, body, what="generate-stream")
     params = parsed.sampling_params
     per_prompt = params if isinstance(params, list) else [params] * len(parsed.prompts)
@@ -222,7 +224,7 @@ async def generate_stream(job_id: str, request: Request) -> dict:
 
 async def _json_op(request: Request, job_id: str, op: str) -> dict:
     owner = owner_of(request)
-    body = decode_json(await read_body(request), what=op)
+    body = await json_of(request, await read_body(request), what=op)
     return {"request_id": _submit(_service(request), job_id, op, body, owner), "job_id": job_id}
 
 
@@ -249,7 +251,7 @@ for _spec in contract.OPS.values():
 @router.post("/{job_id}/load")
 async def load(job_id: str, request: Request) -> dict:
     owner = owner_of(request)
-    body = decode_json(await read_body(request), what="load")
+    body = await json_of(request, await read_body(request), what="load")
     if not isinstance(body, dict) or not body.get("checkpoint_id"):
         raise BadRequest("load: checkpoint_id is required")
     return {
@@ -262,7 +264,7 @@ async def load(job_id: str, request: Request) -> dict:
 async def operation(job_id: str, request: Request) -> Any:
     owner = owner_of(request)
     service = _service(request)
-    body = decode_json(await read_body(request), what="operation")
+    body = await json_of(request, await read_body(request), what="operation")
     sub, op, payload = service.dispatch(job_id, "operation", body, owner=owner)
     if sub is None:
         return service.inline_operation(job_id, op, payload, owner=owner)

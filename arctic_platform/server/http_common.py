@@ -13,11 +13,12 @@ from __future__ import annotations
 import asyncio
 import collections
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import Request
+from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, Response
 from starlette.requests import ClientDisconnect
 
@@ -33,6 +34,7 @@ from arctic_platform.server.errors import (
 from arctic_platform.server.limits import ServerLimits
 
 OCTET = "application/octet-stream"
+T = TypeVar("T")
 
 
 async def read_body(request: Request) -> bytearray:
@@ -138,22 +140,54 @@ def close_unread_bodies(app):
     return middleware
 
 
-def decode_frame(body: bytes | bytearray, *, what: str) -> Any:
-    """A DSSST1 body as torch tensors; malformed frames are a 400 naming the op."""
+# Bodies up to this size are decoded on the event loop (well under a millisecond); larger ones in
+# a worker thread, so that decoding one tenant's large body never holds up another's requests.
+DECODE_ON_LOOP_BYTES = 64 * 1024
+
+
+async def off_loop(nbytes: int, decode: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """``decode(*args, **kwargs)`` for a body of ``nbytes``: inline when small, else in a worker
+    thread (see :data:`DECODE_ON_LOOP_BYTES`)."""
+    if nbytes <= DECODE_ON_LOOP_BYTES:
+        return decode(*args, **kwargs)
+    return await run_in_threadpool(decode, *args, **kwargs)
+
+
+def decode_frame(body: bytes | bytearray, *, what: str, limits: ServerLimits) -> tuple[Any, dict]:
+    """A DSSST1 body as torch tensors, and its op metadata: its header within
+    ``--max-json-mb`` (413), a malformed frame a 400 naming the op. Synchronous: routes call it
+    through :func:`frame_of`."""
+    limits.check_json(f"{what}: DSSST1 header", wire.header_bytes(body))
     try:
-        return wire.loads(body, tensor_type="torch")
+        return wire.loads_with_metadata(body, tensor_type="torch")
     except wire.WireError as exc:
         raise BadRequest(f"{what}: malformed DSSST1 body: {exc}") from None
 
 
-def decode_json(body: bytes | bytearray, *, what: str) -> Any:
-    """A JSON body (empty means None); malformed JSON is a 400 naming the op."""
+def decode_json(body: bytes | bytearray, *, what: str, limits: ServerLimits) -> Any:
+    """A JSON body (empty means None) within ``--max-json-mb`` (413); malformed JSON is a 400
+    naming the op. Synchronous: routes call it through :func:`json_of`."""
+    limits.check_json(what, len(body))
     if not body.strip():
         return None
     try:
         return json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except RecursionError:
+        raise BadRequest(f"{what}: JSON body nests too deeply") from None
+    except ValueError as exc:  # also bad UTF-8, and an integer of over 4,300 digits
         raise BadRequest(f"{what}: malformed JSON body: {exc}") from None
+
+
+async def frame_of(request: Request, body: bytes | bytearray, *, what: str) -> tuple[Any, dict]:
+    """:func:`decode_frame`, off the event loop for a large body."""
+    limits = request.app.state.service.limits
+    return await off_loop(len(body), decode_frame, body, what=what, limits=limits)
+
+
+async def json_of(request: Request, body: bytes | bytearray, *, what: str) -> Any:
+    """:func:`decode_json`, off the event loop for a large body."""
+    limits = request.app.state.service.limits
+    return await off_loop(len(body), decode_json, body, what=what, limits=limits)
 
 
 async def read_op_body(request: Request, *, what: str) -> tuple[Any, dict]:
@@ -161,8 +195,8 @@ async def read_op_body(request: Request, *, what: str) -> tuple[Any, dict]:
     ``application/octet-stream`` (its op metadata carries response options), JSON otherwise."""
     body = await read_body(request)
     if OCTET in request.headers.get("content-type", ""):
-        return decode_frame(body, what=what), wire.read_metadata(body)
-    return decode_json(body, what=what), {}
+        return await frame_of(request, body, what=what)
+    return await json_of(request, body, what=what), {}
 
 
 def frame_response(value: Any) -> Response:

@@ -33,6 +33,10 @@ class ServerLimits:
     body_read_timeout: float = 300.0
     max_uploads_per_tenant: int = 8
     max_chunk_group_mb: int = 1024
+    # MiB of JSON in one body or DSSST1 header (server/http_common.py): parsed JSON costs several
+    # times its size in Python objects, a tensor's bytes are only viewed. 64 MiB holds a generate
+    # of 8192 prompts x 1024 tokens sent as JSON (about 40 MB).
+    max_json_mb: int = 64
 
     def check_generate(self, op: str, prompts: list, sampling_params: Any, context: int) -> None:
         """``n`` summed over prompts, and ``n x max_tokens`` (the context when unset)."""
@@ -101,6 +105,16 @@ class ServerLimits:
                 f"over this server's limit of {self.max_chunk_group_mb} MiB"
             )
             raise limit_exceeded(message, limit="max_chunk_group_mb", value=held, maximum=bound)
+
+    def check_json(self, what: str, nbytes: int) -> None:
+        """``nbytes`` of JSON (a body, or a DSSST1 frame's header) about to be parsed."""
+        bound = self.max_json_mb * MIB
+        if nbytes > bound:
+            message = (
+                f"{what}: {nbytes} bytes of JSON exceed this server's limit of "
+                f"{self.max_json_mb} MiB (send tensors in a DSSST1 body)"
+            )
+            raise limit_exceeded(message, limit="max_json_mb", value=nbytes, maximum=bound)
 
 
 def limit_exceeded(

@@ -23,8 +23,8 @@ from arctic_platform.contract.job_config import SHORT_JOB_TYPE
 from arctic_platform.contract.ops import BINARY_RESULTS, ONPREM_OPS
 from arctic_platform.server.errors import BadRequest, NotFound
 from arctic_platform.server.http_common import (
-    decode_json,
     frame_response,
+    json_of,
     owner_of,
     read_body,
     read_op_body,
@@ -79,7 +79,7 @@ async def status(request: Request) -> dict:
 async def initialize(request: Request) -> dict:
     """Create a job with one sub-job and wait until its engine is ready (as the reference does)."""
     owner = owner_of(request)
-    body = decode_json(await read_body(request), what="initialize")
+    body = await json_of(request, await read_body(request), what="initialize")
     service = _service(request)
     writable = functools.partial(service.paths.writable, owner)
     spec, ignored = await run_in_threadpool(_sub_job_from_init, body, writable)

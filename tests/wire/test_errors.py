@@ -213,3 +213,46 @@ def test_bad_metadata_and_tensor_type_arguments():
         wire.dumps({}, metadata=["x"])
     with pytest.raises(wire.WireError, match="tensor_type must be"):
         wire.loads(wire.dumps({"x": np.zeros(1)}), tensor_type="jax")
+
+
+def empty_tensors_frame(count: int) -> bytes:
+    """A frame whose header declares ``count`` empty tensors (and a tree using none of them)."""
+    header = {"__metadata__": dss(["j", None])}
+    header.update(
+        {f"t{i}": {"dtype": "U8", "shape": [0], "data_offsets": [0, 0]} for i in range(count)}
+    )
+    return frame_with_header(header)
+
+
+def test_a_header_declaring_more_tensors_than_the_cap_is_refused_naming_it():
+    frame = empty_tensors_frame(wire.MAX_FRAME_TENSORS + 1)
+    with pytest.raises(wire.WireError, match=f"more than {wire.MAX_FRAME_TENSORS} tensors"):
+        wire.loads(frame)
+    assert wire.read_metadata(frame) == {}
+
+
+def test_a_frame_of_exactly_the_tensor_cap_still_decodes_up_to_its_tree():
+    # Every entry parses; what fails is only that the tree uses none of them.
+    with pytest.raises(wire.WireError, match="not referenced by the structure tree"):
+        wire.loads(empty_tensors_frame(wire.MAX_FRAME_TENSORS))
+
+
+def test_a_structure_tree_over_the_node_cap_is_refused_naming_it():
+    tree = ["l", [["j", 0]] * wire.MAX_TREE_NODES]
+    frame = frame_with_header({"__metadata__": dss(tree)})
+    with pytest.raises(wire.WireError, match=f"more than {wire.MAX_TREE_NODES} nodes"):
+        wire.loads(frame)
+
+
+def test_an_integer_too_long_for_python_in_the_tree_is_a_wire_error():
+    text = json.dumps({"v": "DSSST1", "tree": ["j", 0]}).replace("0", "1" * 5000)
+    frame = frame_with_header({"__metadata__": {"dss": text}})
+    with pytest.raises(wire.WireError, match="4300 digits"):
+        wire.loads(frame)
+
+
+def test_header_bytes_reads_the_declared_header_size_only_when_the_frame_holds_it():
+    frame = wire.dumps({"x": np.zeros(3)})
+    assert wire.header_bytes(frame) == struct.unpack("<Q", frame[:8])[0]
+    assert wire.header_bytes(frame[:20]) == 0
+    assert wire.header_bytes(b"abc") == 0

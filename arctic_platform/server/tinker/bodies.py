@@ -20,8 +20,15 @@ class SessionBody(_Body):
     session_id: str
 
 
+# LoRA adapters of rank r add r x (in + out) parameters to each adapted d_in x d_out layer, and
+# the engine allocates them (and their Adam state) when the job starts: an unbounded rank is an
+# unbounded allocation. 1024 is 32 x Tinker's default rank of 32 and a quarter of a 7B-class
+# model's hidden size (4096): adapters of at most half the size of the layers they adapt there.
+MAX_LORA_RANK = 1024
+
+
 class LoraConfig(_Body):
-    rank: PositiveInt
+    rank: int = Field(ge=1, le=MAX_LORA_RANK)
     seed: int | None = None
     train_unembed: bool = True
     train_mlp: bool = True

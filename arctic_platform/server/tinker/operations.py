@@ -35,7 +35,7 @@ from arctic_platform.server.tinker.model_samplers import ModelSamplingJobs
 from arctic_platform.server.tinker.sample_batcher import SampleBatcher
 from arctic_platform.server.tinker.session_reaper import SESSION_TIMEOUT_S, SessionReaper
 from arctic_platform.server.tinker.snapshots import take_snapshot
-from arctic_platform.server.tinker.state import Sampler, TinkerState, TrainingRun
+from arctic_platform.server.tinker.state import FIRST_SEQ_ID, Sampler, TinkerState, TrainingRun
 
 # How long create_model (and sampling on a fresh sampler) waits for the engines to load.
 STARTUP_TIMEOUT_S = 1800.0
@@ -483,11 +483,27 @@ class TinkerOps:
 
     # -- ordering ---------------------------------------------------------------------------
 
+    def refused(self, raw: Any, owner: str | None) -> None:
+        """A training client's request refused before it was parsed (a field of the wrong
+        type) still uses up its ``seq_id`` when the body names its run and an integer
+        ``seq_id``, as a request refused by validation does (:meth:`_sequenced`)."""
+        if not isinstance(raw, dict):
+            return
+        model_id, seq_id = raw.get("model_id"), raw.get("seq_id")
+        if not isinstance(model_id, str) or not _is_seq_id(seq_id):
+            return
+        with contextlib.suppress(ServiceError):  # not a run of this caller: nothing to unblock
+            self.state.run(model_id, owner).sequencer.skip(seq_id)
+
     def _sequenced(self, run: TrainingRun, seq_id: int | None, owner, op: str, prepare) -> str:
         """Validate with ``prepare()`` (which returns ``runner(engine)``), then queue the runner
         on the run's trainer in ``seq_id`` order; returns its request id. A request refused by
         validation still uses up its ``seq_id``, so the client's later requests do not wait on
         it forever."""
+        if seq_id is not None and not _is_seq_id(seq_id):
+            # The SDK numbers a training client's requests from 1; it sends 0 only for a
+            # caller's missing seq_id, which the Tinker service refuses the same way.
+            raise BadRequest(f"seq_id: must be an integer >= {FIRST_SEQ_ID}, got {seq_id}")
         if seq_id is not None:
             known = run.sequencer.known(seq_id)
             if known is not None:
@@ -518,6 +534,10 @@ class TinkerOps:
             except Conflict as exc:
                 outer.set_exception(exc)
         return request_id
+
+
+def _is_seq_id(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= FIRST_SEQ_ID
 
 
 def _sample_result(done: Future, outer: Future) -> None:

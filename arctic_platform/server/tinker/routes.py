@@ -12,6 +12,7 @@ models, telemetry is accepted and dropped.
 
 from __future__ import annotations
 
+import functools
 import time
 from datetime import datetime, timezone
 from typing import Any, TypeVar
@@ -24,7 +25,7 @@ from pydantic import BaseModel, ValidationError
 from arctic_platform.engine.builtin import BUILTIN_MODELS, BUILTIN_PREFIX, BuiltinSpec
 from arctic_platform.server.auth import API_KEY_HEADER
 from arctic_platform.server.errors import BadRequest, NotFound, Unauthorized
-from arctic_platform.server.http_common import caller_of, decode_json, read_body
+from arctic_platform.server.http_common import caller_of, decode_json, off_loop, read_body
 from arctic_platform.server.op_bodies import describe
 from arctic_platform.server.tinker import bodies, codec, proto
 from arctic_platform.server.tinker.checkpoints import TinkerPath
@@ -51,11 +52,30 @@ def _owner(request: Request) -> str | None:
     return caller_of(request)
 
 
-async def _parse(request: Request, model: type[Body], what: str) -> Body:
-    raw = decode_json(await read_body(request), what=what)
+async def _parse(
+    request: Request,
+    model: type[Body],
+    what: str,
+    *,
+    sequenced: bool = False,
+    owner: str | None = None,
+) -> Body:
+    """The body as ``model``, parsed and validated off the event loop when large. A training
+    client's op (``sequenced``, with its caller's ``owner``) refused here still uses up its
+    ``seq_id`` (:meth:`TinkerOps.refused`), so the client's later requests run."""
+    body = await read_body(request)
+    limits = request.app.state.service.limits
+    refused = functools.partial(_ops(request).refused, owner=owner) if sequenced else None
+    return await off_loop(len(body), _validated, body, model, what, limits, refused)
+
+
+def _validated(body: bytes, model: type[Body], what: str, limits, refused) -> Body:
+    raw = decode_json(body, what=what, limits=limits)
     try:
         return model.model_validate(raw if raw is not None else {})
     except ValidationError as exc:
+        if refused is not None:
+            refused(raw)
         raise BadRequest(f"{what}: {describe(exc)}") from None
 
 
@@ -164,8 +184,12 @@ async def forward_backward(request: Request) -> dict:
         raise BadRequest(f"forward_backward: expected a protobuf body ({proto.CONTENT_TYPE})")
     if request.headers.get("content-encoding", "identity") != "identity":
         raise BadRequest("forward_backward: compressed bodies are not accepted")
-    parsed = codec.decode_forward_backward(
-        await read_body(request), max_data_bytes=request.app.state.max_body_bytes
+    body = await read_body(request)
+    parsed = await off_loop(
+        len(body),
+        codec.decode_forward_backward,
+        body,
+        max_data_bytes=request.app.state.max_body_bytes,
     )
     request_id = await run_in_threadpool(_ops(request).forward_backward, parsed, owner)
     return _future(request_id, model_id=parsed.model_id)
@@ -184,7 +208,7 @@ _MODEL_OPS = (
 def _model_op_route(name: str, model: type[BaseModel], method):
     async def route(request: Request) -> dict:
         owner = _owner(request)
-        body = await _parse(request, model, name)
+        body = await _parse(request, model, name, sequenced=True, owner=owner)
         return _future(method(_ops(request), body, owner), model_id=body.model_id)
 
     route.__name__ = name
@@ -198,7 +222,9 @@ for _name, _model, _method in _MODEL_OPS:
 @router.post("/load_weights")
 async def load_weights(request: Request) -> dict:
     owner = _owner(request)
-    body = await _parse(request, bodies.LoadWeightsBody, "load_weights")
+    body = await _parse(
+        request, bodies.LoadWeightsBody, "load_weights", sequenced=True, owner=owner
+    )
     return _future(await run_in_threadpool(_ops(request).load_weights, body, owner))
 
 

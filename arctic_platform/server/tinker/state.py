@@ -55,12 +55,16 @@ class Session:
     job_ids: list[str] = field(default_factory=list)
 
 
+# A training client's first seq_id (the SDK sends request_id + 1: tinker/proto/request_conv.py).
+FIRST_SEQ_ID = 1
+
+
 class Sequencer:
     """Starts requests numbered 1, 2, 3, ... in that order (see module doc)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._next = 1
+        self._next = FIRST_SEQ_ID
         self._parked: dict[int, Callable[[], None]] = {}
         self._request_ids: dict[int, str] = {}
 

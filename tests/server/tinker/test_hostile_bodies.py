@@ -23,7 +23,7 @@ from arctic_platform.server.app import create_app
 from arctic_platform.server.auth import TokenAuth
 from arctic_platform.server.limits import ServerLimits
 from arctic_platform.server.service import Service, ServiceSettings
-from arctic_platform.server.tinker import proto
+from arctic_platform.server.tinker import bodies, proto
 from tests.server.helpers import peak_growth_mib
 from tests.server.tinker.conftest import ALICE, BOB, TINY
 
@@ -226,6 +226,69 @@ def test_an_infinite_learning_rate_is_refused_and_the_weights_stay(http, run):
     )
     assert_refused(answer, 400, "adam_params.learning_rate")
     assert forward(http, run) == run.before
+
+
+def first_answer(http: httpx.Client, answer: httpx.Response) -> httpx.Response:
+    """The op's ``retrieve_future`` answer, failing (not waiting on) an op parked behind a
+    ``seq_id`` that never comes: the server holds one poll up to 30 s for the op."""
+    assert answer.status_code == 200, answer.text
+    got = http.post("/retrieve_future", json={"request_id": answer.json()["request_id"]})
+    assert got.status_code == 200, f"the op did not run (parked behind a lost seq_id?): {got.text}"
+    return got
+
+
+@pytest.mark.parametrize(
+    ("route", "body", "field_name"),
+    [
+        ("optim_step", {"adam_params": {"learning_rate": "fast"}}, "adam_params.learning_rate"),
+        ("save_weights", {"path": 7}, "path"),
+        ("save_weights_for_sampler", {"ttl_seconds": "soon"}, "ttl_seconds"),
+        ("load_weights", {"optimizer": "yes"}, "path"),
+    ],
+)
+def test_a_json_op_refused_while_parsing_uses_up_its_seq_id(http, run, route, body, field_name):
+    refused = http.post(
+        f"/{route}", json={"model_id": run.model_id, "seq_id": next(run.seq), **body}
+    )
+    assert_refused(refused, 400, field_name)
+    # The client's next request (the next seq_id) runs instead of waiting on the refused one.
+    answer = first_answer(http, fwd_bwd(http, run, [datum()], forward_only=True))
+    output = response_conv.deserialize_forward_backward_output(answer.content)
+    assert output.loss_fn_outputs[0]["logprobs"].tolist() == run.before
+
+
+@pytest.mark.parametrize("seq_id", [0, -3])
+def test_a_protobuf_seq_id_below_one_is_a_400_naming_it(http, run, seq_id):
+    # The SDK numbers requests from 1 and sends 0 only for a caller's missing seq_id.
+    message = proto.ForwardBackwardRequest(
+        model_id=run.model_id, seq_id=seq_id, loss_fn="cross_entropy"
+    )
+    tokens, inputs = datum()
+    item = message.data.add()
+    item.model_input.add().encoded_text.tokens = np.asarray(tokens, np.int32).tobytes()
+    for name, tensor in inputs.items():
+        item.loss_fn_inputs[name].CopyFrom(tensor)
+    answer = http.post("/forward_backward", content=message.SerializeToString(), headers=PROTOBUF)
+    assert_refused(answer, 400, "seq_id")
+    assert forward(http, run) == run.before  # and the client's own numbering goes on
+
+
+@pytest.mark.parametrize("rank", [bodies.MAX_LORA_RANK + 1, 2**31, 0])
+def test_a_lora_rank_out_of_bounds_is_a_400_naming_it_and_starts_nothing(http, server_app, rank):
+    service, alice = server_app.state.service, server_app.state.auth.owner(f"Bearer {ALICE}")
+    session = http.post("/create_session", json={}).json()["session_id"]
+    jobs = len(service.list_jobs(owner=alice))
+    answer = http.post(
+        "/create_model",
+        json={
+            "session_id": session,
+            "model_seq_id": 0,
+            "base_model": TINY,
+            "lora_config": {"rank": rank},
+        },
+    )
+    assert_refused(answer, 400, "lora_config.rank")
+    assert len(service.list_jobs(owner=alice)) == jobs
 
 
 @pytest.fixture(scope="module")
