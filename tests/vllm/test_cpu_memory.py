@@ -69,6 +69,7 @@ def test_the_kv_cache_is_what_the_job_needs():
     [
         ({"env": {"VLLM_CPU_KVCACHE_SPACE": HUGE}}, "sampling.vllm", "is free where it would run"),
         ({"kv_cache_memory_bytes": 1000}, "sampling.vllm", "cannot hold one sequence"),
+        ({"gpu_memory_utilization": 1.0}, "sampling.vllm", "is free where it would run"),
         (
             {"kv_cache_memory_bytes": "lots"},
             "sampling.vllm.kv_cache_memory_bytes",

@@ -54,7 +54,6 @@ class CpuMemoryPlan:
     source: str
     kv_cache_bytes: int
     weight_bytes: int
-    available_bytes: int
     engine_args: dict[str, int]
 
     def describe(self) -> dict:
@@ -76,22 +75,21 @@ def plan_cpu_memory(
     ``env`` is the environment the vLLM process will start with. Raises
     :class:`EngineInputError` (field ``sampling.vllm``) when the budget cannot fit."""
     args = config.vllm.engine_args
-    block = int(args.get("block_size") or CPU_BLOCK_TOKENS)
+    block = _number(args.get("block_size") or CPU_BLOCK_TOKENS, int, f"{FIELD}.block_size")
     per_token = kv_bytes_per_token(hf_config, dtype)
     one_sequence = math.ceil(max_model_len / block) * block * per_token
     node = node_memory()
     space = env.get(KV_SPACE_ENV, "")
-    fraction = args.get(MEMORY_FRACTION_ARG)
+    by_fraction = False  # a share of the node sizes the whole process, weights included
     if space:
         source = f"{FIELD}.env.{KV_SPACE_ENV}={space} GiB"
         kv_bytes = _number(space, int, f"{FIELD}.env.{KV_SPACE_ENV}") * _GIB
     elif args.get(KV_BYTES_ARG) is not None:
         source = f"{FIELD}.{KV_BYTES_ARG}"
         kv_bytes = _number(args[KV_BYTES_ARG], int, source)
-    elif fraction is not None:
-        # vLLM reserves this share of the node for the whole process, weights included.
-        source = f"{FIELD}.{MEMORY_FRACTION_ARG}={fraction}"
-        share = _number(fraction, float, f"{FIELD}.{MEMORY_FRACTION_ARG}")
+    elif args.get(MEMORY_FRACTION_ARG) is not None:
+        share = _number(args[MEMORY_FRACTION_ARG], float, f"{FIELD}.{MEMORY_FRACTION_ARG}")
+        source, by_fraction = f"{FIELD}.{MEMORY_FRACTION_ARG}={share}", True
         kv_bytes = math.ceil(node.total * share)
     else:
         need = config.max_batch_size * one_sequence
@@ -101,7 +99,6 @@ def plan_cpu_memory(
             f"{config.max_kv_cache_bytes}"
         )
         kv_bytes = max(one_sequence, min(need, config.max_kv_cache_bytes))
-    by_fraction = fraction is not None and not space and args.get(KV_BYTES_ARG) is None
     weight_bytes = 0 if by_fraction else served_weight_bytes(hf_config, dtype)
     if not by_fraction and kv_bytes < one_sequence:
         raise EngineInputError(
@@ -121,7 +118,7 @@ def plan_cpu_memory(
             f"{FIELD}.env.{KV_SPACE_ENV}",
         )
     engine_args = {} if space or by_fraction else {KV_BYTES_ARG: kv_bytes}
-    return CpuMemoryPlan(source, kv_bytes, weight_bytes, node.available, engine_args)
+    return CpuMemoryPlan(source, kv_bytes, weight_bytes, engine_args)
 
 
 def _number(value, kind: type, field: str):
