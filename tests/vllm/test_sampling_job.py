@@ -15,7 +15,7 @@ import pytest
 
 from arctic_platform.client import ServerError, create_arctic_rl_client
 from arctic_platform.engine.vllm_backend.engine import VllmSamplingEngine
-from tests.vllm.conftest import VLLM_ENV, needs_vllm
+from tests.vllm.conftest import needs_vllm
 
 pytestmark = [needs_vllm, pytest.mark.slow]
 
@@ -28,7 +28,7 @@ def test_vllm_sampling_job_and_its_death(tmp_path):
         "seed": 0,
         "backend": {"type": "inprocess", "data_dir": str(tmp_path / "data"), "device": "cpu"},
         "training": {"optimizer": {"lr": 1e-3}},
-        "sampling": {"engine": "vllm", "vllm": {"env": VLLM_ENV, "enforce_eager": True}},
+        "sampling": {"engine": "vllm", "vllm": {"enforce_eager": True}},
     }
     client = create_arctic_rl_client(config, blocking_calls=True)
     other = None
@@ -39,7 +39,7 @@ def test_vllm_sampling_job_and_its_death(tmp_path):
         assert isinstance(engine, VllmSamplingEngine)
         assert sampling.spec.ignored_settings == {}  # every vllm key is used by this engine
         assert client.generate(["1+1="], GREEDY)[0]["token_ids"]
-        assert client.sync_weights()["targets"][0]["method"] == "restart"
+        assert client.sync_weights()["targets"][0]["method"] == "reload"
 
         other = create_arctic_rl_client(
             {**config, "training": None, "sampling": {}}, server_state=service, blocking_calls=True

@@ -3,7 +3,7 @@
 A real ``serve`` process started with ``--sampling-engine vllm --vllm-python ...``; a client over
 the on-prem HTTP API creates a training and a sampling job without naming an engine, so its
 sampler is vLLM: greedy output equals our sampler's on the same model, and weight sync reaches it
-(by ``restart``, the CPU default). A job that tries to name its own vLLM interpreter is refused.
+(by ``reload``, the CPU default). A job that tries to name its own vLLM interpreter is refused.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pytest
 
 from arctic_platform.client import InvalidRequestError, create_arctic_rl_client
 from arctic_platform.client.local_server import LocalServer, free_port
-from tests.vllm.conftest import VLLM_ENV, VLLM_PYTHON, check_job_generates_and_syncs, needs_vllm
+from tests.vllm.conftest import VLLM_PYTHON, check_job_generates_and_syncs, needs_vllm
 
 pytestmark = [needs_vllm, pytest.mark.slow]
 
@@ -30,9 +30,9 @@ def test_serve_with_vllm_as_the_default_sampling_engine(tmp_path):
             "seed": 0,
             "backend": {"type": "http", "url": url},
             "training": {"optimizer": {"lr": 1e-3}},
-            "sampling": {"vllm": {"env": VLLM_ENV}},
+            "sampling": {},
         }
-        check_job_generates_and_syncs(config, "restart")
+        check_job_generates_and_syncs(config, "reload")
 
         named = {**config, "training": None}
         named["sampling"] = {"vllm": {"python": str(VLLM_PYTHON)}}

@@ -52,8 +52,8 @@ from tests.vllm.conftest import (
 CPU, CUDA = torch.device("cpu"), torch.device("cuda", 0)
 
 
-def test_auto_picks_restart_on_cpu_and_ipc_on_cuda():
-    assert resolve_weight_sync("auto", CPU) == "restart"
+def test_auto_picks_reload_on_cpu_and_ipc_on_cuda():
+    assert resolve_weight_sync("auto", CPU) == "reload"
     assert resolve_weight_sync("auto", CUDA) == "ipc"
     for explicit in ("restart", "reload"):
         assert resolve_weight_sync(explicit, CPU) == resolve_weight_sync(explicit, CUDA) == explicit

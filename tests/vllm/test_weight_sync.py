@@ -4,8 +4,10 @@ A real trainer (our TrainingEngine, AdamW on cross-entropy at a high learning ra
 policy; its weights reach the vLLM engine through the same ``sync_in_process`` the server's
 weight-sync op uses. The engine's greedy tokens and log-probs must then equal those of a vLLM
 engine started fresh on the trainer's saved weights (and our sampler synced the same way), for
-``restart`` (the CPU default) and ``reload``. Bad syncs are refused before the vLLM process sees
-them, and the engine keeps serving the previous weights.
+``reload`` (what ``auto`` is on CPU: vLLM's reload re-packs the layers it loads into its CPU
+kernels' layout, and the worker re-packs the tied LM head reload leaves alone) and ``restart``;
+seeded samples at temperature 1 equal the fresh engine's too. Bad syncs are refused before the
+vLLM process sees them, and the engine keeps serving the previous weights.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from tests.vllm.conftest import (
     assert_same_generation,
     greedy_tokens_and_logprobs,
     needs_vllm,
+    sampled_tokens_and_logprobs,
     save_model_dir,
     vllm_config,
 )
@@ -44,6 +47,10 @@ def engine(perturbed_model_dir):
     engine.close()
 
 
+def assert_same_sampling(a, b) -> None:
+    assert_same_generation(sampled_tokens_and_logprobs(a), sampled_tokens_and_logprobs(b))
+
+
 def _train_step(trainer: TrainingEngine) -> None:
     """One optimizer step of cross-entropy on fixed text, large enough to move greedy output."""
     tokenizer = load_tokenizer(trainer.config.model)
@@ -58,25 +65,27 @@ def test_sync_after_training_equals_a_fresh_engine(engine, trainer, tmp_path):
     _train_step(trainer)
     assert_same_generation(greedy_tokens_and_logprobs(engine), before)
     report = sync_in_process(trainer.model, engine)
-    assert report["complete"] and report["method"] == "restart"
+    assert report["complete"] and report["method"] == "reload"  # ``auto`` on CPU
     synced = greedy_tokens_and_logprobs(engine)
     assert synced[0] != before[0]  # the step changed the policy, so the test can fail
 
     weights_dir = save_model_dir(trainer.model, tmp_path / "step1")
-    fresh = VllmSamplingEngine(vllm_config(weights_dir, weight_sync="reload"))
+    fresh = VllmSamplingEngine(vllm_config(weights_dir, weight_sync="restart"))
     try:
         assert_same_generation(synced, greedy_tokens_and_logprobs(fresh))
+        assert_same_sampling(engine, fresh)
         ours = SamplingEngine(SamplingEngineConfig(model=ModelConfig(name=weights_dir)))
         assert_same_generation(synced, greedy_tokens_and_logprobs(ours))
 
-        # A second step, synced by reload into the fresh engine and by restart into the first.
+        # A second step, synced by restart into the fresh engine and by reload into the first.
         _train_step(trainer)
-        assert sync_in_process(trainer.model, fresh)["method"] == "reload"
+        assert sync_in_process(trainer.model, fresh)["method"] == "restart"
         sync_in_process(trainer.model, engine)
         sync_in_process(trainer.model, ours)
-        reloaded = greedy_tokens_and_logprobs(fresh)
+        reloaded = greedy_tokens_and_logprobs(engine)
         assert reloaded[0] != synced[0]
-        assert_same_generation(reloaded, greedy_tokens_and_logprobs(engine))
+        assert_same_generation(reloaded, greedy_tokens_and_logprobs(fresh))
+        assert_same_sampling(engine, fresh)
         assert_same_generation(reloaded, greedy_tokens_and_logprobs(ours))
     finally:
         fresh.close()

@@ -8,11 +8,14 @@ and staged by :class:`~.staging.WeightStaging`. The vLLM process (:mod:`.worker`
 from token ids and loads staged weights.
 
 Weight sync is correct before it is fast. The path is ``sampling.vllm.weight_sync``, chosen by
-device when ``auto`` (:func:`~.transfer.resolve_weight_sync`): on CPU ``restart``, which writes the
-full weights as a model directory and builds a new vLLM engine on it (the conservative choice
-where vLLM repacks weights into CPU kernels at load time); ``reload`` loads that directory into
-the running engine (vLLM's ``reload_weights``, then a re-pack of the CPU kernels reload leaves
-stale). Both are tested on CPU against a vLLM engine started fresh on the same weights. On CUDA
+device when ``auto`` (:func:`~.transfer.resolve_weight_sync`): on CPU ``reload``, which writes
+the full weights as a model directory and loads it into the running engine (vLLM's
+``reload_weights``, which re-processes each layer it loads into vLLM's CPU kernel layout, then a
+re-pack of the kernels reload leaves stale: the LM head tied to the embedding); ``restart``
+builds a new vLLM engine on that directory instead (seconds per sync). Both are tested on CPU
+against a vLLM engine started fresh on the same weights. On CPU the engine also sizes vLLM's
+memory from the job (:mod:`.cpu_budget`), refusing before the process starts when it cannot
+fit. On CUDA
 ``auto`` is ``ipc``: vLLM's weight-transfer engine loads CUDA IPC handles of the weights in place
 (``nccl`` broadcasts them instead); see :mod:`.transfer`. The CUDA paths are untested: no GPU was
 available where they were written (README, 'vLLM sampling engine'). So ``auto`` does not stake a
@@ -53,6 +56,7 @@ from arctic_platform.engine.sampling_requests import (
     checked_max_model_len,
     model_context,
 )
+from arctic_platform.engine.vllm_backend.cpu_budget import plan_cpu_memory
 from arctic_platform.engine.vllm_backend.environment import resolve_python, worker_env
 from arctic_platform.engine.vllm_backend.process import (
     VllmWorkerDied,
@@ -107,6 +111,10 @@ class VllmSamplingEngine:
         self.weight_sync = resolve_weight_sync(settings.weight_sync, self.device)
         self.weight_sync_fallback: str | None = None  # why ``auto`` left its transfer path
         self.sleep_supported = self.device.type == "cuda"
+        env = worker_env(settings.env, self.device)
+        self.memory = None  # on CPU: what the vLLM process may hold, refused before it starts
+        if self.device.type == "cpu":
+            self.memory = plan_cpu_memory(config, hf_config, dtype, self.max_model_len, env)
         self._dir = Path(tempfile.mkdtemp(prefix="arctic-vllm-"))
         self._process: WorkerProcess | None = None
         self._transfer: IpcTransfer | NcclTransfer | None = None
@@ -114,11 +122,7 @@ class VllmSamplingEngine:
         try:
             self._staging = WeightStaging(source, self._dir / "weights", hf_config, dtype)
             self.python = resolve_python(settings.python)
-            self._process = WorkerProcess(
-                self.python,
-                env=worker_env(settings.env, self.device),
-                log_path=self._dir / "worker.log",
-            )
+            self._process = WorkerProcess(self.python, env=env, log_path=self._dir / "worker.log")
             args = self._engine_args(str(dtype).removeprefix("torch."))
             self.info = self._process.call(
                 "start",
@@ -131,6 +135,8 @@ class VllmSamplingEngine:
             )
             dropped = self.info.pop("dropped_engine_args")
             self.info["weight_sync"] = self.weight_sync
+            if self.memory is not None:
+                self.info.update(self.memory.describe())
             if self.weight_sync in TRANSFER_PATHS:
                 self._start_transfer(dropped)
         except BaseException:
@@ -189,8 +195,9 @@ class VllmSamplingEngine:
             "logprobs_mode": "processed_logprobs",
             **transfer_engine_args(self.weight_sync),
         }
-        if self.device.type == "cpu":
+        if self.memory is not None:
             args["enforce_eager"] = True  # compiling triples startup for little gain on CPU
+            args.update(self.memory.engine_args)  # the KV cache this job needs, not the node's
         else:
             args["enable_sleep_mode"] = True
         return {**args, **config.vllm.engine_args}

@@ -1,10 +1,13 @@
 """How synced weights reach the vLLM process, and the trainer side of vLLM's GPU transfers.
 
 ``sampling.vllm.weight_sync`` names the path; :func:`resolve_weight_sync` turns ``auto`` into one
-by device: on CPU ``restart`` (a new vLLM engine on the staged files), on CUDA ``ipc``. The paths:
+by device: on CPU ``reload`` (the staged files into the running engine, then the re-pack of the
+CPU kernels: a fraction of a second on a small model, where ``restart`` takes seconds), on CUDA
+``ipc``. The paths:
 
 - ``restart`` / ``reload``: the staged safetensors directory (:mod:`.staging`), loaded by a new
-  engine or by vLLM's ``reload_weights``. Both are tested on CPU against a fresh engine.
+  engine or by vLLM's ``reload_weights``. Both are tested on CPU against a fresh engine, the
+  generations (greedy and seeded samples) equal.
 - ``ipc`` / ``nccl``: vLLM's weight-transfer engine (vLLM >= 0.32: engine argument
   ``weight_transfer_config={"backend": ...}``, then ``LLM.init_weight_transfer_engine`` once and
   ``start_weight_update`` / ``update_weights`` / ``finish_weight_update`` per sync, which load
@@ -63,9 +66,9 @@ TRANSFER_ENGINE_ARG = "weight_transfer_config"  # vLLM's engine argument for its
 
 def resolve_weight_sync(requested: str, device: torch.device) -> str:
     """The path ``requested`` (a ``weight_sync`` value) means on ``device``: ``auto`` is
-    ``restart`` on CPU and ``ipc`` on CUDA; a transfer path anywhere but CUDA is refused."""
+    ``reload`` on CPU and ``ipc`` on CUDA; a transfer path anywhere but CUDA is refused."""
     if requested == "auto":
-        return "ipc" if device.type == "cuda" else "restart"
+        return "ipc" if device.type == "cuda" else "reload"
     if requested in TRANSFER_PATHS and device.type != "cuda":
         raise EngineInputError(
             WEIGHT_SYNC_FIELD,
