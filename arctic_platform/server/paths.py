@@ -23,8 +23,8 @@ through :meth:`PathPolicy.redact` for the same reason.
 
 Names and path parts a client chooses follow one rule (:func:`part_problem`, :func:`check_name`):
 no control characters (NUL included), valid Unicode, at most :data:`NAME_MAX_BYTES` bytes a part
-and :data:`PATH_MAX_BYTES` a path, so that a bad name is a 400 before anything is queued rather
-than a filesystem error in the middle of a save.
+and :data:`CLIENT_PATH_MAX_BYTES` a path once resolved, so that a bad name is a 400 before
+anything is queued rather than a filesystem error in the middle of a save.
 """
 
 from __future__ import annotations
@@ -44,9 +44,11 @@ CHECKPOINTS_DIR = "checkpoints"
 LOCAL_TENANT = "local"
 # The longest path part (file or folder name) in UTF-8 bytes: NAME_MAX of ext4, xfs, btrfs, tmpfs.
 NAME_MAX_BYTES = 255
-# The longest path a client may name, in UTF-8 bytes: a quarter of Linux's PATH_MAX (4096), which
-# leaves room for the data folder in front and the checkpoint folders a save adds behind.
-PATH_MAX_BYTES = 1024
+# The longest path a system call takes (Linux's PATH_MAX), and the longest a client's path may be
+# once resolved: room is left for what a save adds below it (a staging folder, an ``hf/`` export
+# and a file in it).
+PATH_MAX_BYTES = 4096
+CLIENT_PATH_MAX_BYTES = PATH_MAX_BYTES - 3 * NAME_MAX_BYTES
 # What a hub repository id looks like (``name`` or ``org/name``); only such names may skip the
 # local-folder checks, and only when no such folder exists.
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
@@ -66,12 +68,11 @@ def part_problem(part: str, *, max_bytes: int = NAME_MAX_BYTES) -> str | None:
 
 
 def check_path_text(value: object, *, field: str) -> str:
-    """``value`` if it can name a path (see module doc); else a 400 naming ``field``."""
+    """``value`` if its every part can name a file (see module doc); else a 400 naming
+    ``field``."""
     if not isinstance(value, str) or not value.strip():
         raise BadRequest(f"{field}: must be a non-empty path", field=field)
     problem = next(filter(None, map(part_problem, value.split("/"))), None)
-    if problem is None and len(value.encode("utf-8")) > PATH_MAX_BYTES:
-        problem = f"is longer than {PATH_MAX_BYTES} bytes"
     if problem is not None:
         raise BadRequest(f"{field}: the path {problem}", field=field)
     return value
@@ -139,9 +140,16 @@ class PathPolicy:
     ) -> Path:
         """``value`` resolved, if inside the tenant folder or under one of ``prefixes``."""
         check_path_text(value, field=field)
+        path = Path(value) if not self.confine else self._resolve(owner, value)
+        size = len(os.path.abspath(path).encode("utf-8"))
+        if size > CLIENT_PATH_MAX_BYTES:
+            raise BadRequest(
+                f"{field}: the path is {size} bytes long once resolved; at most "
+                f"{CLIENT_PATH_MAX_BYTES} are allowed",
+                field=field,
+            )
         if not self.confine:
-            return Path(value)
-        path = self._resolve(owner, value)
+            return path
         if self._inside_tenant(owner, path) or any(path.is_relative_to(p) for p in prefixes):
             return path
         named = ", ".join(str(p) for p in prefixes) or "none configured"
