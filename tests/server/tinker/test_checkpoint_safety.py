@@ -12,6 +12,8 @@ from arctic_platform.engine import checkpoint as ckpt
 from tests.server.tinker.conftest import ALICE, TINY, encode
 from tests.server.tinker.plain_http import PROTOBUF, TinkerHttp
 
+pytestmark = pytest.mark.slow  # merged HF exports of every kind of save
+
 SAVES = ("save_weights", "save_weights_for_sampler", "save_weights_external")
 BAD_NAMES = {
     "over-255-bytes": "n" * 300,
@@ -52,6 +54,8 @@ def test_a_bad_checkpoint_name_is_a_400_and_the_run_goes_on(alice, run, server_a
         path = f"tinker://{model_id}/weights/{name}"
         load = alice.post("load_weights", {"model_id": model_id, "path": path, "optimizer": False})
         assert load.status_code == 400 and "path" in load.text, (case, load.text)
+    deleted = alice.http.delete(f"/training_runs/{model_id}/checkpoints/weights/{'n' * 300}")
+    assert deleted.status_code == 400 and "checkpoint" in deleted.text, deleted.text
     # The run is untouched: the next saves and a training step work.
     for route in SAVES:
         alice.ok(alice.save(route, model_id, "fine").json()["request_id"])
