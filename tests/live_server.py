@@ -9,7 +9,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import httpx
@@ -94,3 +94,23 @@ def stopped(process: subprocess.Popen) -> Iterator[None]:
         yield
     finally:
         process.send_signal(signal.SIGCONT)
+
+
+def kill_when(
+    process: subprocess.Popen,
+    condition: Callable[[], bool],
+    *,
+    give_up: Callable[[], bool] = lambda: False,
+    timeout: float = 60.0,
+) -> bool:
+    """SIGKILL ``process`` the moment ``condition()`` holds, polled back to back: a kill at a
+    chosen point of the server's work (a staging folder appearing on disk) rather than after a
+    guessed delay. False, with the process left running, when ``give_up()`` holds first (the work
+    finished unseen) or ``timeout`` passes."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and not give_up():
+        if condition():
+            process.kill()
+            process.wait(timeout=60)
+            return True
+    return False

@@ -143,11 +143,15 @@ class StepBody(_Body):
     learning_rate: Annotated[float | None, _ruled_by(learning_rate_problem)] = None
 
 
+# A checkpoint's step is an int64, so its folder name (``checkpoint-<step>``) stays a short name.
+Step = Annotated[int, Field(ge=0, le=2**63 - 1)]
+
+
 class SaveBody(_Body):
     checkpoint_id: str | None = None
     checkpoint_type: Literal["resumable", "weights-only"] = "resumable"
     path: str | None = None
-    step: NonNegativeInt | None = None
+    step: Step | None = None
     export_hf: bool = False
     save_total_limit: NonNegativeInt | None = None
     stage_info: dict[str, Any] | None = None
@@ -157,7 +161,7 @@ class LoadBody(_Body):
     """On-prem form ``{path, step}`` or Cortex form ``{checkpoint_id, source_job_id?}``."""
 
     path: str | None = None
-    step: NonNegativeInt | None = None
+    step: Step | None = None
     checkpoint_id: str | None = None
     source_job_id: str | None = None
     target_sub_job_id: str | None = None

@@ -10,11 +10,14 @@ A checkpoint directory holds
 * ``trainer_state.json`` (global step, learning-rate override).
 
 Writes go to a hidden staging directory in the job folder, are fsynced and renamed into place
-(:mod:`arctic_platform.engine.checkpoint_staging`), then the ``latest`` pointer file (holding the
-step, as the reference server writes it) is replaced atomically. A save that fails half-way
-leaves the previous checkpoints and ``latest`` as they were. ``save_total_limit`` keeps the newest
-``checkpoint-<step>`` folders of the job and deletes older ones; nothing else in the folder is
-touched (the trainer applies it only to the job's own checkpoint folder).
+(:mod:`arctic_platform.engine.checkpoint_staging`; a save over the same step keeps the old folder
+until the new one is in place), then the ``latest`` pointer file (holding the step, as the
+reference server writes it) is replaced atomically. A save that fails half-way leaves the
+previous checkpoints and ``latest`` as they were, and raises a filesystem error as
+:class:`~arctic_platform.engine.errors.CheckpointWriteError`. A checkpoint that is missing or
+incomplete is :class:`~arctic_platform.engine.errors.CheckpointNotFound`. ``save_total_limit``
+keeps the newest ``checkpoint-<step>`` folders of the job and deletes older ones; nothing else in
+the folder is touched (the trainer applies it only to the job's own checkpoint folder).
 
 Restoring every piece of state is what makes resumption bitwise-identical to an uninterrupted run
 on CPU.
@@ -36,7 +39,7 @@ import torch
 from safetensors.torch import load_file
 
 from arctic_platform.engine import checkpoint_staging as staging_files
-from arctic_platform.engine.errors import EngineInputError
+from arctic_platform.engine.errors import CheckpointNotFound, EngineInputError
 
 CHECKPOINT_PATTERN = re.compile(r"^checkpoint-(\d+)$")
 LATEST_FILE = "latest"
@@ -75,24 +78,18 @@ def save_checkpoint(
     ``from_pretrained``-loadable full model is; None for LoRA without ``export_hf``).
     """
     job = Path(job_dir)
-    job.mkdir(parents=True, exist_ok=True)
-    staging_files.remove_stale([job])
     name = checkpoint_id(step)
     final = job / name
-    staging = staging_files.new_staging_dir(job, name)
-    try:
+    with staging_files.staged(final) as staging:
         _write_model(staging, model, tokenizer, export_hf=export_hf)
         torch.save(optimizer.state_dict(), staging / OPTIMIZER_FILE)
         torch.save(scheduler.state_dict(), staging / SCHEDULER_FILE)
         torch.save(capture_rng(), staging / RNG_FILE)
         (staging / TRAINER_STATE).write_text(json.dumps(trainer_state, indent=2))
-        staging_files.publish(staging, final)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    staging_files.write_text_atomic(job / LATEST_FILE, str(step))
-    if save_total_limit:
-        prune_checkpoints(job, save_total_limit, keep_name=name)
+    with staging_files.writing():
+        staging_files.write_text_atomic(job / LATEST_FILE, str(step))
+        if save_total_limit:
+            prune_checkpoints(job, save_total_limit, keep_name=name)
     hf_path = None
     if not is_lora(model):
         hf_path = str(final)
@@ -113,7 +110,7 @@ def resolve_checkpoint(path: str | os.PathLike, step: int | None = None) -> Path
     if step is not None:
         candidate = base / checkpoint_id(step)
         if not (candidate / TRAINER_STATE).is_file():
-            raise EngineInputError("step", f"no checkpoint for step {step} in {base}")
+            raise CheckpointNotFound("step", f"no checkpoint for step {step} in {base}")
         return candidate
     latest = base / LATEST_FILE
     if latest.is_file():
@@ -123,8 +120,17 @@ def resolve_checkpoint(path: str | os.PathLike, step: int | None = None) -> Path
             return base / name
     complete = [p for _, p in list_checkpoints(base) if (p / TRAINER_STATE).is_file()]
     if not complete:
-        raise EngineInputError("path", f"no checkpoint found in {base}")
+        raise CheckpointNotFound("path", f"no checkpoint found in {base}")
     return complete[-1]
+
+
+def is_loadable(path: str | os.PathLike) -> bool:
+    """Whether ``path`` holds a complete checkpoint :func:`resolve_checkpoint` finds."""
+    try:
+        resolve_checkpoint(path)
+    except CheckpointNotFound:
+        return False
+    return True
 
 
 def load_checkpoint(
@@ -141,7 +147,7 @@ def load_checkpoint(
     """
     for required in (TRAINER_STATE, OPTIMIZER_FILE, SCHEDULER_FILE, RNG_FILE):
         if not (directory / required).is_file():
-            raise EngineInputError(
+            raise CheckpointNotFound(
                 "path", f"{directory} is not a complete checkpoint ({required} missing)"
             )
     weights = _read_model_weights(directory, model)
@@ -244,7 +250,9 @@ def _read_model_weights(directory: Path, model: torch.nn.Module) -> dict[str, to
     if is_lora(model):
         path = directory / ADAPTER_WEIGHTS
         if not path.is_file():
-            raise EngineInputError("path", f"{directory} holds no LoRA adapter ({ADAPTER_WEIGHTS})")
+            raise CheckpointNotFound(
+                "path", f"{directory} holds no LoRA adapter ({ADAPTER_WEIGHTS})"
+            )
         from peft import get_peft_model_state_dict
 
         weights = load_file(path)
@@ -258,7 +266,7 @@ def _read_model_weights(directory: Path, model: torch.nn.Module) -> dict[str, to
         return weights
     files = sorted(directory.glob("*.safetensors"))
     if not files:
-        raise EngineInputError("path", f"{directory} holds no model weights (*.safetensors)")
+        raise CheckpointNotFound("path", f"{directory} holds no model weights (*.safetensors)")
     weights: dict[str, torch.Tensor] = {}
     for file in files:
         weights.update(load_file(file))

@@ -17,6 +17,29 @@ class EngineInputError(ValueError):
         self.message = message
 
 
+class CheckpointNotFound(EngineInputError):
+    """A checkpoint a request names is not there, or not complete (files deleted since it was
+    listed): the request is answered 404, nothing changed."""
+
+
+class CheckpointWriteError(OSError):
+    """Writing a checkpoint failed on the filesystem (disk full, a name it refuses): the request
+    fails, but the engine's state is untouched (a save only reads it), so the job goes on.
+
+    The message carries the system's reason without the file name: that is a server path.
+    """
+
+    def __init__(self, errno: int | None, strerror: str) -> None:
+        super().__init__(errno, strerror)
+
+    @classmethod
+    def of(cls, cause: OSError) -> CheckpointWriteError:
+        return cls(cause.errno, cause.strerror or str(cause))
+
+    def __str__(self) -> str:
+        return f"could not write the checkpoint: {self.strerror}"
+
+
 class PeerRejected(Exception):
     """Another data-parallel rank rejected its shard of this request; nothing changed here
     either."""

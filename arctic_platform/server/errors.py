@@ -7,6 +7,8 @@ comes from bad input says which field is wrong, and is raised before any state c
 
 from __future__ import annotations
 
+import errno
+
 
 class ServiceError(Exception):
     """Base class: ``status`` is the HTTP status, ``code`` a stable machine-readable name."""
@@ -88,3 +90,33 @@ class EngineFailure(ServiceError):
 
     status = 500
     code = "engine_failure"
+
+
+class InsufficientStorage(ServiceError):
+    """The server's disk (or the tenant's quota) is full (507); the job is unchanged."""
+
+    status = 507
+    code = "insufficient_storage"
+
+
+class StorageFailure(ServiceError):
+    """A filesystem error while writing a checkpoint (500); the job is unchanged."""
+
+    status = 500
+    code = "storage_error"
+
+
+# Filesystem errors a request's own choice causes (its path names something that is not a
+# folder, or a name the filesystem refuses), and those of a full disk.
+_REQUEST_ERRNOS = {errno.ENAMETOOLONG, errno.ENOTDIR, errno.EEXIST, errno.EISDIR, errno.EINVAL}
+_FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT}
+
+
+def checkpoint_write_failure(op: str, code: int | None, message: str) -> ServiceError:
+    """The error answering a save that the filesystem refused (errno ``code``): the request's
+    fault (400 naming ``path``), a full disk (507) or else the server's (500), never the job's."""
+    if code in _REQUEST_ERRNOS:
+        return BadRequest(f"{op}: {message}", field="path")
+    if code in _FULL_ERRNOS:
+        return InsufficientStorage(f"{op}: {message}")
+    return StorageFailure(f"{op}: {message}")

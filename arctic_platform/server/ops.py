@@ -87,9 +87,10 @@ def _step(service, sub, engine, job_id, body):
 
 
 def _save(service, sub, engine, job_id, body):
+    owner = service.owner_of(sub.job_id)
     path = None
     if body.path is not None:
-        path = service.paths.writable(service.owner_of(sub.job_id), body.path, field="save.path")
+        path = service.paths.writable(owner, body.path, field="save.path")
 
     def run():
         saved = engine.save_checkpoint(
@@ -99,13 +100,16 @@ def _save(service, sub, engine, job_id, body):
             save_total_limit=body.save_total_limit,
         )
         service.record_checkpoint(sub, saved, body.checkpoint_type, None)
+        # Paths as the owner names them back to load (relative to their space on a shared server).
+        shown = service.paths.shown(owner, saved["path"])
+        hf_path = saved.get("hf_path")
         return {
             "job_id": job_id,
-            "path": saved["path"],
-            "hf_path": saved.get("hf_path"),
+            "path": shown,
+            "hf_path": None if hf_path is None else service.paths.shown(owner, hf_path),
             "global_step": saved["global_step"],
             "checkpoint_id": saved["checkpoint_id"],
-            "checkpoint_path": saved["path"],
+            "checkpoint_path": shown,
             "checkpoint_tag": saved["checkpoint_id"],
         }
 
@@ -128,7 +132,7 @@ def _load(service, sub, engine, job_id, body):
 
     def run():
         out = engine.load_checkpoint(path, step=body.step)
-        return {"job_id": job_id, **out}
+        return {"job_id": job_id, **out, "path": service.paths.shown(owner, out["path"])}
 
     return run
 

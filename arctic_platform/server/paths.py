@@ -15,6 +15,16 @@ actor) runs as that user and serves only that driver: it allows ``/`` both ways
 
 An in-process Service (``confine=False``) belongs to the one user whose process it runs in: there
 paths mean what they mean to that user's program, and only the default layout applies.
+
+Answers name paths the way the tenant may name them back (:meth:`PathPolicy.shown`): relative to
+their space on a shared server, where the data folder's location is the operator's business, and
+as they are on a server of the user's own. Error texts and job records shown to a tenant go
+through :meth:`PathPolicy.redact` for the same reason.
+
+Names and path parts a client chooses follow one rule (:func:`part_problem`, :func:`check_name`):
+no control characters (NUL included), valid Unicode, at most :data:`NAME_MAX_BYTES` bytes a part
+and :data:`CLIENT_PATH_MAX_BYTES` a path once resolved, so that a bad name is a 400 before
+anything is queued rather than a filesystem error in the middle of a save.
 """
 
 from __future__ import annotations
@@ -23,6 +33,7 @@ import os
 import re
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 from arctic_platform.engine.builtin import is_builtin
 from arctic_platform.server.errors import BadRequest
@@ -31,9 +42,55 @@ TENANTS_DIR = "tenants"
 CHECKPOINTS_DIR = "checkpoints"
 # The tenant of a server running without tokens (every caller is the same tenant then).
 LOCAL_TENANT = "local"
+# The longest path part (file or folder name) in UTF-8 bytes: NAME_MAX of ext4, xfs, btrfs, tmpfs.
+NAME_MAX_BYTES = 255
+# The longest path a system call takes (Linux's PATH_MAX), and the longest a client's path may be
+# once resolved: room is left for what a save adds below it (a staging folder, an ``hf/`` export
+# and a file in it).
+PATH_MAX_BYTES = 4096
+CLIENT_PATH_MAX_BYTES = PATH_MAX_BYTES - 3 * NAME_MAX_BYTES
 # What a hub repository id looks like (``name`` or ``org/name``); only such names may skip the
 # local-folder checks, and only when no such folder exists.
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
+
+
+def part_problem(part: str, *, max_bytes: int = NAME_MAX_BYTES) -> str | None:
+    """What is wrong with ``part`` as one component of a path (None: nothing)."""
+    if any(ord(c) < 0x20 or ord(c) == 0x7F for c in part):
+        return "holds a control character (NUL included)"
+    try:
+        size = len(part.encode("utf-8"))
+    except UnicodeEncodeError:
+        return "is not valid Unicode text"
+    if size > max_bytes:
+        return f"has a part of {size} bytes; at most {max_bytes} are allowed"
+    return None
+
+
+def check_path_text(value: object, *, field: str) -> str:
+    """``value`` if its every part can name a file (see module doc); else a 400 naming
+    ``field``."""
+    if not isinstance(value, str) or not value.strip():
+        raise BadRequest(f"{field}: must be a non-empty path", field=field)
+    problem = next(filter(None, map(part_problem, value.split("/"))), None)
+    if problem is not None:
+        raise BadRequest(f"{field}: the path {problem}", field=field)
+    return value
+
+
+def check_name(name: object, *, field: str, max_bytes: int = NAME_MAX_BYTES) -> str:
+    """``name`` if it can name a checkpoint folder the server creates: one path part (no '/'),
+    not hidden (names starting with '.' are the server's staging folders), and within
+    ``max_bytes``; else a 400 naming ``field``."""
+    if not isinstance(name, str) or not name:
+        raise BadRequest(f"{field}: a name is required", field=field)
+    problem = part_problem(name, max_bytes=max_bytes)
+    if problem is None and ("/" in name or name.startswith(".")):
+        problem = "has a '/' or starts with '.'"
+    if problem is not None:
+        shown = repr(name) if len(name) <= 40 else f"{name[:40]!r}..."
+        raise BadRequest(f"{field}: {shown} is not a checkpoint name: it {problem}", field=field)
+    return name
 
 
 class PathPolicy:
@@ -52,6 +109,12 @@ class PathPolicy:
         # What may be saved may be loaded back.
         self.allowed = tuple(Path(p).resolve() for p in allowed_prefixes) + self.writable_prefixes
         self.confine = confine
+        # Whether a tenant may see where the tenant folders are: on a server of the user's own
+        # (unconfined, or '/' allowed) they are that user's own paths.
+        self.reveals = not confine or any(self.root.is_relative_to(p) for p in self.allowed)
+        self._data_dirs = sorted(
+            {os.path.abspath(data_dir), str(Path(data_dir).resolve())}, key=len, reverse=True
+        )
 
     def tenant_root(self, owner: str | None) -> Path:
         """The folder that holds everything of ``owner`` (created on first use)."""
@@ -76,14 +139,22 @@ class PathPolicy:
         self, owner: str | None, value: str, prefixes: tuple[Path, ...], kind: str, *, field: str
     ) -> Path:
         """``value`` resolved, if inside the tenant folder or under one of ``prefixes``."""
+        check_path_text(value, field=field)
+        path = Path(value) if not self.confine else self._resolve(owner, value)
+        size = len(os.path.abspath(path).encode("utf-8"))
+        if size > CLIENT_PATH_MAX_BYTES:
+            raise BadRequest(
+                f"{field}: the path is {size} bytes long once resolved; at most "
+                f"{CLIENT_PATH_MAX_BYTES} are allowed",
+                field=field,
+            )
         if not self.confine:
-            return Path(value)
-        path = self._resolve(owner, value, field=field)
+            return path
         if self._inside_tenant(owner, path) or any(path.is_relative_to(p) for p in prefixes):
             return path
         named = ", ".join(str(p) for p in prefixes) or "none configured"
         raise BadRequest(
-            f"{field}: {value!r} is outside your space ({self.tenant_root(owner)}) and the "
+            f"{field}: {self.redact(owner, value)!r} is outside your space and the "
             f"server's {kind} folders ({named}); give a path relative to your space",
             code="path_not_allowed",
             field=field,
@@ -113,9 +184,43 @@ class PathPolicy:
         real_root = root.resolve()
         return [f for f in files if f.resolve().is_relative_to(real_root)]
 
-    def _resolve(self, owner: str | None, value: str, *, field: str) -> Path:
-        if not isinstance(value, str) or not value.strip() or "\x00" in value:
-            raise BadRequest(f"{field}: must be a non-empty path", field=field)
+    def shown(self, owner: str | None, path: str | os.PathLike) -> str:
+        """How ``path`` is named in an answer to ``owner`` (see module doc): relative to their
+        space when it lies there and the server hides its data folder, else as it is. A shown
+        path loads back: relative paths are taken relative to the space."""
+        if self.reveals:
+            return str(path)
+        root = self.tenant_root(owner).resolve()
+        resolved = Path(path).resolve()
+        if resolved.is_relative_to(root):
+            return str(resolved.relative_to(root)) if resolved != root else "."
+        return str(path)
+
+    def redact(self, owner: str | None, text: str) -> str:
+        """``text`` (an error, a job's reason or log line) with the data folder's location taken
+        out where the server hides it: paths in ``owner``'s space become relative to it, any
+        other mention of the data folder reads ``<data-dir>``."""
+        if self.reveals:
+            return text
+        tenant = str(self.tenant_root(owner).resolve())
+        text = text.replace(tenant + "/", "").replace(tenant, ".")
+        for data_dir in self._data_dirs:
+            text = text.replace(data_dir, "<data-dir>")
+        return text
+
+    def redact_all(self, owner: str | None, value: Any) -> Any:
+        """:meth:`redact` applied to every string in a JSON-like ``value``."""
+        if self.reveals:
+            return value
+        if isinstance(value, str):
+            return self.redact(owner, value)
+        if isinstance(value, dict):
+            return {k: self.redact_all(owner, v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [self.redact_all(owner, v) for v in value]
+        return value
+
+    def _resolve(self, owner: str | None, value: str) -> Path:
         path = Path(value)
         if not path.is_absolute():
             path = self.tenant_root(owner) / path

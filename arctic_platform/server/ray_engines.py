@@ -653,7 +653,12 @@ def _actor_name(sub_job_id: str, what: str) -> str:
 
 def _raise_rejection(replies) -> None:
     """Re-raise a worker's refusal as the exception the Service maps to a 4xx."""
-    from arctic_platform.engine.errors import EngineInputError, SamplerStateError
+    from arctic_platform.engine.errors import (
+        CheckpointNotFound,
+        CheckpointWriteError,
+        EngineInputError,
+        SamplerStateError,
+    )
 
     rejections = [r for r in replies if isinstance(r, Rejected)]
     if not rejections:
@@ -661,6 +666,10 @@ def _raise_rejection(replies) -> None:
     first = next((r for r in rejections if r.kind != "peer"), rejections[0])
     if first.kind == "state":
         raise SamplerStateError(first.message)
+    if first.kind == "write":
+        raise CheckpointWriteError(first.errno, first.message)
+    if first.kind == "missing":
+        raise CheckpointNotFound(first.field, first.message)
     raise EngineInputError(first.field or "batch", first.message)
 
 

@@ -35,7 +35,13 @@ import numpy as np
 
 from arctic_platform.engine import cancellation
 from arctic_platform.engine.cancellation import CancelToken
-from arctic_platform.engine.errors import EngineInputError, PeerRejected, SamplerStateError
+from arctic_platform.engine.errors import (
+    CheckpointNotFound,
+    CheckpointWriteError,
+    EngineInputError,
+    PeerRejected,
+    SamplerStateError,
+)
 from arctic_platform.tensor_tree import to_object_store
 
 # The actors' concurrency groups: ops run one at a time in the default group, ``stop_op`` in this.
@@ -45,12 +51,14 @@ CONCURRENCY_GROUPS = {"control": 1}
 @dataclass(frozen=True)
 class Rejected:
     """A request refused without any state change: ``kind`` is ``input`` (bad input, naming
-    ``field``), ``state`` (the sampler cannot serve right now) or ``peer`` (another rank refused
-    its shard)."""
+    ``field``), ``missing`` (the checkpoint it names is not there), ``write`` (the filesystem
+    refused a checkpoint, ``errno`` says why), ``state`` (the sampler cannot serve right now) or
+    ``peer`` (another rank refused its shard)."""
 
-    kind: Literal["input", "state", "peer"]
+    kind: Literal["input", "missing", "write", "state", "peer"]
     field: str
     message: str
+    errno: int | None = None
 
 
 @dataclass(frozen=True)
@@ -96,8 +104,12 @@ def _replying(fn: Callable[[], Any], stops: OpStops | None = None, op_id: str | 
             return to_object_store(fn())
     except cancellation.OpCancelled as exc:
         return Stopped(exc.reason)
+    except CheckpointNotFound as exc:
+        return Rejected("missing", exc.field, exc.message)
     except EngineInputError as exc:
         return Rejected("input", exc.field, exc.message)
+    except CheckpointWriteError as exc:
+        return Rejected("write", "path", exc.strerror, exc.errno)
     except SamplerStateError as exc:
         return Rejected("state", "", str(exc))
     except PeerRejected as exc:

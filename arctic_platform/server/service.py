@@ -26,6 +26,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any, Literal
 
@@ -40,7 +41,7 @@ from arctic_platform.contract.job_config import (
 from arctic_platform.contract.ops import INLINE_OPERATIONS, OPERATION, OPERATION_TYPES
 from arctic_platform.engine import cancellation
 from arctic_platform.engine.cancellation import CancelToken
-from arctic_platform.engine.checkpoint_staging import remove_stale
+from arctic_platform.engine.checkpoint_staging import recover, remove_published
 from arctic_platform.server.async_requests import ChunkGroups, RequestStore
 from arctic_platform.server.errors import (
     BadRequest,
@@ -48,6 +49,7 @@ from arctic_platform.server.errors import (
     EngineFailure,
     NotFound,
     ServiceError,
+    checkpoint_write_failure,
 )
 from arctic_platform.server.idle_reaper import IdleReaper
 from arctic_platform.server.limits import ServerLimits
@@ -225,7 +227,7 @@ class Service:
         self._closing: threading.Event | None = None
         self._restore()
         self._adopt_legacy_checkpoints()
-        self._remove_stale_staging()
+        self._recover_checkpoint_folders()
         # Frees abandoned chunk groups' bytes even when no chunk arrives to trigger it.
         self.chunk_reaper = IdleReaper(
             "chunk group expiry", self.chunk_groups.stale_s, self.chunk_groups.expire_stale
@@ -382,16 +384,17 @@ class Service:
             raise BadRequest(f"{where} ({exc.field}): {exc.message}", field=where) from None
 
     def get_job(self, job_id: str, *, owner: str | None = None) -> dict:
-        return self._job(job_id, owner).info()
+        return self.paths.redact_all(owner, self._job(job_id, owner).info())
 
     def job_request(self, job_id: str, *, owner: str | None = None) -> dict:
         """The create-job request the job was made from (its configuration)."""
-        return self._job(job_id, owner).request
+        return self.paths.redact_all(owner, self._job(job_id, owner).request)
 
     def list_jobs(self, *, owner: str | None = None, status: str | None = None) -> list[dict]:
         with self._lock:
             jobs = [j for j in self._jobs.values() if j.owner == owner]
-        return [j.info() for j in jobs if status is None or j.status == status.lower()]
+        infos = [j.info() for j in jobs if status is None or j.status == status.lower()]
+        return self.paths.redact_all(owner, infos)
 
     def wait_until_running(self, job_id: str, *, owner: str | None = None, timeout: float) -> dict:
         """Block until the job runs; raise if it ends or ``timeout`` passes first."""
@@ -659,7 +662,17 @@ class Service:
     def _guarded(
         self, job: Job, sub: SubJob, op: str, runner, stops: tuple[CancelToken, ...]
     ) -> Any:
-        from arctic_platform.engine.errors import EngineInputError, SamplerStateError
+        """Run ``runner`` as ``op`` of ``job``: bad input, a missing checkpoint, a refused
+        checkpoint write and a stop fail only the request; anything else fails the job. Messages
+        name paths as the owner may see them (``PathPolicy.redact``)."""
+        from arctic_platform.engine.errors import (
+            CheckpointNotFound,
+            CheckpointWriteError,
+            EngineInputError,
+            SamplerStateError,
+        )
+
+        redact = partial(self.paths.redact, job.owner)
 
         if job.cancelled.is_set():
             raise Conflict(f"job {job.job_id} was cancelled", code="job_cancelled")
@@ -674,13 +687,19 @@ class Service:
                 raise
             except cancellation.OpCancelled as exc:
                 raise Conflict(f"{op} stopped: {exc.reason}", code="op_cancelled") from None
+            except CheckpointNotFound as exc:
+                raise NotFound(redact(f"{op}: {exc}"), field=exc.field) from None
             except EngineInputError as exc:
-                raise BadRequest(f"{op}: {exc}", field=exc.field) from None
+                raise BadRequest(redact(f"{op}: {exc}"), field=exc.field) from None
+            except CheckpointWriteError as exc:
+                # A save only reads the engine's state: the job goes on as it was.
+                self._log(job, f"{op} failed on {sub.sub_job_id}: {exc}")
+                raise checkpoint_write_failure(op, exc.errno, redact(str(exc))) from None
             except SamplerStateError as exc:
                 # A weight sync failed part-way: the job is healthy once a full sync succeeds.
                 raise Conflict(f"{op}: {exc}", code="weights_incomplete") from None
             except Exception as exc:
-                reason = f"{op} failed on {sub.sub_job_id}: {type(exc).__name__}: {exc}"
+                reason = redact(f"{op} failed on {sub.sub_job_id}: {type(exc).__name__}: {exc}")
                 self._log(job, reason + "\n" + traceback.format_exc(limit=8))
                 self._fail(job, reason)
                 raise EngineFailure(reason) from exc
@@ -730,12 +749,12 @@ class Service:
         ]
 
     def delete_checkpoint(self, job_id: str, checkpoint_id: str, *, owner: str | None) -> None:
-        import shutil
-
+        """Unlist the checkpoint, then remove its folder (renamed out of sight first, so a crash
+        part-way leaves nothing half-deleted under its name)."""
         record = self.checkpoint(job_id, checkpoint_id, owner=owner)
         path = self.paths.writable(owner, record["path"], field="checkpoint")
-        shutil.rmtree(path, ignore_errors=True)
         self.store.delete_checkpoint(job_id, checkpoint_id)
+        remove_published(path)
 
     def _source_checkpoint(self, spec: SubJobConfig, owner: str | None, *, field: str) -> dict:
         info = spec.source_checkpoint_info
@@ -752,14 +771,18 @@ class Service:
             for c in self.store.checkpoints(job_id)
             if c["checkpoint_id"] == info.checkpoint_id and Path(c["path"]).exists()
         ]
-        if len(found) != 1:
-            where = f"job {info.source_job_id}" if info.source_job_id else "your jobs"
-            problem = "not found" if not found else "ambiguous; set source_job_id"
-            raise BadRequest(
-                f"{field}.source_checkpoint_info: checkpoint {info.checkpoint_id!r} in {where} "
-                f"is {problem}"
-            )
-        self.paths.readable(owner, found[0]["path"], field=f"{field}.source_checkpoint_info")
+        where = f"{field}.source_checkpoint_info"
+        named = f"checkpoint {info.checkpoint_id!r} in " + (
+            f"job {info.source_job_id}" if info.source_job_id else "your jobs"
+        )
+        if len(found) > 1:
+            raise BadRequest(f"{where}: {named} is ambiguous; set source_job_id", field=where)
+        if found:
+            self.paths.readable(owner, found[0]["path"], field=where)
+        from arctic_platform.engine.checkpoint import is_loadable  # torch: a job is being built
+
+        if not found or not is_loadable(found[0]["path"]):
+            raise NotFound(f"{where}: {named} is not found", field=where)
         return found[0]
 
     # -- lifecycle --------------------------------------------------------------------------
@@ -908,6 +931,8 @@ class Service:
             _close_engine(engine)
 
     def _set_status(self, job: Job, status: str, reason: str | None) -> None:
+        if reason is not None:
+            reason = self.paths.redact(job.owner, reason)
         with self._lock:
             job.status = status
             job.reason = reason
@@ -996,14 +1021,15 @@ class Service:
                     )
             log.info("moved %s into its owner's space: %s", folder, target)
 
-    def _remove_stale_staging(self) -> None:
-        """Staging folders of saves killed with an earlier server process (they are otherwise
-        only removed by a later save into the same folder)."""
+    def _recover_checkpoint_folders(self) -> None:
+        """Undo what saves killed with an earlier server process left (otherwise only undone by
+        a later save into the same folder): a checkpoint being replaced is back under its name,
+        half-written ones are gone (``engine/checkpoint_staging.py``)."""
         folders = set(self.paths.root.glob(f"*/{CHECKPOINTS_DIR}/*"))
         for job_id in list(self._jobs):
             folders.update(Path(c["path"]).parent for c in self.store.checkpoints(job_id))
-        for path in remove_stale(folders):
-            log.info("removed %s, left by a save that did not finish", path)
+        for path in recover(folders):
+            log.info("recovered %s, left by a save that did not finish", path)
 
     def _job(self, job_id: str, owner: str | None, *, check_owner: bool = True) -> Job:
         with self._lock:
@@ -1023,6 +1049,8 @@ class Service:
         self._log(self._job(job_id, None, check_owner=False), line)
 
     def _log(self, job: Job, line: str) -> None:
+        """Add ``line`` to the job's log, which its owner reads (paths redacted)."""
+        line = self.paths.redact(job.owner, line)
         stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime())
         with self._lock:
             if len(job.logs) == job.logs.maxlen:

@@ -2,9 +2,10 @@
 
 Job A (2 training workers) belongs to a client; jobs B and C are created on the same server-state
 actor through its own API, as a second user of the same server would. Killing one of A's workers
-(``ray.kill``) fails A with a reason naming the dead worker and kills A's other worker; an
-exception inside a worker (a save to an impossible path) fails B the same way. Bad configuration
-is refused with errors that name the setting.
+(``ray.kill``) fails A with a reason naming the dead worker and kills A's other worker. A bad save
+path is refused before it reaches a worker, and a save the filesystem refuses inside a worker
+fails only that request: B goes on. Bad configuration is refused with errors that name the
+setting.
 """
 
 from __future__ import annotations
@@ -89,7 +90,7 @@ def client(ray_cluster, tmp_path_factory):
     client.shutdown()
 
 
-def test_a_killed_worker_fails_its_job_and_nothing_else(client):
+def test_a_killed_worker_fails_its_job_and_nothing_else(client, tmp_path):
     state = client.get_server_state()
     assert client.fwd_bwd(BATCH)["loss"] != 0
     job_b = create_job(state, workers=1)
@@ -118,13 +119,17 @@ def test_a_killed_worker_fails_its_job_and_nothing_else(client):
         job_c: "running",
     }
 
-    # An exception raised inside a worker fails that job the same way.
-    unwritable = {"path": "x" * 300}  # inside the tenant's folder, but too long a name to create
-    kind, error = ray.get(state.execute.remote(job_b, "save", unwritable))
-    assert kind == "error" and error["status"] == 500
-    assert "training actor arctic-platform/" in error["message"]
-    reason = ask(state, "get_job", job_b)["reason"]
-    assert "failed during save" in reason and "Error" in reason
+    # A name too long to create is refused before it reaches a worker; a save the filesystem
+    # refuses inside the worker (its folder would be under a file) fails only that request.
+    kind, error = ray.get(state.execute.remote(job_b, "save", {"path": "x" * 300}))
+    assert kind == "error" and error["status"] == 400 and "save.path" in error["message"]
+    blocker = tmp_path / "blocker"
+    blocker.write_text("a file, not a folder")
+    kind, error = ray.get(state.execute.remote(job_b, "save", {"path": str(blocker / "run")}))
+    assert kind == "error" and error["status"] == 400, error
+    assert "Not a directory" in error["message"]
+    assert ask(state, "get_job", job_b)["status"] == "running"
+    assert ask(state, "execute", job_b, "step", {})["global_steps"] == 2
     assert ask(state, "execute", job_c, "step", {})["global_steps"] == 2
     ask(state, "cancel_job", job_c)
 

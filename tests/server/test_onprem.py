@@ -233,7 +233,8 @@ def test_initialize_honours_the_reference_ds_config_and_reports_the_rest(http, s
     job_id = answer["job_id"]
     saved = http.post(f"/save?job_id={job_id}", json={})
     assert saved.status_code == 200, saved.text
-    assert Path(saved.json()["path"]).is_relative_to(root) and Path(saved.json()["path"]).is_dir()
+    folder = service.paths.tenant_root(None) / saved.json()["path"]  # named in the caller's space
+    assert folder.is_relative_to(root) and folder.is_dir()
     loaded = http.post(f"/load-checkpoint?job_id={job_id}", json={})
     assert loaded.status_code == 200, loaded.text
     assert loaded.json()["path"] == saved.json()["path"]

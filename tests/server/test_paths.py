@@ -73,11 +73,13 @@ def test_a_symlink_out_of_the_tenant_folder_is_refused(service, tmp_path):
 def test_paths_inside_the_tenant_folder_save_and_load(service):
     job = running(service, ALICE)
     saved = service.execute(job, "save", {"path": "runs/a"}, owner=ALICE)
-    assert Path(saved["path"]) == service.paths.tenant_root(ALICE) / "runs" / "a" / "checkpoint-0"
+    assert saved["path"] == "runs/a/checkpoint-0"  # named relative to the tenant's space
+    assert (service.paths.tenant_root(ALICE) / saved["path"]).is_dir()
     loaded = service.execute(job, "load-checkpoint", {"path": "runs/a"}, owner=ALICE)
     assert loaded["global_step"] == 0
     default = service.execute(job, "save", {}, owner=ALICE)
-    assert Path(default["path"]).is_relative_to(service.paths.checkpoint_root(ALICE))
+    folder = service.paths.tenant_root(ALICE) / default["path"]
+    assert folder.is_dir() and folder.is_relative_to(service.paths.checkpoint_root(ALICE))
 
 
 def test_retention_applies_only_to_the_jobs_own_folder(service):
@@ -101,7 +103,8 @@ def test_retention_applies_only_to_the_jobs_own_folder(service):
 def test_one_tenant_cannot_write_read_or_load_another_tenants_checkpoints(service):
     alice = running(service, ALICE)
     saved = service.execute(alice, "save", {}, owner=ALICE)
-    alice_folder = Path(saved["path"]).parent
+    alice_checkpoint = str(service.paths.tenant_root(ALICE) / saved["path"])
+    alice_folder = Path(alice_checkpoint).parent
     before = tree(alice_folder)
     bob = running(service, BOB)
     # B saves into A's job folder, by absolute path and by a relative escape.
@@ -114,7 +117,7 @@ def test_one_tenant_cannot_write_read_or_load_another_tenants_checkpoints(servic
         )
     assert tree(alice_folder) == before
     # B starts a job whose model is A's checkpoint folder.
-    spec = {"sub_job_configs": [sub_job("sampling", model_name=saved["path"])]}
+    spec = {"sub_job_configs": [sub_job("sampling", model_name=alice_checkpoint)]}
     refused(lambda: service.create_job(spec, owner=BOB), "sub_job_configs.0.model_name")
     # B names A's checkpoint as its source: not found among B's jobs.
     source = {
@@ -128,9 +131,10 @@ def test_one_tenant_cannot_write_read_or_load_another_tenants_checkpoints(servic
             )
         ]
     }
-    refused(lambda: service.create_job(source, owner=BOB), "source_checkpoint_info")
+    with pytest.raises(NotFound, match="source_checkpoint_info"):
+        service.create_job(source, owner=BOB)
     # A can start from its own checkpoint folder.
-    own = {"sub_job_configs": [sub_job("sampling", model_name=saved["path"])]}
+    own = {"sub_job_configs": [sub_job("sampling", model_name=saved["path"])]}  # a shown path
     job_id = service.create_job(own, owner=ALICE)["job_id"]
     assert service.wait_until_running(job_id, owner=ALICE, timeout=120)["status"] == "running"
 
@@ -170,7 +174,7 @@ def test_exports_list_no_file_that_links_out_of_the_checkpoint(service, tmp_path
     saved = service.execute(job, "save", {}, owner=ALICE)
     secret = tmp_path / "secret.txt"
     secret.write_text("not yours")
-    (Path(saved["path"]) / "leak.txt").symlink_to(secret)
+    (service.paths.tenant_root(ALICE) / saved["path"] / "leak.txt").symlink_to(secret)
     files = service.checkpoint_files(job, saved["checkpoint_id"], owner=ALICE)
     names = {f["filename"] for f in files}
     assert "leak.txt" not in names and "trainer_state.json" in names
@@ -275,6 +279,8 @@ def test_a_sub_jobs_own_checkpoint_root_is_confined_like_every_path(service, tmp
     spec = sub_job("training", training_config={"checkpoint_dir": "runs"})
     info = service.create_job({"sub_job_configs": [spec]}, owner=ALICE)
     recorded = service.job_request(info["job_id"], owner=ALICE)["sub_job_configs"][0]
+    assert recorded["training_config"]["checkpoint_dir"] == "runs"  # as the tenant named it
+    used = service.resolve(info["job_id"], owner=ALICE, kind="training").spec.training_config
     expected = service.paths.tenant_root(ALICE) / "runs"
-    assert recorded["training_config"]["checkpoint_dir"] == str(expected.resolve())
+    assert used.checkpoint_dir == str(expected.resolve())
     service.cancel_job(info["job_id"], owner=ALICE)

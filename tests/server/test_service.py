@@ -196,7 +196,7 @@ def test_create_job_validation_names_the_field(service):
         )
     with pytest.raises(BadRequest, match="job_type"):
         service.create_job({"sub_job_configs": [sub_job("trainer")]})
-    with pytest.raises(BadRequest, match="source_checkpoint_info"):
+    with pytest.raises(NotFound, match="source_checkpoint_info"):
         service.create_job(
             {
                 "sub_job_configs": [
@@ -306,22 +306,23 @@ def test_a_restarted_server_removes_staging_folders_of_killed_saves(tmp_path):
     first = Service(ServiceSettings(data_dir=data, device="cpu"))
     job_id = first.create_job(job_request("training"))["job_id"]
     first.wait_until_running(job_id, timeout=120)
-    custom = first.execute(job_id, "save", {"path": "custom"})
-    default = first.execute(job_id, "save", {"step": 1})
+    space = first.paths.tenant_root(None)
+    custom = space / first.execute(job_id, "save", {"path": "custom"})["path"]
+    default = space / first.execute(job_id, "save", {"step": 1})["path"]
     first.close()
     stale = [
-        Path(custom["path"]).parent / ".tmp-checkpoint-2-0123",
-        Path(default["path"]).parent / ".old-checkpoint-1-99",
+        custom.parent / ".tmp-checkpoint-2-0123",
+        default.parent / ".old-checkpoint-1-99",
     ]
     for folder in stale:
         (folder / "model.safetensors").parent.mkdir(parents=True)
         (folder / "model.safetensors").write_bytes(b"half")
-    kept = Path(default["path"]).parent / "notes"
+    kept = default.parent / "notes"
     kept.mkdir()
     second = Service(ServiceSettings(data_dir=data, device="cpu"))
     try:
         assert not any(folder.exists() for folder in stale)
-        assert kept.is_dir() and Path(custom["path"]).is_dir() and Path(default["path"]).is_dir()
+        assert kept.is_dir() and custom.is_dir() and default.is_dir()
     finally:
         second.close()
 

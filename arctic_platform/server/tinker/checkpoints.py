@@ -8,19 +8,28 @@ HF weights for download (``save_weights_external``). All live in the owner's ten
 policy lets that owner's samplers load them) with a ``run.json`` per run (its base model, LoRA
 rank and owner), so checkpoints, their listing and ``create_training_client_from_state`` survive
 a server restart.
+
+Saves, overwrites and deletes go through :mod:`arctic_platform.engine.checkpoint_staging`: a
+checkpoint is written beside its name and swapped in by rename, so a server killed at any moment
+leaves each name holding a complete version (the old one until the new one is in place), and
+:meth:`CheckpointStore.recover` undoes a killed save's leftovers at start. A checkpoint is listed
+only when it loads; one that is missing or incomplete is a 404.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
-import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
 from arctic_platform.engine import checkpoint as ckpt
+from arctic_platform.engine import checkpoint_staging as staging
+from arctic_platform.engine.errors import CheckpointNotFound
+from arctic_platform.server import paths
 from arctic_platform.server.errors import BadRequest, Conflict, NotFound
 
 SCHEME = "tinker://"
@@ -50,9 +59,11 @@ class TinkerPath:
 
 
 def check_name(name: str | None, *, field: str = "path") -> str:
-    if not name or "/" in name or name in (".", ".."):
-        raise BadRequest(f"{field}: {name!r} is not a checkpoint name (no '/', not empty)")
-    return name
+    """``name`` if it can name a checkpoint folder (the server's one rule, ``paths.check_name``,
+    with room left for its staging names); else a 400 naming ``field``."""
+    return paths.check_name(
+        name, field=field, max_bytes=paths.NAME_MAX_BYTES - staging.NAME_OVERHEAD
+    )
 
 
 def check_ttl(ttl_seconds: int | None) -> None:
@@ -81,7 +92,7 @@ class CheckpointStore:
             "lora_rank": rank,
             "created_at": time.time(),
         }
-        (directory / "run.json").write_text(json.dumps(record))
+        staging.write_text_atomic(directory / "run.json", json.dumps(record))
 
     def run_record(self, model_id: str, owner: str | None) -> dict:
         """The run's record; 404 if unknown or another owner's."""
@@ -95,14 +106,25 @@ class CheckpointStore:
         records = [json.loads(p.read_text()) for p in self._root_of(owner).glob("runs/*/run.json")]
         return sorted((r for r in records if r["owner"] == owner), key=lambda r: r["created_at"])
 
-    def target(self, path: TinkerPath, owner: str | None, *, overwrite: bool) -> Path:
-        """The folder a save of ``path`` writes (emptied first with ``overwrite``)."""
+    @contextlib.contextmanager
+    def saving(self, path: TinkerPath, owner: str | None, *, overwrite: bool) -> Iterator[Path]:
+        """The folder to write ``path``'s new version into; published under ``path`` when the
+        body ends, replacing an existing version only then (``overwrite``: else a 409)."""
         directory = self._run_dir(owner, path.model_id) / path.kind / path.name
-        if directory.exists():
-            if not overwrite:
-                raise Conflict(f"checkpoint {path} already exists; pass overwrite=True")
-            shutil.rmtree(directory)
-        return directory
+        if directory.exists() and not overwrite:
+            raise Conflict(f"checkpoint {path} already exists; pass overwrite=True")
+        with staging.staged(directory) as folder:
+            yield folder
+
+    def recover(self, roots: Iterable[Path]) -> list[Path]:
+        """Undo what killed saves left under the Tinker folders ``roots`` (one per owner): in
+        each run's kind folders and in each checkpoint's own folder."""
+        folders = []
+        for root in roots:
+            for kind in KIND_TYPES:
+                folders += root.glob(f"runs/*/{kind}")
+                folders += root.glob(f"runs/*/{kind}/*")
+        return staging.recover(folders)
 
     def set_ttl(self, path: TinkerPath, owner: str | None, ttl_seconds: int | None) -> None:
         """Expire ``path`` ``ttl_seconds`` from now (None: never). An expired checkpoint is
@@ -115,7 +137,11 @@ class CheckpointStore:
             expiry.pop(key, None)
         else:
             expiry[key] = time.time() + ttl_seconds
-        (self._run_dir(owner, path.model_id) / "expiry.json").write_text(json.dumps(expiry))
+        self._write_expiry(owner, path.model_id, expiry)
+
+    def _write_expiry(self, owner: str | None, model_id: str, expiry: dict[str, float]) -> None:
+        file = self._run_dir(owner, model_id) / "expiry.json"
+        staging.write_text_atomic(file, json.dumps(expiry))
 
     def _expiry(self, owner: str | None, model_id: str) -> dict[str, float]:
         file = self._run_dir(owner, model_id) / "expiry.json"
@@ -125,19 +151,20 @@ class CheckpointStore:
         expiry = self._expiry(owner, model_id)
         expired = [key for key, at in expiry.items() if at <= time.time()]
         for key in expired:
-            shutil.rmtree(self._run_dir(owner, model_id) / key, ignore_errors=True)
+            staging.remove_published(self._run_dir(owner, model_id) / key)
             del expiry[key]
         if expired:
-            (self._run_dir(owner, model_id) / "expiry.json").write_text(json.dumps(expiry))
+            self._write_expiry(owner, model_id, expiry)
 
     def resolve(self, path: TinkerPath, owner: str | None) -> Path:
         """The saved checkpoint folder of ``path`` (``.../checkpoint-<step>``); 404 if absent."""
         self.run_record(path.model_id, owner)
         self._sweep(owner, path.model_id)
         directory = self._run_dir(owner, path.model_id) / path.kind / path.name
-        if not directory.is_dir():
-            raise NotFound(f"checkpoint {path} not found")
-        return ckpt.resolve_checkpoint(directory, None)
+        try:
+            return ckpt.resolve_checkpoint(directory, None)
+        except CheckpointNotFound:
+            raise NotFound(f"checkpoint {path} not found") from None
 
     def sampler_model_dir(self, path: TinkerPath, owner: str | None) -> Path:
         """The HF folder a sampler loads for a ``sampler_weights`` path."""
@@ -166,6 +193,8 @@ class CheckpointStore:
         found = []
         for kind, ctype in KIND_TYPES.items():
             for directory in (self._run_dir(owner, model_id) / kind).glob("*"):
+                if directory.name.startswith(".") or not ckpt.is_loadable(directory):
+                    continue  # a save under way, or a checkpoint whose files are gone
                 files = [p for p in directory.rglob("*") if p.is_file()]
                 found.append(
                     {
@@ -184,7 +213,7 @@ class CheckpointStore:
 
     def delete(self, path: TinkerPath, owner: str | None) -> None:
         self.resolve(path, owner)
-        shutil.rmtree(self._run_dir(owner, path.model_id) / path.kind / path.name)
+        staging.remove_published(self._run_dir(owner, path.model_id) / path.kind / path.name)
 
 
 def _iso(timestamp: float) -> str:

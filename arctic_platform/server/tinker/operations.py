@@ -10,6 +10,7 @@ found while running come back through the future as ``{"error", "category"}``.
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import uuid
 from collections.abc import Callable
@@ -37,6 +38,9 @@ from arctic_platform.server.tinker.session_reaper import SESSION_TIMEOUT_S, Sess
 from arctic_platform.server.tinker.snapshots import take_snapshot
 from arctic_platform.server.tinker.state import FIRST_SEQ_ID, Sampler, TinkerState, TrainingRun
 
+log = logging.getLogger(__name__)
+# The folder of each tenant's space that holds its Tinker runs and checkpoints.
+TINKER_DIR = "tinker"
 # How long create_model (and sampling on a fresh sampler) waits for the engines to load.
 STARTUP_TIMEOUT_S = 1800.0
 # LoRA target modules by Tinker's train_attn / train_mlp switches (Llama/Qwen layer names);
@@ -56,8 +60,10 @@ class TinkerOps:
         self.reaper = SessionReaper(self.state, self.finish_session, session_timeout_s)
         self.futures = FutureStore()
         self.checkpoints = CheckpointStore(
-            lambda owner: service.paths.tenant_root(owner) / "tinker"
+            lambda owner: service.paths.tenant_root(owner) / TINKER_DIR
         )
+        for path in self.checkpoints.recover(service.paths.root.glob(f"*/{TINKER_DIR}")):
+            log.info("recovered %s, left by a save that did not finish", path)
         self.downloads = DownloadSigner()
         # Waits that are not engine work (engines loading, chained ops) run here.
         self._waiters = ThreadPoolExecutor(max_workers=8, thread_name_prefix="tinker-wait")
@@ -306,8 +312,8 @@ class TinkerOps:
             path = TinkerPath(run.model_id, kind, check_name(name))
 
             def runner(engine) -> OpResult:
-                target = self.checkpoints.target(path, owner, overwrite=overwrite)
-                engine.save_checkpoint(target, export_hf=export_hf)
+                with self.checkpoints.saving(path, owner, overwrite=overwrite) as folder:
+                    engine.save_checkpoint(folder, export_hf=export_hf)
                 self._expire(path, owner, body.ttl_seconds)
                 return OpResult(json={"path": str(path), **answer(path)})
 
