@@ -34,7 +34,8 @@ def check_before_start(config: SamplingEngineConfig) -> None:
         return
     from transformers import AutoConfig
 
-    from arctic_platform.engine.models import resolve_device, resolve_dtype, resolve_model_path
+    from arctic_platform.engine.builtin import resolve_model_path
+    from arctic_platform.engine.models import resolve_device, resolve_dtype
     from arctic_platform.engine.sampling_requests import checked_max_model_len, model_context
     from arctic_platform.engine.vllm_backend.cpu_budget import plan_cpu_memory
     from arctic_platform.engine.vllm_backend.environment import worker_env

@@ -43,6 +43,7 @@ from arctic_platform.contract.bodies import learning_rate_problem
 from arctic_platform.contract.results import loss_fields
 from arctic_platform.engine import cancellation
 from arctic_platform.engine import checkpoint as ckpt
+from arctic_platform.engine.checkpoint_layout import resolve_checkpoint
 from arctic_platform.engine.config import TrainingEngineConfig
 from arctic_platform.engine.data_parallel import ParallelStrategy
 from arctic_platform.engine.errors import EngineInputError
@@ -284,7 +285,7 @@ class TrainingEngine:
         directory, problem = None, None
         if self.parallel.reads_checkpoints():
             try:
-                directory = ckpt.resolve_checkpoint(self._job_dir(path), step)
+                directory = resolve_checkpoint(self._job_dir(path), step)
             except EngineInputError as exc:
                 problem = exc
         directory, state = self.parallel.load_checkpoint(

@@ -41,6 +41,7 @@ from arctic_platform.contract.job_config import (
 from arctic_platform.contract.ops import INLINE_OPERATIONS, OPERATION, OPERATION_TYPES
 from arctic_platform.engine import cancellation
 from arctic_platform.engine.cancellation import CancelToken
+from arctic_platform.engine.checkpoint_layout import is_loadable
 from arctic_platform.engine.checkpoint_staging import recover, remove_published
 from arctic_platform.server.async_requests import ChunkGroups, RequestStore
 from arctic_platform.server.errors import (
@@ -779,8 +780,6 @@ class Service:
             raise BadRequest(f"{where}: {named} is ambiguous; set source_job_id", field=where)
         if found:
             self.paths.readable(owner, found[0]["path"], field=where)
-        from arctic_platform.engine.checkpoint import is_loadable  # torch: a job is being built
-
         if not found or not is_loadable(found[0]["path"]):
             raise NotFound(f"{where}: {named} is not found", field=where)
         return found[0]

@@ -8,7 +8,11 @@ row in ``TORCH_OUTSIDE_ENGINE`` or ``CROSSINGS`` with its reason.
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 import arctic_platform
 
@@ -131,3 +135,18 @@ def test_the_client_imports_only_wire_contract_and_its_own_modules():
             continue
         offenders.append(f"{rel}:{line} imports {name}")
     assert offenders == []
+
+
+@pytest.mark.parametrize("module", ["arctic_platform.server.app", "arctic_platform.client"])
+def test_importing_an_edge_loads_no_torch_even_transitively(module):
+    """The scan above reads each file's own imports; this imports the server's app (every API's
+    routes) and the client in a fresh interpreter and looks at everything that got loaded, so a
+    chain through a torch-free-looking module is caught too. The engines load torch when a job
+    builds one."""
+    code = (
+        f"import sys, {module}; "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in "
+        "('torch', 'transformers', 'peft') or m == 'safetensors.torch'))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout

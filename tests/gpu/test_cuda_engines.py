@@ -115,7 +115,7 @@ def test_cuda_scores_and_trains_like_the_cpu_engine():
 def test_greedy_sampling_on_cuda_equals_transformers_generate():
     from transformers import AutoModelForCausalLM
 
-    from arctic_platform.engine.models import resolve_model_path
+    from arctic_platform.engine.builtin import resolve_model_path
 
     ours = sampler("cuda", "float32")
     prompts = [[40, 41, 42, 43], [50, 51, 52]]

@@ -16,6 +16,7 @@ import httpx
 import pytest
 
 from arctic_platform.engine import checkpoint as ckpt
+from arctic_platform.engine import checkpoint_layout as layout
 from arctic_platform.server.auth import TokenAuth
 from arctic_platform.server.errors import BadRequest, NotFound
 from arctic_platform.server.service import Service, ServiceSettings
@@ -122,7 +123,7 @@ def test_a_full_disk_fails_the_save_with_507_and_keeps_the_job_and_its_checkpoin
     real_save = ckpt.torch.save
 
     def disk_full(obj, path, *args, **kwargs):  # stands in for the disk: the subject is the answer
-        if str(path).endswith(ckpt.RNG_FILE):
+        if str(path).endswith(layout.RNG_FILE):
             raise OSError(errno.ENOSPC, "No space left on device", str(path))
         return real_save(obj, path, *args, **kwargs)
 
@@ -162,7 +163,7 @@ def test_a_missing_checkpoint_is_a_404_on_every_route_that_loads_one(service, ht
     request_id = http.post(f"{CORTEX}/{job}/save", json={"path": "doomed"}).json()["request_id"]
     saved = wait(http, job, request_id)
     folder = service.paths.tenant_root(ALICE) / "doomed" / saved["checkpoint_id"]
-    (folder / ckpt.TRAINER_STATE).unlink()  # files lost behind the server's back
+    (folder / layout.TRAINER_STATE).unlink()  # files lost behind the server's back
 
     by_path = http.post(f"/load-checkpoint?job_id={job}", json={"path": "doomed"})
     assert by_path.status_code == 404 and by_path.json()["code"] == "not_found", by_path.text

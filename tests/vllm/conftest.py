@@ -18,8 +18,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from arctic_platform.engine.builtin import resolve_model_path
 from arctic_platform.engine.config import ModelConfig, SamplingEngineConfig
-from arctic_platform.engine.models import load_causal_lm, resolve_model_path
+from arctic_platform.engine.models import load_causal_lm
 
 VLLM_PYTHON = os.environ.get("ARCTIC_VLLM_PYTHON")
 SKIP_REASON = (

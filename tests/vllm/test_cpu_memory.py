@@ -17,9 +17,10 @@ import torch
 from transformers import AutoConfig
 
 from arctic_platform.client import ServerError, create_arctic_rl_client
+from arctic_platform.engine.builtin import resolve_model_path
 from arctic_platform.engine.config import ModelConfig, SamplingEngineConfig
 from arctic_platform.engine.errors import EngineInputError
-from arctic_platform.engine.models import load_causal_lm, resolve_model_path
+from arctic_platform.engine.models import load_causal_lm
 from arctic_platform.engine.vllm_backend.cpu_budget import node_memory, plan_cpu_memory
 from arctic_platform.server.service import Service, ServiceSettings
 from tests.live_server import serve_app

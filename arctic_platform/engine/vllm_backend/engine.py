@@ -41,13 +41,13 @@ import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from arctic_platform.engine.builtin import resolve_model_path
 from arctic_platform.engine.config import SamplingEngineConfig
 from arctic_platform.engine.errors import EngineInputError, SamplerStateError
 from arctic_platform.engine.models import (
     load_tokenizer,
     resolve_device,
     resolve_dtype,
-    resolve_model_path,
 )
 from arctic_platform.engine.sampling_params import SamplingParams
 from arctic_platform.engine.sampling_requests import (

@@ -90,7 +90,7 @@ def load_model_info(main_config: DictConfig, pad_token_id: int | None) -> ModelI
     """Tokenizer and HF config of verl's model (built-in names resolve to their local folder)."""
     from transformers import AutoConfig, AutoTokenizer
 
-    from arctic_platform.engine.models import resolve_model_path
+    from arctic_platform.engine.builtin import resolve_model_path
 
     model = main_config.actor_rollout_ref.model
     trust = bool(model.get("trust_remote_code", False))

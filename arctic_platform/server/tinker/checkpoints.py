@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
-from arctic_platform.engine import checkpoint as ckpt
+from arctic_platform.engine import checkpoint_layout as layout
 from arctic_platform.engine import checkpoint_staging as staging
 from arctic_platform.engine.errors import CheckpointNotFound
 from arctic_platform.server import paths
@@ -162,7 +162,7 @@ class CheckpointStore:
         self._sweep(owner, path.model_id)
         directory = self._run_dir(owner, path.model_id) / path.kind / path.name
         try:
-            return ckpt.resolve_checkpoint(directory, None)
+            return layout.resolve_checkpoint(directory, None)
         except CheckpointNotFound:
             raise NotFound(f"checkpoint {path} not found") from None
 
@@ -193,7 +193,7 @@ class CheckpointStore:
         found = []
         for kind, ctype in KIND_TYPES.items():
             for directory in (self._run_dir(owner, model_id) / kind).glob("*"):
-                if directory.name.startswith(".") or not ckpt.is_loadable(directory):
+                if directory.name.startswith(".") or not layout.is_loadable(directory):
                     continue  # a save under way, or a checkpoint whose files are gone
                 files = [p for p in directory.rglob("*") if p.is_file()]
                 found.append(

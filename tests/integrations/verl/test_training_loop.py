@@ -192,7 +192,7 @@ def policy_objective(batch, current_log_probs) -> float:
 def hf_model(path=None):
     from transformers import AutoModelForCausalLM
 
-    from arctic_platform.engine.models import resolve_model_path
+    from arctic_platform.engine.builtin import resolve_model_path
 
     model = AutoModelForCausalLM.from_pretrained(path or resolve_model_path(TINY))
     return model.float().eval()

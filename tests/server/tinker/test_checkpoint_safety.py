@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 
-from arctic_platform.engine import checkpoint as ckpt
+from arctic_platform.engine import checkpoint_layout as layout
 from tests.server.tinker.conftest import ALICE, TINY, encode
 from tests.server.tinker.plain_http import PROTOBUF, TinkerHttp
 
@@ -73,7 +73,7 @@ def test_a_checkpoint_whose_files_are_gone_is_a_404_and_not_listed(alice, run, s
     (tinker_root,) = service.paths.root.glob("*/tinker")
     runs = tinker_root / "runs" / model_id.replace(":", "_")
     for kind in ("weights", "sampler_weights"):  # files lost behind the server's back
-        for state in (runs / kind / "lost").rglob(ckpt.TRAINER_STATE):
+        for state in (runs / kind / "lost").rglob(layout.TRAINER_STATE):
             state.unlink()
     listed = {c["tinker_path"] for c in alice.checkpoints(model_id)}
     assert not any(path.endswith("/lost") for path in listed), listed
