@@ -56,7 +56,7 @@ class GenerateFuture(Future):
         self.steps_run = 0
 
 
-@dataclass
+@dataclass(eq=False)
 class Call:
     """One ``generate`` call: its requests, the slots of its outputs, and who may cancel it."""
 
@@ -80,7 +80,7 @@ class Call:
         self.pending = collections.deque((r, 0, r.params.n) for r in self.requests)
 
 
-@dataclass
+@dataclass(eq=False)
 class Sequence:
     """One running sample: its tokens so far, and what the outputs need when it finishes."""
 
@@ -115,6 +115,7 @@ class SamplerCore:
         self._rows: list[Sequence] = []
         self._state: dict[str, torch.Tensor] = {}
         self._logits: torch.Tensor | None = None
+        self._joining: list[Call] = []  # admitted, being prefilled: not in the rows yet
 
     # -- the caller's side ------------------------------------------------------------------------
 
@@ -249,7 +250,9 @@ class SamplerCore:
                     self._queue.popleft()
         if not joining:
             return
+        self._joining = [call for call, _, _, _ in joining]
         logits = self.engine.prefill(cache, [(r.token_ids, n) for _, r, _, n in joining])
+        self._joining = []
         state = self._row_state(joining)
         self._state = (
             state if not self._rows else {k: _cat(self._state[k], state[k]) for k in state}
@@ -383,10 +386,15 @@ class SamplerCore:
         return False
 
     def _drop_everything(self) -> list[Call]:
-        calls = {id(s.call): s.call for s in self._rows}
-        if self._rows:
-            self.cache.remove_rows(list(range(len(self._rows))))
-        self._rows, self._state, self._logits = [], {}, None
+        """After a failed step: every call the core had started (running or being prefilled)
+        leaves, including its parts still queued; the cache is empty again."""
+        calls = {id(c): c for c in [*(s.call for s in self._rows), *self._joining]}
+        with self._cond:
+            for call in calls.values():
+                if call in self._queue:
+                    self._queue.remove(call)
+        self.cache.remove_rows(list(range(self.cache.active)))
+        self._rows, self._state, self._logits, self._joining = [], {}, None, []
         return list(calls.values())
 
 
