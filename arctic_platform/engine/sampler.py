@@ -151,7 +151,7 @@ class SamplingEngine:
         return future
 
     def close(self) -> None:
-        """Stop the engine core (calls still queued or running fail)."""
+        """Stop the engine core (calls still queued or running fail with ``OpCancelled``)."""
         self.core.close()
 
     @contextlib.contextmanager

@@ -133,7 +133,7 @@ class SamplerCore:
         return call.future
 
     def close(self) -> None:
-        """Stop the loop; calls still queued or running fail."""
+        """Stop the loop; calls still queued or running fail with ``OpCancelled``."""
         with self._cond:
             self._closed = True
             thread = self._thread
@@ -177,7 +177,9 @@ class SamplerCore:
                 callback()
         if closed:
             for call in [*queued, *{id(s.call): s.call for s in self._rows}.values()]:
-                _settle(call, RuntimeError("the sampler was closed"))
+                # Stopped, as a cancel stops it: the job's release closes its engine.
+                reason = cancellation.reason_of(call.cancel_tokens) or "the sampler was closed"
+                _settle(call, cancellation.OpCancelled(reason))
             self._rows = []
 
     def _step(self, done: list) -> None:
