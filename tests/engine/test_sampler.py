@@ -38,7 +38,7 @@ def engine(reference):
 
 @pytest.fixture(scope="module")
 def small_engine(reference):
-    """Tiny waves (3 rows) and a short context: forces wave splitting and n split across waves."""
+    """A tiny batch (3 rows) and a short context: calls wait for rows, and n joins in parts."""
     engine = SamplingEngine(SamplingEngineConfig(model=MODEL, max_batch_size=3, max_model_len=64))
     engine.load_weights(export_weights(reference))
     return engine
