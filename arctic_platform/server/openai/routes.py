@@ -15,7 +15,7 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import StreamingResponse
 
 from arctic_platform.server.errors import BadRequest
-from arctic_platform.server.http_common import decode_json, read_body
+from arctic_platform.server.http_common import json_of, read_body
 from arctic_platform.server.openai import codec, models
 from arctic_platform.server.openai.bodies import ChatRequest, CompletionRequest, parse
 from arctic_platform.server.openai.errors import OpenAIRoute
@@ -40,7 +40,7 @@ async def _serve(request: Request, model, what: str, run):
     """Parse the body as ``model``, run ``run(service, tinker, owner, body)`` off the event
     loop, and answer with its result: JSON, or server-sent events for ``stream``."""
     owner = _owner(request)
-    body = parse(model, decode_json(await read_body(request), what=what))
+    body = parse(model, await json_of(request, await read_body(request), what=what))
     state = request.app.state
     answer = await run_in_threadpool(run, state.service, state.tinker, owner, body)
     if not body.stream:
