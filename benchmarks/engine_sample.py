@@ -17,16 +17,7 @@ Model ``builtin:small`` (~25 M parameters, float32 on CPU), same weights for bot
     beside ours and ``model.generate`` on the workloads of (a) and (b), startup to the first token
     (engine construction plus a one-token generate) for both engines, and the time of one weight
     sync into the vLLM engine by ``reload`` and by ``restart``. Written to
-    ``benchmarks/results/engine_sample_vllm.json``. With ``--baseline <checkout>`` it also runs (e).
-
-(e) ``clients`` (``--clients --baseline <checkout>``): 16 clients, each sending one request at a
-    random time (``benchmarks/sample_clients.py``), against this checkout's engine with the calls
-    overlapping (continuous batching, as the Service now runs generates) and against the engine of
-    ``<checkout>`` (e.g. the main branch before continuous batching) one call at a time in arrival
-    order (the Service's one worker thread per sub-job then). Each side runs in its own process,
-    alternating, twice; mean latency per request, best of the two runs per side. The machine's
-    load (``/proc/loadavg``) is recorded beside each run. Written to
-    ``benchmarks/results/engine_sample_clients.json``.
+    ``benchmarks/results/engine_sample_vllm.json``.
 
 Runs alternate baseline and engine so background load hits both alike; the ratios use the best
 of the alternating runs (medians are reported too), and sync speeds the best of three.
@@ -36,7 +27,6 @@ Run: ``python -m benchmarks.engine_sample`` (writes ``benchmarks/results/engine_
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import struct
 import subprocess
@@ -295,39 +285,6 @@ def bench_vllm() -> dict:
         vllm.close()
 
 
-def bench_clients(baseline: Path) -> dict:
-    """(e): mean latency of 16 clients at random times, now against ``baseline``'s engine."""
-    here = Path(__file__).resolve().parent
-    sides = {"now": (here.parent, []), "before": (baseline, ["--serial"])}
-    runs: dict[str, list[dict]] = {side: [] for side in sides}
-    for _ in range(2):
-        for side, (root, flags) in sides.items():
-            load = Path("/proc/loadavg").read_text().split()[:3]
-            out = subprocess.run(
-                [sys.executable, str(here / "sample_clients.py"), *flags],
-                env={**os.environ, "PYTHONPATH": str(root)},
-                capture_output=True,
-                text=True,
-                check=True,
-            )
-            runs[side].append({**json.loads(out.stdout.splitlines()[-1]), "loadavg": load})
-    best = {side: min(r["mean_latency_s"] for r in values) for side, values in runs.items()}
-    return {
-        "baseline_checkout": str(baseline),
-        "mean_latency_now_s": best["now"],
-        "mean_latency_before_s": best["before"],
-        "latency_ratio_before_over_now": best["before"] / best["now"],
-        "target": "mean latency lower now than before",
-        "runs": runs,
-    }
-
-
-def _baseline() -> Path | None:
-    if "--baseline" not in sys.argv:
-        return None
-    return Path(sys.argv[sys.argv.index("--baseline") + 1]).resolve()
-
-
 def _gen(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
@@ -349,15 +306,11 @@ def main() -> None:
 if __name__ == "__main__":
     if "--receive" in sys.argv:
         receive()
-    elif "--clients" in sys.argv:
-        if _baseline() is None:
-            sys.exit("--clients needs --baseline <checkout of the engine to compare with>")
-        write_result("engine_sample_clients", {"model": MODEL.name, **bench_clients(_baseline())})
     elif "--vllm" in sys.argv:
         torch.manual_seed(0)
-        result = {"model": MODEL.name, "torch_threads": torch.get_num_threads(), **bench_vllm()}
-        if _baseline() is not None:
-            result["clients"] = bench_clients(_baseline())
-        write_result("engine_sample_vllm", result)
+        write_result(
+            "engine_sample_vllm",
+            {"model": MODEL.name, "torch_threads": torch.get_num_threads(), **bench_vllm()},
+        )
     else:
         main()

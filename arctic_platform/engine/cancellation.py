@@ -70,17 +70,6 @@ def requested() -> str | None:
     return _reason(_current.get())
 
 
-def current_tokens() -> tuple[CancelToken, ...]:
-    """The tokens that may cancel the op running on this thread, for work it hands to another
-    thread (the sampler's core loop checks them between its steps with :func:`reason_of`)."""
-    return _current.get()
-
-
-def reason_of(tokens: tuple[CancelToken, ...]) -> str | None:
-    """Why ``tokens`` (from :func:`current_tokens`) were cancelled, or None."""
-    return _reason(tokens)
-
-
 def check() -> None:
     """Raise :class:`OpCancelled` if the op running on this thread was cancelled."""
     reason = requested()

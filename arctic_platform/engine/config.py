@@ -84,13 +84,13 @@ class SamplingEngineConfig(_Strict):
     ``max_batch_size`` bounds how many sequences decode together; ``max_model_len`` bounds prompt
     plus completion (defaults to the model's ``max_position_embeddings``).
     ``max_tokens_per_microbatch`` bounds the padded prompt tokens of one prefill forward;
-    ``max_kv_cache_bytes`` bounds the key/value cache of the running sequences (rows x the
-    longest prompt + completion x bytes per token): sequences that do not fit wait for running
-    ones to finish rather than exhausting memory. ``max_logprobs`` caps the ``logprobs`` a
-    request may ask for, and ``seed`` seeds the draws of requests that do not bring their own.
-    ``engine`` picks the engine: ours (``torch``, the default) or vLLM in its own process
-    (``vllm``, set up by ``vllm``). ``prompt_sharing`` is the training engine's knob, for a
-    log-prob (reference) job's scoring.
+    ``max_kv_cache_bytes`` bounds the key/value cache of one decoding wave (rows x (prompt +
+    completion) x bytes per token), so a batch of long sequences decodes in several waves rather
+    than exhausting memory. ``max_logprobs`` caps the ``logprobs`` a request may ask for, and
+    ``seed`` seeds the draws of requests that do not bring their own. ``engine`` picks the
+    engine: ours (``torch``, the default) or vLLM in its own process (``vllm``, set up by
+    ``vllm``). ``prompt_sharing`` is the training engine's knob, for a log-prob (reference) job's
+    scoring.
     """
 
     model: ModelConfig

@@ -1,28 +1,22 @@
-"""A key/value cache of sequence *slots* for continuous batching with transformers models.
+"""A preallocated key/value cache for batched decoding with transformers models.
 
 ``DynamicCache`` concatenates every layer's keys and values at every step, copying the whole cache
-each time; ``StaticCache`` makes attention read the full preallocated length. This cache does
-neither: each layer owns one buffer of ``[slots, kv_heads, capacity, head_dim]`` written in place,
-and attention reads the rows in use up to the longest sequence only.
+each time; ``StaticCache`` avoids the copy but makes attention read the full preallocated length.
+This cache does neither: each layer owns buffers of ``[rows, kv_heads, capacity, head_dim]`` that
+are written in place, and attention reads a view of the filled prefix only.
 
-Each running sequence owns a row (a slot) and its own length: its prompt sits at positions
-``0 .. P-1`` and each decode step writes at the row's own next position. So sequences of any
-prompt length join and leave between steps without moving the others:
+It adds what the sampler needs on top of a plain cache:
 
-- **join** (``prefill_rows``): a prompt is run through the model once (left-padded with the other
-  prompts of its microbatch) and its keys/values are written into the rows of all its ``n``
-  samples, shifted to start at position 0;
-- **leave** (``remove_rows``): the rows of finished sequences are filled by the last rows in use,
-  so the rows in use stay ``0 .. active-1`` and each step computes only running sequences, at the
-  cost of copying one row per finished sequence;
-- **reuse**: the buffers stay allocated across sequences and calls; they grow (keeping the rows in
-  use) only when a joining sequence needs more rows or positions than they hold, and are released
-  only by the sampler's sleep (``release`` / ``reserve``).
+- **prefill into replicated rows**: a prompt shared by ``n`` samples is run through the model once
+  and its keys/values are written into all ``n`` rows (``prefill_rows``), so nothing is recomputed;
+- **compaction**: rows of finished sequences are dropped with one gather per layer (``keep_rows``),
+  so later steps only compute the sequences still running;
+- **buffer reuse**: buffers come from a :class:`KVBufferPool`, which keeps them across waves and
+  calls (no re-allocation per step or per call) until the sampler goes to sleep and releases them.
 
-Attention reads ``[:active, :, :longest]``: when all rows have the same length (the ``n`` samples
-of one prompt, or equal-length prompts that joined together) no mask is needed; otherwise the
-sampler passes a mask hiding each row's positions past its own length. Only full-attention layers
-are supported (no sliding-window or linear-attention layers).
+All sequences share one write index (the batch is left-padded to a common prompt width, with
+per-row position ids and an attention mask), which is what keeps every step a single batched call.
+Only full-attention layers are supported (no sliding-window or linear-attention layers).
 """
 
 from __future__ import annotations
@@ -32,218 +26,141 @@ from contextlib import contextmanager
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from arctic_platform.engine.kv_shape import KVShape
 
-# Allocation granularity when the buffers must grow, so that a stream of slightly longer requests
-# does not reallocate at every join.
-_ROW_STEP = 8
-_POSITION_STEP = 64
+class KVBufferPool:
+    """Keeps one flat buffer per (layer, keys|values) and hands out shaped views of it.
+
+    A request for a shape that fits the buffer reuses it; a larger one replaces it. ``release``
+    drops everything (the sampler's sleep), ``reserve`` re-creates the last sizes (its wake).
+    """
+
+    def __init__(self) -> None:
+        self._buffers: dict[tuple[int, int], torch.Tensor] = {}
+        self._last_sizes: dict[tuple[int, int], tuple[int, torch.dtype, torch.device]] = {}
+
+    def view(
+        self, key: tuple[int, int], shape: tuple[int, ...], dtype: torch.dtype, device
+    ) -> torch.Tensor:
+        numel = 1
+        for size in shape:
+            numel *= size
+        buffer = self._buffers.get(key)
+        if buffer is None or buffer.numel() < numel or buffer.dtype != dtype:
+            self._buffers.pop(key, None)  # free the old one before allocating the new one
+            buffer = torch.empty(numel, dtype=dtype, device=device)
+            self._buffers[key] = buffer
+        elif buffer.device != torch.device(device):
+            buffer = self._buffers[key] = torch.empty(buffer.numel(), dtype=dtype, device=device)
+        self._last_sizes[key] = (buffer.numel(), dtype, buffer.device)
+        return buffer[:numel].view(shape)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self._buffers.values())
+
+    def release(self) -> int:
+        """Drop every buffer; return the bytes released."""
+        released = self.nbytes
+        self._buffers.clear()
+        return released
+
+    def reserve(self) -> int:
+        """Allocate again the buffers released last (same sizes); return the bytes allocated."""
+        for key, (numel, dtype, device) in self._last_sizes.items():
+            if key not in self._buffers:
+                self._buffers[key] = torch.empty(numel, dtype=dtype, device=device)
+        return self.nbytes
 
 
-class _SlotLayer(CacheLayerMixin):
+class _PreallocatedLayer(CacheLayerMixin):
     """One layer's keys and values; see :class:`KVCache`."""
 
     is_sliding = False
     is_compileable = False
 
-    def __init__(self, cache: KVCache) -> None:
+    def __init__(self, cache: KVCache, index: int) -> None:
         super().__init__()
         self._cache = cache
+        self._index = index
+        self.length = 0
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        # Head counts and sizes come from the first states seen, so any full-attention model works.
+        cache = self._cache
+        self.dtype, self.device = key_states.dtype, key_states.device
+        heads = key_states.shape[1]
+        k_shape = (cache.rows, heads, cache.capacity, key_states.shape[-1])
+        v_shape = (cache.rows, heads, cache.capacity, value_states.shape[-1])
+        self.keys = cache.pool.view((self._index, 0), k_shape, self.dtype, self.device)
+        self.values = cache.pool.view((self._index, 1), v_shape, self.dtype, self.device)
         self.is_initialized = True
 
-    def lazy_initialization(self, key_states, value_states) -> None:  # buffers are preallocated
-        return None
-
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
         cache = self._cache
         if cache.prefill_target is not None:
-            for rows, source, start, stop in cache.prefill_target:
-                self.keys[rows, :, : stop - start] = key_states[source, :, start:stop]
-                self.values[rows, :, : stop - start] = value_states[source, :, start:stop]
+            rows, source = cache.prefill_target
+            width = key_states.shape[-2]
+            self.keys[rows, :, :width] = key_states[source]
+            self.values[rows, :, :width] = value_states[source]
             return key_states, value_states
-        active, longest = cache.active, cache.longest
-        if cache.uniform:
-            self.keys[:active, :, longest : longest + 1] = key_states
-            self.values[:active, :, longest : longest + 1] = value_states
-        else:
-            rows = cache.row_index[:active]
-            self.keys[rows, :, cache.lengths] = key_states[:, :, 0]
-            self.values[rows, :, cache.lengths] = value_states[:, :, 0]
-        return self.keys[:active, :, : longest + 1], self.values[:active, :, : longest + 1]
+        start, stop = self.length, self.length + key_states.shape[-2]
+        active = cache.active_rows
+        self.keys[:active, :, start:stop] = key_states
+        self.values[:active, :, start:stop] = value_states
+        self.length = stop
+        return self.keys[:active, :, :stop], self.values[:active, :, :stop]
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.get_seq_length() + query_length, 0
 
     def get_seq_length(self) -> int:
-        return 0 if self._cache.prefill_target is not None else self._cache.longest
+        return 0 if self._cache.prefill_target is not None else self.length
 
     def get_max_cache_shape(self) -> int:
         return self._cache.capacity
 
 
 class KVCache(Cache):
-    """A ``transformers`` cache over ``slots x capacity`` positions per layer (module doc).
+    """A ``transformers`` cache over preallocated buffers for ``rows`` sequences of ``capacity``.
 
-    The sampler drives it: ``ensure`` room, ``with prefill_rows(...)`` for each prefill
-    microbatch, ``joined(rows, lengths)``, then per step one model call followed by ``advance()``;
-    ``remove_rows`` when sequences finish. ``lengths[i]`` is how many positions row ``i`` holds.
+    Use: ``with cache.prefill_rows(rows, source): model(...)`` for each prefill microbatch, then
+    ``cache.start_decoding(prompt_width)``, then one model call per step; ``keep_rows(index)``
+    compacts the batch to the given rows (in that order).
     """
 
-    def __init__(self, shape: KVShape, device: torch.device) -> None:
-        self.shape = shape
-        self.device = device
-        self.slots = 0
-        self.capacity = 0
-        self.active = 0
-        self.lengths = torch.zeros(0, dtype=torch.long, device=device)
-        self.longest = 0
-        self.uniform = True
-        self.row_index = torch.zeros(0, dtype=torch.long, device=device)
-        self.prefill_target: list[tuple[torch.Tensor, torch.Tensor, int, int]] | None = None
-        self._released_size: tuple[int, int] | None = None
-        super().__init__(layers=[_SlotLayer(self) for _ in range(shape.layers)])
-        self._allocate(0, 0)
-
-    # -- memory ---------------------------------------------------------------------------------
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes allocated for keys and values (held until ``release``)."""
-        return self.slots * self.capacity * self.shape.bytes_per_token
-
-    @property
-    def bytes_in_use(self) -> int:
-        """Bytes of the positions the running sequences hold."""
-        return int(self.lengths.sum()) * self.shape.bytes_per_token
-
-    def fits(self, rows: int, positions: int, budget: int) -> bool:
-        """Whether ``rows`` sequences of up to ``positions`` positions fit ``budget`` bytes."""
-        return rows * max(positions, self.needed_positions()) * self.shape.bytes_per_token <= budget
-
-    def needed_positions(self) -> int:
-        return self._needed_positions
-
-    def ensure(self, rows: int, positions: int, budget: int, max_rows: int) -> None:
-        """Make room for ``rows`` sequences of ``positions`` positions each, keeping the rows in
-        use; grows by steps (module doc) within ``budget`` bytes and ``max_rows``."""
-        self._needed_positions = max(self._needed_positions, positions)
-        positions = self._needed_positions
-        if rows <= self.slots and positions <= self.capacity:
-            return
-        per_token = self.shape.bytes_per_token
-        capacity = max(self.capacity, _round_up(positions, _POSITION_STEP))
-        if rows * capacity * per_token > budget:
-            capacity = max(self.capacity, positions)
-        if rows * capacity * per_token > budget:  # the old capacity itself is too long: shrink
-            capacity = positions
-        by_budget = budget // (capacity * per_token)
-        slots = max(rows, min(_round_up(rows, _ROW_STEP), max_rows, by_budget))
-        self._allocate(slots, capacity)
-
-    def release(self) -> int:
-        """Drop the buffers (the sampler's sleep; nothing may be running); return bytes freed."""
-        freed = self.nbytes
-        if freed:
-            self._released_size = (self.slots, self.capacity)
-            self._allocate(0, 0)
-        return freed
-
-    def reserve(self) -> int:
-        """Allocate again the buffers ``release`` dropped; return the bytes allocated."""
-        if self._released_size is not None:
-            self._allocate(*self._released_size)
-            self._released_size = None
-        return self.nbytes
-
-    def _allocate(self, slots: int, capacity: int) -> None:
-        shape = self.shape
-        size = (slots, shape.heads, capacity, shape.head_dim)
-        keep, length = self.active, self.longest
-        for layer in self.layers:
-            old = (getattr(layer, "keys", None), getattr(layer, "values", None))
-            layer.keys = layer.values = None  # free the old buffers before the new ones exist
-            new = []
-            for tensor in old:
-                fresh = torch.empty(size, dtype=shape.dtype, device=self.device)
-                if keep and tensor is not None:
-                    fresh[:keep, :, :length] = tensor[:keep, :, :length]
-                new.append(fresh)
-            layer.keys, layer.values = new
-        self.slots, self.capacity = slots, capacity
-        self.row_index = torch.arange(slots, device=self.device)
-        if not keep:
-            self._needed_positions = 0
-
-    # -- sequences --------------------------------------------------------------------------------
+    def __init__(self, num_layers: int, rows: int, capacity: int, pool: KVBufferPool) -> None:
+        self.rows = rows
+        self.capacity = capacity
+        self.pool = pool
+        self.active_rows = rows
+        self.prefill_target: tuple[torch.Tensor, torch.Tensor] | None = None
+        super().__init__(layers=[_PreallocatedLayer(self, i) for i in range(num_layers)])
 
     @contextmanager
-    def prefill_rows(self, rows: torch.Tensor, source: torch.Tensor, lengths: list[int], width):
-        """Write the next forward's keys/values of batch item ``source[i]`` (a prompt of
-        ``lengths[i]`` tokens, left-padded to ``width``) into positions ``0 ..`` of ``rows[i]``.
+    def prefill_rows(self, rows: torch.Tensor, source: torch.Tensor):
+        """Write the keys/values of the next forward's batch item ``source[i]`` into ``rows[i]``.
 
-        The forward attends only to its own inputs (the cache reads as empty meanwhile)."""
-        groups = []
-        lengths_t = torch.tensor(lengths)
-        for length in sorted(set(lengths)):
-            pick = (lengths_t == length).nonzero().squeeze(1).to(rows.device)
-            groups.append((rows[pick], source[pick], width - length, width))
-        self.prefill_target = groups
+        The forward attends only to its own inputs (the cache reads as empty during prefill).
+        """
+        self.prefill_target = (rows, source)
         try:
             yield self
         finally:
             self.prefill_target = None
 
-    def joined(self, lengths: torch.Tensor) -> None:
-        """Rows ``active ..`` now hold sequences of ``lengths`` positions (just prefilled)."""
-        self.active += len(lengths)
-        self.lengths = torch.cat([self.lengths, lengths.to(self.device)])
-        self._settle()
+    def start_decoding(self, prompt_width: int) -> None:
+        """Every row now holds ``prompt_width`` positions; decode steps append after them."""
+        for layer in self.layers:
+            layer.length = prompt_width
 
-    def advance(self) -> None:
-        """Every running row gained the position the last decode step wrote."""
-        self.lengths += 1
-        self.longest += 1
-
-    def remove_rows(self, finished: list[int]) -> list[int]:
-        """Free the rows ``finished``: the last rows in use move into their places.
-
-        Returns the new order as indices of the old rows (``order[i]`` is the old row now at
-        ``i``), for the caller's per-row state."""
-        gone = set(finished)
-        survivors = self.active - len(gone)
-        order = list(range(survivors))
-        holes = [r for r in range(survivors) if r in gone]
-        movers = [r for r in range(survivors, self.active) if r not in gone]
-        for hole, mover in zip(holes, movers, strict=True):
-            order[hole] = mover
-        if holes:
-            dst = torch.tensor(holes, device=self.device)
-            src = torch.tensor(movers, device=self.device)
-            length = self.longest
-            for layer in self.layers:
-                layer.keys[dst, :, :length] = layer.keys[src, :, :length]
-                layer.values[dst, :, :length] = layer.values[src, :, :length]
-        self.active = survivors
-        self.lengths = self.lengths[torch.tensor(order, dtype=torch.long, device=self.device)]
-        self._settle()
-        return order
-
-    def attention_mask(self) -> torch.Tensor | None:
-        """The decode step's mask over ``longest + 1`` positions, or None when every row has the
-        same length (nothing to hide)."""
-        if self.uniform:
-            return None
-        positions = torch.arange(self.longest + 1, device=self.device)
-        return positions[None, :] <= self.lengths[:, None]
-
-    def _settle(self) -> None:
-        if self.active:
-            low, high = int(self.lengths.min()), int(self.lengths.max())
-        else:
-            low = high = 0
-            self._needed_positions = 0
-        self.longest, self.uniform = high, low == high
-
-
-def _round_up(value: int, step: int) -> int:
-    return -(-value // step) * step
+    def keep_rows(self, index: torch.Tensor) -> None:
+        """Keep only the rows ``index`` (ascending), moved to the front of the buffers."""
+        for layer in self.layers:
+            if not layer.is_initialized:
+                continue
+            length = layer.length
+            layer.keys[: len(index), :, :length] = layer.keys[index, :, :length]
+            layer.values[: len(index), :, :length] = layer.values[index, :, :length]
+        self.active_rows = len(index)

@@ -75,6 +75,15 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return _DTYPES[dtype]
 
 
+def kv_bytes_per_token(model_config, dtype: torch.dtype) -> int:
+    """Bytes of key/value cache one token takes in a ``transformers`` model config's attention
+    (every layer's keys and values, in ``dtype``): our sampler's and vLLM's KV budgets."""
+    cfg = model_config.get_text_config()
+    heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return 2 * cfg.num_hidden_layers * heads * head_dim * dtype.itemsize
+
+
 def load_tokenizer(config: ModelConfig):
     """Load the tokenizer; a missing pad token falls back to the eos token."""
     path = local_model_path(config.name)

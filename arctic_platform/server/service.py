@@ -8,12 +8,10 @@ Jobs and sub-jobs: a job owns typed sub-jobs (``training``, ``sampling``, ``log_
 ``{job}:{type}:{i}``; each sub-job owns one engine. A job moves ``pending -> initializing ->
 running`` and ends ``failed`` (with its reason), ``cancelled`` or ``terminated``.
 
-Ordering and concurrency: the ops on one sub-job start in arrival order and run one at a time,
-except ``generate`` ops on a sampler that batches concurrent calls, which run together so that a
-request arriving mid-decode joins it (:mod:`arctic_platform.server.op_queue`: a state-changing op
-still waits for the generates before it, and later generates wait for it); a server-wide
-semaphore bounds how many ops run at once across jobs. Job and checkpoint metadata are persisted
-in SQLite, so a restarted server still lists them and can start a new job from a checkpoint.
+Ordering and concurrency: every sub-job has a single worker thread, so the ops on one sub-job run
+one at a time in arrival order; a server-wide semaphore bounds how many ops run at once across
+jobs. Job and checkpoint metadata are persisted in SQLite, so a restarted server still lists them
+and can start a new job from a checkpoint.
 """
 
 from __future__ import annotations
@@ -25,7 +23,7 @@ import time
 import traceback
 import uuid
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
 from functools import partial
@@ -58,7 +56,6 @@ from arctic_platform.server.idle_reaper import IdleReaper
 from arctic_platform.server.limits import ServerLimits
 from arctic_platform.server.metrics import ServiceMetrics
 from arctic_platform.server.op_bodies import describe
-from arctic_platform.server.op_queue import OpQueue, SharedSlot
 from arctic_platform.server.paths import CHECKPOINTS_DIR, PathPolicy
 from arctic_platform.server.ray_placement import PLACEMENT_TIMEOUT_S
 from arctic_platform.server.scheduler import FairSlots
@@ -66,8 +63,6 @@ from arctic_platform.server.store import MetadataStore
 from arctic_platform.server.tenant_quota import TenantQuota, weight_bytes
 
 TERMINAL = ("failed", "cancelled", "terminated")
-# Ops that run together on a sampler whose engine batches concurrent calls (op_queue.py).
-SHARED_OPS = ("generate", "generate-stream")
 LOG_LINES_PER_JOB = 2000
 log = logging.getLogger(__name__)
 
@@ -124,9 +119,7 @@ class SubJob:
     spec: SubJobConfig
     status: str = "pending"
     engine: Any = None
-    queue: OpQueue | None = None
-    # The op slot its concurrent generates hold together (op_queue.py).
-    shared_slot: SharedSlot | None = None
+    queue: ThreadPoolExecutor | None = None
     # What the engine loads: ``spec.model_name`` checked against the owner's space (see paths.py).
     model_path: str | None = None
     # GPU-stack settings the engine could not honour here, and what it ran instead (the
@@ -631,11 +624,9 @@ class Service:
         APIs (Tinker) build their own runners over the engines this way."""
         job = self._job(sub.job_id, None, check_owner=False)
         stops = (job.stop,) if stop is None else (job.stop, stop)
-        return self._enqueue(
-            job, sub, self._guarded, job, sub, op, runner, stops, shared=_shares(sub, op)
-        )
+        return self._enqueue(job, sub, self._guarded, job, sub, op, runner, stops)
 
-    def _enqueue(self, job: Job, sub: SubJob, fn, *args, shared: bool = False) -> Future:
+    def _enqueue(self, job: Job, sub: SubJob, fn, *args) -> Future:
         """Queue ``fn(*args)`` on ``sub`` as an op of ``job``: the job must be running, and it is
         busy (``in_flight``) until the op ends. Under the lock, so the idle expiry sees the job
         either idle or busy, never between."""
@@ -644,7 +635,7 @@ class Service:
             if sub.queue is None:
                 raise Conflict(f"sub-job {sub.sub_job_id} has no engine", code="job_not_running")
             job.last_active_at = time.time()
-            future = sub.queue.submit(fn, *args, shared=shared)
+            future = sub.queue.submit(fn, *args)
             job.in_flight.add(future)
         future.add_done_callback(lambda f: self._op_done(job, f))
         return future
@@ -686,8 +677,7 @@ class Service:
 
         if job.cancelled.is_set():
             raise Conflict(f"job {job.job_id} was cancelled", code="job_cancelled")
-        slot = sub.shared_slot.hold() if _shares(sub, op) else self.slots.slot(job.owner)
-        with slot, self.metrics.op(op):
+        with self.slots.slot(job.owner), self.metrics.op(op):
             self._require_running(job)
             job.last_op, job.last_op_at = op, time.time()
             try:
@@ -889,8 +879,9 @@ class Service:
                 # A cancel stops a build that waits (for Ray resources) and releases what it holds.
                 with cancellation.scope(job.stop):
                     engine = build_engine(self, sub, source)
-                sub.queue = OpQueue(sub.sub_job_id.replace(":", "-"))
-                sub.shared_slot = SharedSlot(partial(self.slots.slot, job.owner))
+                sub.queue = ThreadPoolExecutor(
+                    max_workers=1, thread_name_prefix=sub.sub_job_id.replace(":", "-")
+                )
                 sub.engine = engine
                 sub.fallbacks = dict(getattr(engine, "setting_fallbacks", {}))
                 for setting, fallback in sub.fallbacks.items():
@@ -1064,11 +1055,6 @@ class Service:
             if len(job.logs) == job.logs.maxlen:
                 job.log_offset += 1
             job.logs.append(f"{stamp} {line}")
-
-
-def _shares(sub: SubJob, op: str) -> bool:
-    """Whether ``op`` runs together with its neighbours on ``sub`` (op_queue.py)."""
-    return op in SHARED_OPS and getattr(sub.engine, "concurrent_generate", False)
 
 
 def _close_engine(engine: Any) -> None:

@@ -38,7 +38,7 @@ def engine(reference):
 
 @pytest.fixture(scope="module")
 def small_engine(reference):
-    """A tiny batch (3 rows) and a short context: calls wait for rows, and n joins in parts."""
+    """Tiny waves (3 rows) and a short context: forces wave splitting and n split across waves."""
     engine = SamplingEngine(SamplingEngineConfig(model=MODEL, max_batch_size=3, max_model_len=64))
     engine.load_weights(export_weights(reference))
     return engine
@@ -98,7 +98,7 @@ def test_token_id_prompts_equal_text_prompts(engine):
     assert [o["token_ids"] for o in by_text] == [o["token_ids"] for o in by_ids]
 
 
-def test_waiting_for_rows_and_split_samples_do_not_change_results(engine, small_engine):
+def test_waves_and_split_samples_do_not_change_results(engine, small_engine):
     params = [{"temperature": 0, "max_tokens": 20, "n": 4}, {"seed": 5, "max_tokens": 20, "n": 5}]
     big = engine.generate(PROMPTS[:2], params)
     small = small_engine.generate(PROMPTS[:2], params)

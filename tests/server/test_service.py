@@ -380,34 +380,3 @@ def test_concurrently_built_engines_start_from_the_same_weights_as_alone(service
     ]
     first = weights_of(engines[0])
     assert all(same_weights(first, weights_of(e)) for e in engines[1:])
-
-
-def test_a_generate_arriving_mid_decode_joins_it_and_a_sync_waits_for_both(service, running_job):
-    """Generates overlap on our sampler (the second joins the first's decode at its next step),
-    while a weight sync queued after them still runs only once both have finished."""
-    sampling = service.resolve(running_job, owner=None, kind="sampling")
-    core = sampling.engine.core
-    long = {"prompts": ["1+1="], "sampling_params": {"max_tokens": 24, "ignore_eos": True}}
-    short = {"prompts": ["2+2=", "3"], "sampling_params": {"max_tokens": 4, "ignore_eos": True}}
-    later: dict = {}
-    rows: list[int] = []
-
-    def on_step():
-        rows.append(core.stats()["running_sequences"])
-        if "short" not in later and core.steps - start == 2:
-            later["short"] = service.submit(sampling, "generate", short)
-            later["sync"] = service.submit_runner(
-                sampling, "weight-sync", lambda: later.setdefault("sync_saw", dict(core.stats()))
-            )
-
-    start = core.steps
-    core.after_step.append(on_step)
-    try:
-        first = service.submit(sampling, "generate", long)
-        assert len(first.result(timeout=120)["results"]) == 1
-        assert len(later["short"].result(timeout=120)["results"]) == 2
-        later["sync"].result(timeout=120)
-    finally:
-        core.after_step.remove(on_step)
-    assert 3 in rows  # 1 + 2 rows decoded together
-    assert later["sync_saw"]["running_sequences"] == 0  # the sync ran between calls

@@ -10,8 +10,8 @@ measure the rest (``vllm/v1/worker/cpu_worker.py``).
 
 So on CPU the sampling engine passes ``kv_cache_memory_bytes`` sized from what the job needs:
 ``max_num_seqs`` sequences of ``max_model_len`` tokens (rounded up to vLLM's CPU KV block of 128
-tokens), at the model's KV bytes per token (:class:`~arctic_platform.engine.kv_shape.KVShape`)
-in the served dtype, capped at ``max_kv_cache_bytes`` (the bound our own
+tokens), at the model's KV bytes per token (:func:`~arctic_platform.engine.models.
+kv_bytes_per_token`) in the served dtype, capped at ``max_kv_cache_bytes`` (the bound our own
 sampler keeps one decoding wave within: vLLM schedules more sequences than fit in turns, as ours
 decodes in waves) but never below one whole ``max_model_len`` sequence (vLLM refuses to start
 without room for one). An explicit ``kv_cache_memory_bytes``, ``VLLM_CPU_KVCACHE_SPACE`` or
@@ -36,7 +36,7 @@ import torch
 
 from arctic_platform.engine.config import SamplingEngineConfig
 from arctic_platform.engine.errors import EngineInputError
-from arctic_platform.engine.kv_shape import KVShape
+from arctic_platform.engine.models import kv_bytes_per_token
 
 FIELD = "sampling.vllm"
 KV_SPACE_ENV = "VLLM_CPU_KVCACHE_SPACE"  # vLLM's CPU KV cache size, in GiB
@@ -76,7 +76,7 @@ def plan_cpu_memory(
     :class:`EngineInputError` (field ``sampling.vllm``) when the budget cannot fit."""
     args = config.vllm.engine_args
     block = _number(args.get("block_size") or CPU_BLOCK_TOKENS, int, f"{FIELD}.block_size")
-    per_token = KVShape.of(hf_config, dtype).bytes_per_token
+    per_token = kv_bytes_per_token(hf_config, dtype)
     one_sequence = math.ceil(max_model_len / block) * block * per_token
     node = node_memory()
     space = env.get(KV_SPACE_ENV, "")

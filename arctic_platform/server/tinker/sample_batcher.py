@@ -1,25 +1,30 @@
 """Coalesce concurrent ``asample`` requests on one sampler into one ``generate`` call.
 
 The cookbook samples each environment of a group with its own request (``num_samples=1``), so a
-GRPO batch arrives as dozens of small requests at once. Requests are validated before they join a
-batch, so one bad request cannot fail the others. Requests pending when a drain starts go to the
-engine as one call; a drain starts as soon as a request finds none scheduled, without waiting for
-stragglers: a request that arrives while a drain decodes starts a drain of its own, which runs
-concurrently (the Service lets generates overlap on a batching sampler) and joins the running
-decode at its next step (the sampler's continuous batching, :mod:`arctic_platform.engine.
-sampler_core`). So a group spread over some milliseconds still decodes as one batch, and a lone
-request waits for nothing.
+GRPO batch arrives as dozens of small requests at once. Run one by one, each would pay a full
+decode loop; gathered, they decode together (the sampler batches prompts in waves). Requests are
+validated before they join a batch, so one bad request cannot fail the others.
 
-A drain of a sampler snapshot first loads the snapshot's weights (``before``) unless they are the
-ones loaded. A load waits until the calls already in the engine have finished (the sampler runs
-weight loads between calls), and each sub-job's drains load and submit under one lock, so no
-call decodes with another snapshot's weights. On an engine without ``submit`` (the vLLM backend,
-Ray replicas) drains run one at a time and call ``generate``.
+The SDK sends a group's requests one after another over several connections, so they reach the
+server spread over a few milliseconds (tens under load). A drain that started on the first one at
+once would decode it alone and leave the rest to a second full decode loop, doubling the step's
+sampling time (the benchmark measured it). So a drain first *lingers*: it waits until no request
+has arrived for :data:`LINGER_GAP_S`, at most :data:`LINGER_MAX_S`, which costs a lone request
+a few milliseconds against a decode loop of hundreds.
+
+An RL loop sends the same burst every step (``G`` prompts, or ``G x n`` single samples), so the
+sampler's recent drains say how many requests to expect: once as many requests are pending as the
+largest of the sub-job's last :data:`BURST_HISTORY` drains collected, the drain waits only
+:data:`LINGER_SETTLE_S` for more (a burst that grew still gathers while its requests keep coming)
+instead of the full gap after the last one. What is sampled does not change, only when the drain
+starts.
 """
 
 from __future__ import annotations
 
 import threading
+import time
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -27,6 +32,11 @@ from typing import Any
 
 from arctic_platform.engine.sampling_params import SamplingParams
 from arctic_platform.server.errors import BadRequest, Conflict
+
+LINGER_GAP_S = 0.03
+LINGER_MAX_S = 0.3
+LINGER_SETTLE_S = 0.005
+BURST_HISTORY = 8
 
 
 @dataclass
@@ -42,18 +52,31 @@ class _Queue:
     key: str
     sub_job_id: str
     lock: threading.Lock = field(default_factory=threading.Lock)
+    arrived: threading.Condition = field(init=False)
     pending: list[_Pending] = field(default_factory=list)
+    in_flight: list[_Pending] = field(default_factory=list)
     scheduled: bool = False
+
+    def __post_init__(self) -> None:
+        self.arrived = threading.Condition(self.lock)
 
 
 class SampleBatcher:
     """Per-sampler queues of pending requests (see module doc)."""
 
-    def __init__(self) -> None:
+    def __init__(
+        self,
+        linger_gap_s: float = LINGER_GAP_S,
+        linger_max_s: float = LINGER_MAX_S,
+        linger_settle_s: float = LINGER_SETTLE_S,
+    ):
         self._lock = threading.Lock()
         self._queues: dict[str, _Queue] = {}
-        # sampling sub-job -> the lock its drains load weights and submit under (module doc)
-        self._submitting: dict[str, threading.Lock] = {}
+        # sampling sub-job -> how many requests its last drains collected (module doc)
+        self._bursts: dict[str, deque[int]] = {}
+        self.linger_gap_s = linger_gap_s
+        self.linger_max_s = linger_max_s
+        self.linger_settle_s = linger_settle_s
 
     def add(
         self,
@@ -70,8 +93,8 @@ class SampleBatcher:
 
         ``submit(runner)`` queues ``runner`` on the sub-job (the Service's guarded queue); a
         drain is queued whenever the queue goes from empty to non-empty. Requests batch by
-        ``key`` (default: the sub-job); ``before(engine)`` runs first in the drain (a sampler
-        snapshot loads its weights there).
+        ``key`` (default: the sub-job); ``before(engine)`` runs first in the drain, before it
+        lingers (a sampler snapshot loads its weights there while the group still arrives).
         """
         engine = sub.engine
         try:
@@ -86,40 +109,35 @@ class SampleBatcher:
             queue = self._queues.get(key)
             if queue is None:
                 queue = self._queues[key] = _Queue(key, sub.sub_job_id)
-            submitting = self._submitting.setdefault(sub.sub_job_id, threading.Lock())
         with queue.lock:
             queue.pending.append(item)
+            queue.arrived.notify_all()
             start = not queue.scheduled
             queue.scheduled = True
         if start:
-            taken: list[_Pending] = []
-            drained = submit(lambda: self._drain(queue, engine, before, submitting, taken))
-            drained.add_done_callback(lambda f: self._fail_all(queue, taken, f))
+            drained = submit(lambda: self._drain(queue, engine, before))
+            drained.add_done_callback(lambda f: self._fail_all(queue, f))
         return item.future
 
-    def _drain(self, queue: _Queue, engine, before, submitting: threading.Lock, taken) -> None:
-        with submitting:
-            if before is not None:
-                before(engine)
-            with queue.lock:
-                batch, queue.pending = queue.pending, []
-                queue.scheduled = False
-            taken.extend(batch)
-            prompts, params = [p.prompt for p in batch], [p.params for p in batch]
-            start = getattr(engine, "submit", None)
-            if start is not None:
-                call = start(prompts, params)
-            else:
-                outputs = engine.generate(prompts, params)
-        self._forget_if_idle(queue)
-        if start is not None:
-            outputs = call.result()
-        first = 0
+    def _drain(self, queue: _Queue, engine, before) -> None:
+        if before is not None:  # the batch's weights load while its requests still arrive
+            before(engine)
+        with queue.lock:
+            self._linger(queue)
+            batch, queue.pending = queue.pending, []
+            queue.in_flight = batch
+            queue.scheduled = False
+        with self._lock:
+            bursts = self._bursts.setdefault(queue.sub_job_id, deque(maxlen=BURST_HISTORY))
+            bursts.append(len(batch))
+        outputs = engine.generate([p.prompt for p in batch], [p.params for p in batch])
+        start = 0
         for item in batch:
-            mine = outputs[first : first + item.params.n]
-            first += item.params.n
+            mine = outputs[start : start + item.params.n]
+            start += item.params.n
             scored = engine.prompt_logprobs(item.prompt) if item.prompt_logprobs else None
             item.future.set_result((mine, scored))
+        self._forget_if_idle(queue)
 
     def _forget_if_idle(self, queue: _Queue) -> None:
         """Drop a queue nothing waits on: a Tinker run batches each sampler snapshot under its
@@ -133,18 +151,32 @@ class SampleBatcher:
                 if self._queues.get(queue.key) is queue:
                     del self._queues[queue.key]
 
+    def _linger(self, queue: _Queue) -> None:
+        """Wait (holding ``queue.lock``) while requests keep arriving (see module doc)."""
+        deadline = time.monotonic() + self.linger_max_s
+        with self._lock:
+            expected = max(self._bursts.get(queue.sub_job_id, ()), default=0)
+        seen = len(queue.pending)
+        while (left := deadline - time.monotonic()) > 0:
+            gap = self.linger_settle_s if 0 < expected <= seen else self.linger_gap_s
+            queue.arrived.wait(min(gap, left))
+            if len(queue.pending) == seen:
+                return
+            seen = len(queue.pending)
+
     @staticmethod
-    def _fail_all(queue: _Queue, taken: list[_Pending], drained: Future) -> None:
+    def _fail_all(queue: _Queue, drained: Future) -> None:
         """A drain that failed (or never ran: a cancelled job) fails the requests it held, with
         the error the Service mapped (a bad request stays the user's error)."""
         if drained.cancelled():
             exc: BaseException = Conflict("the sampler stopped before running the request")
         elif (exc := drained.exception()) is None:
             return
-        batch = [i for i in taken if not i.future.done()]
-        if not taken:  # it never took its requests: they are still pending
-            with queue.lock:
+        with queue.lock:
+            batch = [i for i in queue.in_flight if not i.future.done()]
+            if not batch:
                 batch, queue.pending = queue.pending, []
                 queue.scheduled = False
+            queue.in_flight = []
         for item in batch:
             item.future.set_exception(exc)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import threading
 from concurrent.futures import Future
 from types import SimpleNamespace
 
@@ -95,50 +94,57 @@ def test_a_failed_drain_fails_the_requests_it_held(engine):
             future.result()
 
 
-def test_a_request_arriving_while_a_drain_decodes_joins_that_decode(engine):
-    """No waiting for stragglers: the first request's drain starts at once, and a request that
-    arrives while it decodes starts its own drain, which joins the running decode at the next
-    step (continuous batching). Each gets what it would alone."""
-    sub = SimpleNamespace(sub_job_id="j:sampling:2", engine=engine)
+def test_requests_arriving_while_a_drain_starts_join_it(engine):
+    """The SDK's requests of one group arrive milliseconds apart; the first one's drain, started
+    on an idle sampler, waits for the others instead of decoding alone (two decode loops)."""
+    import threading
+    import time
 
-    def submit(runner) -> Future:  # the Service's queue on a batching sampler: drains overlap
+    sub, calls = counting_sub(engine, "j:sampling:2")
+
+    def submit(runner) -> Future:  # an idle sub-job queue: the drain starts at once
         future: Future = Future()
+        started = threading.Event()
 
         def run():
+            started.set()
             runner()
             future.set_result(None)
 
         threading.Thread(target=run, daemon=True).start()
+        started.wait()
+        time.sleep(0.05)  # the drain is under way before the next request arrives
         return future
 
-    batcher = SampleBatcher()
-    long = ([10, 11, 12], {"n": 1, "max_tokens": 30, "ignore_eos": True, "seed": 0})
-    late = ([20], {"n": 2, "max_tokens": 3, "ignore_eos": True, "seed": 1})
-    expected = [
-        [o["token_ids"] for o in engine.generate([p], params)] for p, params in (long, late)
-    ]
-    calls = []
-    engine.core.after_step.append(lambda: calls.append(engine.core.stats()["running_sequences"]))
-    first = batcher.add(sub, long[0], long[1], False, submit)
-    # The late request arrives once the first decodes: its drain must not wait for it to end.
-    joined = threading.Event()
+    batcher = SampleBatcher(linger_gap_s=0.5, linger_max_s=5.0)
+    params = {"n": 1, "max_tokens": 2, "seed": 0}
+    futures = [batcher.add(sub, [10 + i], params, False, submit) for i in range(3)]
+    for future in futures:
+        future.result(timeout=60)
+    assert calls == [3]
 
-    def on_step():
-        if not joined.is_set() and calls and calls[-1] == 1:
-            joined.set()
-            second_box.append(batcher.add(sub, late[0], late[1], False, submit))
 
-    second_box: list = []
-    engine.core.after_step.append(on_step)
-    try:
-        outputs = first.result(timeout=60)[0]
-        assert joined.wait(60)
-        late_outputs = second_box[0].result(timeout=60)[0]
-    finally:
-        engine.core.after_step.clear()
-    assert [o["token_ids"] for o in outputs] == expected[0]
-    assert [o["token_ids"] for o in late_outputs] == expected[1]
-    assert 3 in calls  # 1 + 2 rows decoded together: the late request joined the running decode
+def test_a_burst_the_size_of_the_last_ones_starts_without_the_long_wait(engine):
+    """Once a sampler's drains have seen bursts of ``k`` requests, a drain holding ``k`` waits
+    only the settle gap: with a gap of an hour, the second burst is still decoded."""
+    import threading
+
+    sub, calls = counting_sub(engine, "j:sampling:3")
+    held: list = []
+    submit = holding_submit(held)
+
+    batcher = SampleBatcher(linger_gap_s=0.0, linger_max_s=3600.0, linger_settle_s=0.0)
+    params = {"n": 1, "max_tokens": 2, "seed": 0}
+    first = [batcher.add(sub, [10 + i], params, False, submit) for i in range(3)]
+    held.pop()()  # no history yet: the drain waits the full gap (zero here)
+    assert all(f.done() for f in first)
+    batcher.linger_gap_s = 3600.0
+    second = [batcher.add(sub, [20 + i], params, False, submit, key="snapshot") for i in range(3)]
+    drain = threading.Thread(target=held.pop(), daemon=True)
+    drain.start()  # three pending, as many as the last burst: no hour-long wait
+    for future in second:
+        future.result(timeout=60)
+    assert calls == [3, 3]
 
 
 def test_a_drained_queue_is_dropped_and_its_key_batches_again(engine):
@@ -148,7 +154,7 @@ def test_a_drained_queue_is_dropped_and_its_key_batches_again(engine):
     held: list = []
     submit = holding_submit(held)
 
-    batcher = SampleBatcher()
+    batcher = SampleBatcher(linger_gap_s=0.0)
     params = {"n": 1, "max_tokens": 2, "seed": 0}
     for step in range(3):
         futures = [
