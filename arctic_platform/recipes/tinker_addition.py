@@ -10,10 +10,12 @@ the cookbook's ``model_name``. The cookbook loop then trains LoRA adapters on it
 ``importance_sampling`` on groups of samples per question (GRPO-style centred advantages), and
 its test-set evaluator scores every sum before the first step and after the last.
 
-Run it (needs the ``tinker`` extra and ``pip install --no-deps tinker-cookbook==0.6.1``; the
-server must share this machine's filesystem, where the cookbook reads the tokenizer)::
+Run it (needs the ``tinker`` extra and ``pip install --no-deps tinker-cookbook==0.6.1``). The
+server must share this machine's filesystem, where the cookbook reads the tokenizer, and let the
+tenant write the warm-up there: a server hides its own data folder from tenants, so the export goes
+to a folder the operator shares with ``--allow-write-path``::
 
-    arctic-platform serve --port 7000 &
+    arctic-platform serve --port 7000 --allow-write-path runs &
     python -m arctic_platform.recipes.tinker_addition --base-url http://127.0.0.1:7000
 """
 
@@ -136,6 +138,7 @@ class AdditionDatasetBuilder(RLDatasetBuilder):
 
 def warm_up(
     base_url: str,
+    export_dir: str,
     *,
     steps: int,
     max_operand: int,
@@ -146,7 +149,8 @@ def warm_up(
 ) -> str:
     """The main job's supervised warm-up, through our client on the same server: ``builtin:tiny``
     fully fine-tuned on the cookbook's rendering of the task's conversations, exported as a HF
-    folder (on the server's filesystem), whose path it returns."""
+    folder under ``export_dir`` (a folder this machine and the server share), whose path it
+    returns."""
     tokenizer = get_tokenizer(builtin_model_path("builtin:tiny"))
     renderer = renderers.get_renderer(RENDERER, tokenizer)
     task = AdditionTask(max_operand=max_operand, eval_size=1, seed=seed)
@@ -164,7 +168,9 @@ def warm_up(
             batch = sft_batch(renderer, task.train_batch(step, batch_size), tokenizer.pad_token_id)
             client.fwd_bwd({"batch": batch, "processing": {"loss_fn": "cross_entropy"}})
             client.step(learning_rate)
-        return client.save_checkpoint(export_hf=True)["hf_path"]
+        return client.save_checkpoint(path=str(Path(export_dir).resolve()), export_hf=True)[
+            "hf_path"
+        ]
 
 
 def sft_batch(
@@ -262,17 +268,24 @@ def run(
     base_url: str,
     log_path: str,
     *,
+    warmup_dir: str | None = None,
     api_key: str = "tml-local",
     warmup_steps: int = 100,
     rl_steps: int = 12,
     max_operand: int = 9,
 ) -> Progress:
-    """Warm up, then run the cookbook RL loop on the warmed-up model; returns its progress."""
+    """Warm up, then run the cookbook RL loop on the warmed-up model; returns its progress. The
+    warm-up is exported to ``warmup_dir`` (default: ``<log_path>-warm-up``), which the server
+    must be allowed to write (``--allow-write-path``)."""
     # The cookbook's ServiceClient takes its key from the environment, as the SDK documents;
     # our client sends the same key, so both work in the same tenant.
     os.environ["TINKER_API_KEY"] = api_key
     model_name = warm_up(
-        base_url, steps=warmup_steps, max_operand=max_operand, token_env="TINKER_API_KEY"
+        base_url,
+        warmup_dir or f"{log_path.rstrip('/')}-warm-up",
+        steps=warmup_steps,
+        max_operand=max_operand,
+        token_env="TINKER_API_KEY",
     )
     config = rl_config(base_url, model_name, log_path, steps=rl_steps, max_operand=max_operand)
     asyncio.run(train.main(config))
@@ -283,11 +296,16 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--base-url", default="http://127.0.0.1:7000")
     parser.add_argument("--log-path", default="runs/tinker-addition")
+    parser.add_argument("--warmup-dir", help="where the warm-up is exported (<log-path>-warm-up)")
     parser.add_argument("--warmup-steps", type=int, default=100)
     parser.add_argument("--rl-steps", type=int, default=12)
     args = parser.parse_args(argv)
     progress = run(
-        args.base_url, args.log_path, warmup_steps=args.warmup_steps, rl_steps=args.rl_steps
+        args.base_url,
+        args.log_path,
+        warmup_dir=args.warmup_dir,
+        warmup_steps=args.warmup_steps,
+        rl_steps=args.rl_steps,
     )
     print(json.dumps(asdict(progress)))
 

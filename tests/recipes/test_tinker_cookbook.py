@@ -31,7 +31,10 @@ GREEDY_GAIN = 0.08
 def test_cookbook_rl_loop_raises_the_reward_on_our_server(tmp_path):
     import tinker
 
-    service = Service(ServiceSettings(data_dir=tmp_path / "data", device="cpu"))
+    # the operator shares the run folder, where the warm-up is exported (see the recipe's doc)
+    service = Service(
+        ServiceSettings(data_dir=tmp_path / "data", device="cpu", writable_paths=(tmp_path,))
+    )
     log_path = tmp_path / "log"
     with serve_app(create_app(service)) as url:
         progress = tinker_addition.run(url, str(log_path), warmup_steps=100, rl_steps=12)
