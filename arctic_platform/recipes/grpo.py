@@ -117,7 +117,7 @@ class _Recipe:
                 "processing": {"loss_fn": "cross_entropy"},
             }
         )
-        stepped = self.client.step(learning_rate=sft.learning_rate)
+        stepped = self.client.step(learning_rate=sft.learning_rate_at(step))
         elapsed = time.perf_counter() - started
         tokens = int(batch["attention_mask"].sum())
         return {

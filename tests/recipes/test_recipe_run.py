@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 
@@ -106,6 +107,19 @@ def test_one_update_is_on_policy_and_several_use_old_logprobs(tmp_path):
     two = load_recipe(None, [*short, "grpo.updates_per_batch=2"])
     records = run_recipe(two, tmp_path / "two", show_progress=False).records
     assert all(r["kl"] != 0.0 for r in records if r["phase"] == "grpo")
+
+
+def test_each_phase_steps_with_its_scheduled_learning_rate(tmp_path):
+    """The warm-up's rate falls by a cosine from ``learning_rate`` to ``min_lr_ratio`` of it, as
+    the optimizer reports it back; a constant schedule keeps it."""
+    short = ["sft.steps=4", "grpo.steps=2", "grpo.prompts_per_step=2", "eval.every=0"]
+    decayed = load_recipe(None, [*short, "sft.learning_rate=2e-3", "sft.min_lr_ratio=0.25"])
+    records = run_recipe(decayed, tmp_path / "cosine", show_progress=False).records
+    expected = [2e-3 * (0.25 + 0.75 * 0.5 * (1 + math.cos(math.pi * i / 4))) for i in range(4)]
+    assert [r["lr"] for r in records if r["phase"] == "sft"] == pytest.approx(expected)
+    constant = load_recipe(None, [*short, "sft.lr_schedule=constant", "grpo.steps=0"])
+    records = run_recipe(constant, tmp_path / "constant", show_progress=False).records
+    assert [r["lr"] for r in records] == pytest.approx([constant.sft.learning_rate] * 4)
 
 
 def run_cli(*args: str, cwd) -> subprocess.CompletedProcess:
