@@ -1,7 +1,15 @@
-"""Test-wide settings: no model hub, deterministic threads."""
+"""Test-wide settings: no model hub, one compute thread per test worker."""
 
 import os
 
 # Tests never reach a model hub: built-in models are created locally.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+
+# The suite runs on two pytest-xdist workers (pyproject's addopts), one per core of the 2-core
+# machines it is sized for: each worker, and every process it starts (servers, Ray workers,
+# vLLM), computes on one thread, so the workers do not fight over the cores (OpenMP threads spin
+# while they wait for work).
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("MKL_NUM_THREADS", "1")
