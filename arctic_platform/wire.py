@@ -46,7 +46,6 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-import ml_dtypes
 import numpy as np
 
 WIRE_FORMAT_VERSION = "DSSST1"
@@ -88,11 +87,10 @@ class WireError(ValueError):
 # dtypes
 # ----------------------------------------------------------------------------------------------
 
-_NUMPY_DTYPES: dict[str, np.dtype] = {
+_NUMPY_DTYPES: dict[str, np.dtype] = {  # numpy's own
     "F64": np.dtype("<f8"),
     "F32": np.dtype("<f4"),
     "F16": np.dtype("<f2"),
-    "BF16": np.dtype(ml_dtypes.bfloat16),
     "I64": np.dtype("<i8"),
     "I32": np.dtype("<i4"),
     "I16": np.dtype("<i2"),
@@ -103,20 +101,48 @@ _NUMPY_DTYPES: dict[str, np.dtype] = {
     "U8": np.dtype("u1"),
     "BOOL": np.dtype("?"),
     "C64": np.dtype("<c8"),
-    "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
-    "F8_E4M3FNUZ": np.dtype(ml_dtypes.float8_e4m3fnuz),
-    "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2),
-    "F8_E5M2FNUZ": np.dtype(ml_dtypes.float8_e5m2fnuz),
 }
 _CODE_OF_NUMPY = {dtype: code for code, dtype in _NUMPY_DTYPES.items()}
-# torch cannot wrap ml_dtypes arrays; those are viewed as same-width integers and reinterpreted.
-_TORCH_CARRIER = {
-    "BF16": np.dtype("<u2"),
-    "F8_E4M3": np.dtype("u1"),
-    "F8_E4M3FNUZ": np.dtype("u1"),
-    "F8_E5M2": np.dtype("u1"),
-    "F8_E5M2FNUZ": np.dtype("u1"),
+# The dtypes numpy lacks: their ml_dtypes name, and the same-width integer that carries their bytes
+# (torch cannot wrap ml_dtypes arrays; they are viewed as that integer and reinterpreted).
+# ml_dtypes is imported only when a frame holds one (see _numpy_dtype): its import costs 1.5-2 s,
+# which every server, Ray worker and client process would otherwise pay at start.
+_ML_DTYPES: dict[str, tuple[str, np.dtype]] = {
+    "BF16": ("bfloat16", np.dtype("<u2")),
+    "F8_E4M3": ("float8_e4m3fn", np.dtype("u1")),
+    "F8_E4M3FNUZ": ("float8_e4m3fnuz", np.dtype("u1")),
+    "F8_E5M2": ("float8_e5m2", np.dtype("u1")),
+    "F8_E5M2FNUZ": ("float8_e5m2fnuz", np.dtype("u1")),
 }
+_TORCH_CARRIER = {code: carrier for code, (_, carrier) in _ML_DTYPES.items()}
+_DTYPE_CODES = frozenset(_NUMPY_DTYPES) | frozenset(_ML_DTYPES)
+
+
+def _numpy_dtype(code: str) -> np.dtype:
+    """The numpy dtype of wire dtype ``code`` (an ml_dtypes one for bf16 and float8)."""
+    dtype = _NUMPY_DTYPES.get(code)
+    if dtype is None:
+        import ml_dtypes
+
+        dtype = np.dtype(getattr(ml_dtypes, _ML_DTYPES[code][0]))
+    return dtype
+
+
+def _itemsize(code: str) -> int:
+    """Bytes per element of wire dtype ``code`` (without importing ml_dtypes)."""
+    dtype = _NUMPY_DTYPES.get(code)
+    return (dtype if dtype is not None else _TORCH_CARRIER[code]).itemsize
+
+
+def _code_of(dtype: np.dtype) -> str | None:
+    """The wire code of numpy ``dtype``, or None. An ml_dtypes array exists only once its caller
+    imported ml_dtypes, so an unloaded ml_dtypes means the dtype is not one of its."""
+    code = _CODE_OF_NUMPY.get(dtype)
+    if code is None and "ml_dtypes" in sys.modules:
+        code = next((c for c in _ML_DTYPES if _numpy_dtype(c) == dtype), None)
+    return code
+
+
 _TORCH_DTYPE_NAMES = {
     "F64": "float64",
     "F32": "float32",
@@ -221,7 +247,7 @@ class _Tensor:
 
     @property
     def itemsize(self) -> int:
-        return _NUMPY_DTYPES[self.code].itemsize
+        return _itemsize(self.code)
 
 
 def _numpy_tensor(array: np.ndarray, path: str) -> _Tensor:
@@ -229,7 +255,7 @@ def _numpy_tensor(array: np.ndarray, path: str) -> _Tensor:
     if dtype.byteorder == ">":
         array = array.astype(dtype.newbyteorder("<"))
         dtype = array.dtype
-    code = _CODE_OF_NUMPY.get(dtype)
+    code = _code_of(dtype)
     if code is None:
         raise WireError(f"{path or 'object'}: dtype {dtype} has no safetensors equivalent")
     shape = list(array.shape)  # before ascontiguousarray, which turns 0-d into 1-d
@@ -257,7 +283,7 @@ def to_numpy(tensor) -> np.ndarray:
     tensors are shared, not copied (a non-contiguous or GPU tensor is copied once).
     """
     packed = _torch_tensor(tensor, "tensor")
-    return packed.raw.view(_NUMPY_DTYPES[packed.code]).reshape(packed.shape)
+    return packed.raw.view(_numpy_dtype(packed.code)).reshape(packed.shape)
 
 
 class _Encoder:
@@ -426,7 +452,7 @@ def _parse_entry(key: str, spec: Any, data_size: int) -> _Entry:
     if not isinstance(spec, dict) or set(spec) != {"dtype", "shape", "data_offsets"}:
         raise ValueError(f"tensor {key!r} needs exactly dtype, shape and data_offsets")
     code, shape, offsets = spec["dtype"], spec["shape"], spec["data_offsets"]
-    if not isinstance(code, str) or code not in _NUMPY_DTYPES:
+    if not isinstance(code, str) or code not in _DTYPE_CODES:
         raise ValueError(f"tensor {key!r} has unsupported dtype {code!r}")
     if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
         raise ValueError(f"tensor {key!r} has an invalid shape {shape!r}")
@@ -441,9 +467,9 @@ def _parse_entry(key: str, spec: Any, data_size: int) -> _Entry:
         or not 0 <= offsets[0] <= offsets[1] <= data_size
     ):
         raise ValueError(f"tensor {key!r} has invalid data_offsets {offsets!r}")
-    if math.prod(shape) * _NUMPY_DTYPES[code].itemsize != offsets[1] - offsets[0]:
+    if math.prod(shape) * _itemsize(code) != offsets[1] - offsets[0]:
         raise ValueError(f"tensor {key!r}: shape {shape} and {code} do not match its byte range")
-    if math.prod(max(d, 1) for d in shape) * _NUMPY_DTYPES[code].itemsize > _MAX_SHAPE_BYTES:
+    if math.prod(max(d, 1) for d in shape) * _itemsize(code) > _MAX_SHAPE_BYTES:
         raise ValueError(f"tensor {key!r} has a shape {_short(shape)} too large to index")
     return _Entry(code, shape, offsets[0], offsets[1])
 
@@ -553,9 +579,10 @@ class _Decoder:
         if scalar and entry.shape != [1]:
             raise WireError(f"scalar tensor {key!r} must be stored with shape [1]")
         shape = () if scalar else tuple(entry.shape)
-        dtype = _NUMPY_DTYPES[entry.code]
-        if self.torch is not None:
-            dtype = _TORCH_CARRIER.get(entry.code, dtype)
+        if self.torch is not None and entry.code in _TORCH_CARRIER:
+            dtype = _TORCH_CARRIER[entry.code]
+        else:
+            dtype = _numpy_dtype(entry.code)
         array = np.frombuffer(
             self.frame.buffer,
             dtype=dtype,
