@@ -42,6 +42,7 @@ import torch
 from arctic_platform.contract.bodies import learning_rate_problem
 from arctic_platform.contract.results import loss_fields
 from arctic_platform.engine import checkpoint as ckpt
+from arctic_platform.engine.chunked_head import LMHead
 from arctic_platform.engine.config import TrainingEngineConfig
 from arctic_platform.engine.data_parallel import ParallelStrategy
 from arctic_platform.engine.errors import EngineInputError
@@ -107,6 +108,8 @@ class TrainingEngine:
             )
         self.model = model.train()
         self.vocab_size = int(model.get_input_embeddings().num_embeddings)
+        # Found before any data-parallel wrapper; its hooks work through the wrappers' forward.
+        self._head = LMHead.of(model, config.logits)
         # The module microbatches run through (the DDP wrapper, or the model sharded in place).
         self._module = self.parallel.attach(model, config.model, self.device)
         self._trainable = [p for p in model.parameters() if p.requires_grad]
@@ -184,7 +187,7 @@ class TrainingEngine:
             if request is None:
                 self.parallel.pad_forward(calls)
                 return None
-            out = forward_no_grad(self.model, request, self.device)
+            out = forward_no_grad(self.model, request, self.device, head=self._head)
             self.parallel.pad_forward(calls - len(request.plan))
         return out
 
@@ -363,7 +366,7 @@ class TrainingEngine:
         """The scored microbatches of ``request`` through the strategy's module."""
         if request is None:
             return iter(())
-        return scored_microbatches(self._module, request, self.device)
+        return scored_microbatches(self._module, request, self.device, head=self._head)
 
     @staticmethod
     def _backward(request: Request, outputs: Mapping, rows: Mapping, sums: MetricSums) -> None:
