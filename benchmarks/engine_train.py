@@ -20,7 +20,8 @@ does:
 model with Qwen3's 151,936-token vocabulary (4 layers, hidden 1024, tied embeddings, random
 weights, ~0.2 B parameters; built locally by :mod:`benchmarks.local_qwen3`), one GRPO
 ``fwd_bwd`` + ``step`` on 8 rows x 384 tokens, each side in its own process, one after the other
-(peak RSS is the child's ``ru_maxrss``; time is the op's wall time, model load excluded):
+(peak RSS is the child's ``ru_maxrss``; time is the op's wall time, model load excluded, with its
+CPU time beside it, steadier on a loaded machine):
 
 (e) **plain**: the transformers loop a user writes (forward, log-softmax gather,
     advantage-weighted masked mean, backward, AdamW); **whole**: the engine with
@@ -177,14 +178,20 @@ def real_vocab_worker(side: str, args) -> dict:
             engine.forward_backward(batch)
             engine.step()
 
-    seconds = []
+    def cpu_seconds() -> float:
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        return usage.ru_utime + usage.ru_stime
+
+    seconds, cpu = [], []
     for _ in range(args.rv_steps):
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), cpu_seconds()
         step()
         seconds.append(time.perf_counter() - start)
+        cpu.append(cpu_seconds() - start_cpu)
     return {
         "median_seconds": statistics.median(seconds),
         "all_seconds": seconds,
+        "median_cpu_seconds": statistics.median(cpu),
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "load_average_1m_after": os.getloadavg()[0],
         "torch_threads": torch.get_num_threads(),
@@ -221,6 +228,9 @@ def real_vocab_suite(args, argv: list[str], settings: dict) -> None:
             "target_rss_ratio": 0.45,
             "time_ratio_chunked_vs_whole": chunked["median_seconds"] / whole["median_seconds"],
             "target_time_ratio": 1.0,
+            "cpu_time_ratio_chunked_vs_whole": (
+                chunked["median_cpu_seconds"] / whole["median_cpu_seconds"]
+            ),
             "rss_ratio_chunked_vs_whole": chunked["peak_rss_mib"] / whole["peak_rss_mib"],
             "time_ratio_chunked_vs_plain": chunked["median_seconds"] / plain["median_seconds"],
             **report,

@@ -125,11 +125,18 @@ class LMHead:
                 handle.remove()
 
 
-def model_logits(model: torch.nn.Module, mb, head: LMHead | None) -> Logits:
+def model_logits(
+    model: torch.nn.Module, mb, head: LMHead | None, wanted: torch.Tensor | None = None
+) -> Logits:
     """One model call on microbatch ``mb`` (a ``MicroBatch`` or ``SharedMicroBatch``, already on
-    the device): chunked when ``head`` says the scored positions need it, else whole logits."""
+    the device): chunked when ``head`` says the scored positions need it, else whole logits.
+
+    ``wanted`` (bool, one per entry of ``mb.pred_index``; None: all) narrows the positions a
+    chunked head computes; whole logits cover every position.
+    """
     if head is not None:
-        positions = torch.unique(mb.pred_index)
+        predicting = mb.pred_index if wanted is None else mb.pred_index[wanted]
+        positions = torch.unique(predicting)
         if head.chunks(int(positions.numel())):
             with head.bypassed():
                 hidden = mb.model_outputs(model)
@@ -235,15 +242,19 @@ def _scan(
     for start in range(0, n, chunk):
         end = min(n, start + chunk)
         logits = _chunk_logits(rows[start:end], weight, bias, divisor)
-        part = torch.logsumexp(logits, dim=-1)
+        if entropy is None:
+            part = torch.logsumexp(logits, dim=-1)
+        else:  # one exponential serves both: lse = m + log(s), H = lse - sum(e * logits) / s
+            peak = logits.amax(dim=-1, keepdim=True)
+            shifted = torch.sub(logits, peak).exp_()
+            total = shifted.sum(-1)
+            part = peak.squeeze(-1) + total.log()
+            entropy[start:end] = part - shifted.mul_(logits).sum(-1) / total
+            del shifted
         lse[start:end] = part
         if logprobs is not None:
             picked = logits.gather(-1, targets[start:end].unsqueeze(-1)).squeeze(-1)
             logprobs[start:end] = picked - part
-        if entropy is not None:
-            probs = torch.sub(logits, part.unsqueeze(-1)).exp_()
-            entropy[start:end] = part - probs.mul_(logits).sum(-1)
-            del probs
         if top is not None:
             values, ids = torch.topk(torch.log_softmax(logits, dim=-1), top_k, dim=-1)
             top[0][start:end], top[1][start:end] = values, ids
@@ -280,16 +291,18 @@ class _ChunkedHeadScores(torch.autograd.Function):
             end = min(rows.shape[0], start + ctx.chunk)
             chunk_rows = rows[start:end]
             g = grad_logprobs[start:end].unsqueeze(-1)
-            # d logprob / d logits = onehot - p; d entropy / d logits = -p (log p + H).
+            part = lse[start:end].unsqueeze(-1)
+            # d logprob / d logits = onehot - p; d entropy / d logits = -p (log p + H), so with
+            # gradients g (log-prob) and e (entropy): -p (e z + g + e (H - lse)) + g onehot.
             grad = _chunk_logits(chunk_rows, weight, bias, ctx.divisor)
-            grad.sub_(lse[start:end].unsqueeze(-1))  # log p
             if ctx.want_entropy:
-                probs = grad.exp()
-                grad.add_(entropy[start:end].unsqueeze(-1))
-                grad.mul_(grad_entropy[start:end].unsqueeze(-1)).add_(g).mul_(probs).neg_()
+                e = grad_entropy[start:end].unsqueeze(-1)
+                probs = torch.sub(grad, part).exp_()
+                offset = g + e * (entropy[start:end].unsqueeze(-1) - part)
+                grad.mul_(-e).sub_(offset).mul_(probs)
                 del probs
             else:
-                grad.exp_().mul_(-g)
+                grad.sub_(part).exp_().mul_(-g)
             grad.scatter_add_(-1, targets[start:end].unsqueeze(-1), g)
             if ctx.divisor != 1.0:
                 grad.div_(ctx.divisor)

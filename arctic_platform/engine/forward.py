@@ -151,14 +151,17 @@ def score(
     want_entropy: bool,
     top_k: int = 0,
     head: LMHead | None = None,
+    reads: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
     """One model call; ``logprobs`` (and ``entropy``, ``top_logprobs``/``top_ids``) as ``[b, S]``.
 
     ``mb`` must already be on the model's device; ``head`` (None: whole logits) chunks the LM
-    head when the microbatch needs it.
+    head when the microbatch needs it, and then computes only the positions ``reads`` (``[b, S]``
+    bool, None: all) marks; the others hold 0.
     """
+    wanted = None if reads is None else reads[mb.token_rows, mb.token_cols]
     state = ScoringState(
-        logits=model_logits(model, mb, head),
+        logits=model_logits(model, mb, head, wanted),
         targets=mb.targets,
         temperature=temperature,
         want_entropy=want_entropy,
@@ -183,16 +186,22 @@ def scored_microbatches(
     *,
     top_k: int = 0,
     head: LMHead | None = None,
+    loss_positions_only: bool = False,
 ) -> Iterator[
     tuple[MicroBatch | SharedMicroBatch, dict[str, torch.Tensor], dict[str, torch.Tensor]]
 ]:
     """Yield ``(microbatch, outputs, loss rows)`` for each microbatch of ``request``, in order.
 
     ``loss rows`` are the microbatch's rows of the prepared loss's tensors, on ``device`` (empty
-    when the request has no loss). Gradients flow if the caller enables them.
+    when the request has no loss). Gradients flow if the caller enables them. With
+    ``loss_positions_only`` (a backward pass whose outputs only the loss sees), a chunked head
+    scores only the positions the loss reads (:attr:`PreparedLoss.reads`).
     """
     for mb in request.plan:
         cancellation.check()  # between microbatches: a cancelled op stops here
+        reads = None
+        if loss_positions_only and request.loss is not None:
+            reads = request.loss.reads.index_select(0, mb.rows).to(device)
         outputs = score(
             model,
             mb.to(device),
@@ -202,6 +211,7 @@ def scored_microbatches(
             want_entropy=request.want_entropy,
             top_k=top_k,
             head=head,
+            reads=reads,
         )
         rows = {}
         if request.loss is not None:

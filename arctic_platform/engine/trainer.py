@@ -151,7 +151,7 @@ class TrainingEngine:
             sums.add(request.sharing_metrics())
             if with_logprobs:
                 logprobs = torch.zeros(request.batch.input_ids.shape)
-        batches = self._microbatches(request)
+        batches = self._microbatches(request, loss_positions_only=not with_logprobs)
         stopping = self.parallel.stopping(backward=True)
         with self._gradients_unchanged_unless_finished(), stopping as stop_point:
             for i in range(calls):
@@ -362,11 +362,17 @@ class TrainingEngine:
                 problem = exc
         return request, self.parallel.agree(problem, len(request.plan) if request else 0)
 
-    def _microbatches(self, request: Request | None) -> Iterator:
+    def _microbatches(self, request: Request | None, *, loss_positions_only: bool) -> Iterator:
         """The scored microbatches of ``request`` through the strategy's module."""
         if request is None:
             return iter(())
-        return scored_microbatches(self._module, request, self.device, head=self._head)
+        return scored_microbatches(
+            self._module,
+            request,
+            self.device,
+            head=self._head,
+            loss_positions_only=loss_positions_only,
+        )
 
     @staticmethod
     def _backward(request: Request, outputs: Mapping, rows: Mapping, sums: MetricSums) -> None:

@@ -81,6 +81,11 @@ def test_every_registered_loss_has_a_case():
 
 @pytest.fixture(scope="module")
 def batch():
+    return shared_prompt_batch()
+
+
+@pytest.fixture(scope="module")
+def batch_with_echo_masks():
     return echo_batch()
 
 
@@ -136,9 +141,11 @@ def kinds(engine: TrainingEngine, batch) -> set[str]:
 @pytest.mark.parametrize("sharing", ["auto", "off"])
 @pytest.mark.parametrize("loss", sorted(LOSS_CASES))
 def test_loss_metrics_logprobs_and_every_gradient_equal_whole_logits(
-    engines, batch, chunk_calls, loss, sharing, entropy
+    engines, batch, batch_with_echo_masks, chunk_calls, loss, sharing, entropy
 ):
     chunked, whole = engines[sharing]
+    if loss == "grpo_echo_v1":  # the masks it reads; the other losses refuse them
+        batch = batch_with_echo_masks
     assert ("SharedMicroBatch" in kinds(chunked, batch)) == (sharing == "auto")
     meta, config = LOSS_CASES[loss]
     meta = {**meta, "calculate_entropy": entropy, "temperature": 0.8}
@@ -148,12 +155,11 @@ def test_loss_metrics_logprobs_and_every_gradient_equal_whole_logits(
     results = []
     for engine in (chunked, whole):
         engine.optimizer.zero_grad(set_to_none=True)
-        out = engine.forward_backward(batch, meta, processing, with_logprobs=True)
+        out = engine.forward_backward(batch, meta, processing)
         results.append((out, grads(engine)))
     (got, got_grads), (want, want_grads) = results
     assert chunk_calls and max(chunk_calls) == CHUNK
-    assert len(chunk_calls) >= 2 * 6  # several chunks, each forward and again in backward
-    torch.testing.assert_close(got["logprobs"], want["logprobs"], **TIGHT)
+    assert len(chunk_calls) >= 2 * 4  # several chunks, each forward and again in backward
     assert got["metrics"].keys() == want["metrics"].keys()
     for name, value in want["metrics"].items():
         if name != SAVED_METRIC:
@@ -161,6 +167,24 @@ def test_loss_metrics_logprobs_and_every_gradient_equal_whole_logits(
     assert "model.embed_tokens.weight" in got_grads  # the tied LM head
     assert got_grads["model.embed_tokens.weight"].abs().sum() > 0
     assert_grads_close(got_grads, want_grads)
+
+
+def test_a_backward_pass_scores_only_the_positions_its_loss_reads(engines, batch, chunk_calls):
+    """Without log-probs returned, the head computes the response tokens' positions (forward
+    and again in backward) and nothing else; asked for log-probs, every position."""
+    chunked, whole = engines["off"]
+    responses = int(batch["response_mask"].sum())
+    scored = int(batch["attention_mask"].sum()) - len(batch["input_ids"])  # all but first tokens
+    chunked.forward_backward(batch)
+    assert sum(chunk_calls) == 2 * responses < scored
+    chunk_calls.clear()
+    for engine in (chunked, whole):
+        engine.optimizer.zero_grad(set_to_none=True)
+    got = chunked.forward_backward(batch, with_logprobs=True)
+    want = whole.forward_backward(batch, with_logprobs=True)
+    assert sum(chunk_calls) == 2 * scored
+    torch.testing.assert_close(got["logprobs"], want["logprobs"], **TIGHT)
+    assert_grads_close(grads(chunked), grads(whole))
 
 
 @pytest.mark.parametrize("sharing", ["auto", "off"])
