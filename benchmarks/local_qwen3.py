@@ -10,14 +10,10 @@ are cached under the built-in models' cache, keyed by their shape.
 
 from __future__ import annotations
 
-import hashlib
-import json
-import shutil
-import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from arctic_platform.engine.builtin import cache_root
+from arctic_platform.engine.builtin import cached_model_folder
 
 QWEN3_VOCAB = 151_936
 TOKENIZER_VOCAB = 8_192
@@ -44,24 +40,11 @@ class Qwen3Shape:
 
 def qwen3_model_path(shape: Qwen3Shape) -> str:
     """The folder of the model ``shape`` describes, written once."""
-    key = hashlib.sha256(
-        json.dumps({"shape": asdict(shape), "v": _BUILDER_VERSION}, sort_keys=True).encode()
-    ).hexdigest()[:16]
-    target = cache_root() / "models" / f"qwen3-{shape.layers}x{shape.hidden}-{key}"
-    if (target / "config.json").is_file():
-        return str(target)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=".qwen3-", dir=target.parent))
-    try:
-        _write(shape, staging)
-        try:
-            staging.rename(target)
-        except OSError:
-            if not (target / "config.json").is_file():
-                raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return str(target)
+    return cached_model_folder(
+        f"qwen3-{shape.layers}x{shape.hidden}",
+        {"shape": asdict(shape), "v": _BUILDER_VERSION},
+        lambda folder: _write(shape, folder),
+    )
 
 
 def train_tokenizer():
