@@ -151,14 +151,15 @@ class LogitsSettings(Settings):
     the whole logits. Results agree to float rounding either way. SkyRL's ``None`` is ``none``
     and the reference server's ``compute`` is ``memory``.
 
-    The 1 GiB default keeps the head's peak a fraction of the weights' and optimizer's memory
-    from ~0.2 B parameters up, while chunks stay hundreds of rows long at a 152 k vocabulary (so
-    the head's matrix products stay efficient); SkyRL sends 4.
+    The 0.5 GiB default keeps the head's peak well under the weights' and optimizer's memory
+    from ~0.2 B parameters up (16 bytes a parameter in float32: 3.5 GB at 0.2 B), while chunks
+    stay hundreds of rows long at a 152 k vocabulary (441 rows), so the head's matrix products
+    stay efficient; SkyRL sends 4.
     """
 
     optimization: LogitsOptimization = "memory"
     peak_mem_size_in_gib: PositiveFloat = Field(
-        1.0,
+        0.5,
         validation_alias=AliasChoices("peak_mem_size_in_gib", "optimization_peak_mem_size_in_gib"),
     )
 

@@ -52,6 +52,7 @@ from arctic_platform.engine.forward import (
     prepare_training_request,
     scored_microbatches,
 )
+from arctic_platform.engine.host_memory import release_freed_heap
 from arctic_platform.engine.meta import to_int
 from arctic_platform.engine.metrics import MetricSums
 from arctic_platform.engine.models import (
@@ -173,6 +174,8 @@ class TrainingEngine:
                     self._backward(request, outputs, rows, sums)
                 if logprobs is not None:
                     logprobs[mb.rows] = outputs["logprobs"].detach().float().cpu()
+        if self.device.type == "cpu":
+            release_freed_heap()  # before the optimizer's state lands on top (host_memory.py)
         answer = self._backward_answer(sums)
         if logprobs is not None:
             answer["logprobs"] = logprobs
