@@ -103,3 +103,39 @@ def test_tinker_sampling_clients_keep_their_snapshot_on_ray(ray_server):
         check_snapshots_keep_their_weights(service)
     finally:
         service.close("success").result()
+
+
+def test_openai_chat_and_logprobs_on_ray_are_our_generate(ray_server, tmp_path):
+    """The OpenAI-compatible API on ``serve --ray``, where the engines (and their tokenizers)
+    live in Ray actors: chat renders the model's template and logprobs spell their tokens with
+    the tokenizer the API server loads from the model's folder; the samples are our client's
+    ``generate`` with the same seed."""
+    openai = pytest.importorskip("openai", reason="the openai SDK (dev extra) is not installed")
+    from transformers import AutoTokenizer
+
+    from arctic_platform.engine.builtin import builtin_model_path
+
+    tokenizer = AutoTokenizer.from_pretrained(builtin_model_path(TINY))
+    sdk = openai.OpenAI(base_url=ray_server + "/v1", api_key="unused", max_retries=0, timeout=300)
+    params = {"n": 2, "max_tokens": 5, "seed": 3, "temperature": 1.0}
+    messages = [{"role": "user", "content": "What is 1+2?"}]
+    chat = sdk.chat.completions.create(
+        model=TINY, messages=messages, logprobs=True, top_logprobs=2, **params
+    )
+    completion = sdk.completions.create(model=TINY, prompt="1+2=", logprobs=2, **params)
+
+    config = {"model": TINY, "backend": backend_config("http", ray_server, tmp_path)}
+    with create_arctic_rl_client({**config, "sampling": {}}, blocking_calls=True) as client:
+        rendered = tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True
+        )
+        ours_chat = client.generate([rendered], {**params, "logprobs": 2})
+        ours = client.generate(["1+2="], {**params, "logprobs": 2})
+    for choice, sample in zip(chat.choices, ours_chat, strict=True):
+        assert choice.message.content == sample["text"]
+        spelled = [tokenizer.decode([t]) for t in sample["token_ids"]]
+        assert [e.token for e in choice.logprobs.content] == spelled
+    for choice, sample in zip(completion.choices, ours, strict=True):
+        assert choice.text == sample["text"]
+        assert choice.logprobs.tokens == [tokenizer.decode([t]) for t in sample["token_ids"]]
+        assert choice.logprobs.token_logprobs == [e["logprob"] for e in sample["logprobs"]]

@@ -8,12 +8,14 @@ all an answer needs; the tokenizer only spells token ids for ``logprobs``.
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 import uuid
 from collections.abc import Iterator
 from typing import Any
 
+from arctic_platform.engine.builtin import resolve_model_path
 from arctic_platform.server.errors import BadRequest
 from arctic_platform.server.openai.bodies import ChatRequest, CompletionRequest
 
@@ -62,28 +64,43 @@ def _header(kind: str, model: str) -> dict:
 
 class Spelling:
     """Token ids as strings (``logprobs.tokens``, the keys of ``top_logprobs``, echoed token-id
-    prompts), with the engine's tokenizer, looked up only when an answer needs one."""
+    prompts), with the model's tokenizer (:func:`tokenizer_of`), looked up only when an answer
+    needs one."""
 
-    def __init__(self, engine) -> None:
+    def __init__(self, engine, weights: str) -> None:
         self._engine = engine
+        self._weights = weights
 
     def __call__(self, token_id: int) -> str:
         return self.text([token_id])
 
     def text(self, token_ids: list[int]) -> str:
-        return tokenizer_of(self._engine).decode(token_ids, clean_up_tokenization_spaces=False)
+        tokenizer = tokenizer_of(self._engine, self._weights)
+        return tokenizer.decode(token_ids, clean_up_tokenization_spaces=False)
 
 
-def tokenizer_of(engine):
-    """The engine's tokenizer (ours and vLLM's hold one; the Ray proxy does not)."""
+def tokenizer_of(engine, weights: str):
+    """The tokenizer of the model at ``weights``: the engine's own (ours and vLLM's hold one), or,
+    for an engine in a Ray actor (``serve --ray``), one loaded here from the model's folder."""
     tokenizer = getattr(engine, "tokenizer", None)
-    if tokenizer is None:
+    return tokenizer if tokenizer is not None else _local_tokenizer(weights)
+
+
+@functools.lru_cache(maxsize=16)
+def _local_tokenizer(weights: str):
+    """The tokenizer files of ``weights`` (a folder, a built-in or hub model), loaded once. A
+    server whose Ray workers hold model files its own machine cannot read answers a 400."""
+    from transformers import AutoTokenizer  # only here: importing the app loads no transformers
+
+    try:
+        return AutoTokenizer.from_pretrained(resolve_model_path(weights))
+    except (OSError, ValueError) as exc:
         raise BadRequest(
-            "this server's engines keep their tokenizer remote (serve --ray): chat, logprobs "
-            "and echoed token ids are not available here",
+            f"model: its tokenizer cannot be read on the API server ({exc}); chat, logprobs and "
+            "echoed token ids need it here, where the engines run in Ray actors (serve --ray)",
             code="unsupported_parameter",
-        )
-    return tokenizer
+            param="model",
+        ) from exc
 
 
 def completion(

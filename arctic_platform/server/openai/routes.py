@@ -92,14 +92,14 @@ def _complete(service, tinker, owner, body: CompletionRequest) -> dict:
         with models.model_sub_job(service, tinker, owner, model, "log_prob") as sub:
             scored = service.submit(sub, "log-probs", {"prompts": prompts, "top_k": top_k})
             scored = scored.result()["results"]
-            spell = codec.Spelling(sub.engine)
+            spell = codec.Spelling(sub.engine, model.weights)
         token_prompts = [s["prompt_token_ids"] for s in scored]
     samples: list[dict] = []
     if body.max_tokens > 0:
         with models.model_sub_job(service, tinker, owner, model, "sampling") as sub:
             op = {"prompts": token_prompts, "sampling_params": params}
             samples = service.submit(sub, "generate", op).result()["results"]
-            spell = codec.Spelling(sub.engine)
+            spell = codec.Spelling(sub.engine, model.weights)
     return codec.completion(body, prompts, samples, scored, spell)
 
 
@@ -109,7 +109,7 @@ def _chat(service, tinker, owner, body: ChatRequest) -> dict:
     check_generate(service, None, "generate", [""], params)
     model = models.resolve(service, tinker, owner, body.model)
     with models.model_sub_job(service, tinker, owner, model, "sampling") as sub:
-        tokenizer = codec.tokenizer_of(sub.engine)
+        tokenizer = codec.tokenizer_of(sub.engine, model.weights)
         if not getattr(tokenizer, "chat_template", None):
             raise BadRequest(
                 f"messages: model {body.model!r} has no chat template; use /completions",
@@ -119,4 +119,4 @@ def _chat(service, tinker, owner, body: ChatRequest) -> dict:
         prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         op = {"prompts": [prompt], "sampling_params": params}
         samples = service.submit(sub, "generate", op).result()["results"]
-        return codec.chat(body, samples, codec.Spelling(sub.engine))
+        return codec.chat(body, samples, codec.Spelling(sub.engine, model.weights))
