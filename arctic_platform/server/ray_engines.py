@@ -81,6 +81,13 @@ WEIGHT_CHUNK_BYTES = 64 * 1024 * 1024
 PEER_FAILURE_WAIT_S = 90.0
 
 
+def _unreachable(error: Exception) -> bool:
+    """Whether a Ray error says an actor could not be reached (its node may be gone)."""
+    import ray
+
+    return isinstance(error, ray.exceptions.ActorUnavailableError)
+
+
 class WorkerFailure(RuntimeError):
     """A worker actor died or raised: the job cannot continue (the Service fails it)."""
 
@@ -159,17 +166,21 @@ class _Actors:
         import ray
 
         raised = isinstance(exc, ray.exceptions.RayTaskError)
-        unreachable = isinstance(exc, ray.exceptions.ActorUnavailableError)
+        cause = exc.cause if raised and exc.cause is not None else exc
+        # An actor Ray could not reach, ``rank`` itself or a peer that ``rank``'s task called:
+        # only its node's fate tells whether a node was lost.
+        unreachable = _unreachable(cause)
         deaths = {} if raised else {rank: exc}
         lost = self._lost_nodes()
         if not lost and (unreachable or (raised and pending)):
             lost = self._await_verdict(pending, deaths, until_dead=unreachable)
+        if not lost and not unreachable and any(map(_unreachable, deaths.values())):
+            lost = self._await_verdict({}, deaths, until_dead=True)  # a peer found unreachable
         if lost:
             return NodeLost("; ".join(self._describe_node(n, lost[n], what) for n in lost))
         if deaths:
             dead, error = min(deaths.items())
             return WorkerFailure(f"{self.describe(dead)} died during {what}: {_first_line(error)}")
-        cause = exc.cause if exc.cause is not None else exc
         return WorkerFailure(
             f"{self.describe(rank)} failed during {what}: "
             f"{type(cause).__name__}: {_first_line(cause)}"
