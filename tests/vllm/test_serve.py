@@ -18,13 +18,18 @@ pytestmark = [needs_vllm, pytest.mark.slow]
 TINY = "builtin:tiny"
 
 
-def test_serve_with_vllm_as_the_default_sampling_engine(tmp_path):
-    server = LocalServer(
+def vllm_server(tmp_path) -> LocalServer:
+    """A real ``serve`` whose default sampling engine is vLLM (this environment's)."""
+    return LocalServer(
         port=free_port(),
         data_dir=tmp_path / "server",
         device="cpu",
         extra_args=("--sampling-engine", "vllm", "--vllm-python", str(VLLM_PYTHON)),
     )
+
+
+def test_serve_with_vllm_as_the_default_sampling_engine(tmp_path):
+    server = vllm_server(tmp_path)
     with server as url:
         config = {
             "model": "builtin:tiny",
@@ -60,12 +65,7 @@ def test_the_openai_api_samples_on_vllm_what_our_sampler_does(tmp_path):
     greedy = {"temperature": 0.0, "max_tokens": 8}
     ours = SamplingEngine(SamplingEngineConfig(model=ModelConfig(name=TINY)))
     expected, expected_chat = ours.generate(["1+1=", chat_prompt], {**greedy, "logprobs": 1})
-    server = LocalServer(
-        port=free_port(),
-        data_dir=tmp_path / "server",
-        device="cpu",
-        extra_args=("--sampling-engine", "vllm", "--vllm-python", str(VLLM_PYTHON)),
-    )
+    server = vllm_server(tmp_path)
     with server as url:
         assert vllm_processes(server.pid) == []
         sdk = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=600)
