@@ -11,12 +11,50 @@ from tests.client.conftest import TINY, backend_config, make_app
 from tests.live_server import serve_app
 
 
+class RestartGate:
+    """ASGI middleware standing for the gap of a restart: while ``down``, every answer is a 503
+    (what a load balancer gives for a server that is not up), so no poll reads the stopped server
+    before the new one is in place (in CI a poll once did, and was told the op stopped rather
+    than that its job ended)."""
+
+    def __init__(self, app):
+        self.app = app
+        self.down = False
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        if self.down:
+            return await self._unavailable(send)
+        replaced = False
+
+        async def gated_send(message):
+            # A request that was under way when the server went down gets no answer from it.
+            nonlocal replaced
+            if message["type"] == "http.response.start" and self.down:
+                replaced = True
+                return await self._unavailable(send)
+            if not replaced:
+                await send(message)
+
+        await self.app(scope, receive, gated_send)
+
+    @staticmethod
+    async def _unavailable(send):
+        await send({"type": "http.response.start", "status": 503, "headers": []})
+        await send({"type": "http.response.body", "body": b""})
+
+    @property
+    def state(self):
+        return self.app.state
+
+
 def test_an_op_whose_server_restarted_reports_that_the_job_ended(tmp_path):
     from arctic_platform.server.service import Service, ServiceSettings
 
     data = tmp_path / "server"
     first = Service(ServiceSettings(data_dir=data, device="cpu"))
-    app = make_app(first)
+    app = make_app(first, middleware=RestartGate)
     with serve_app(app) as url:
         # Retries as slow as a real client's: a 404 retried to exhaustion would take a minute.
         backend = backend_config("cortex", url, tmp_path, retry_initial_wait=5, max_retries=8)
@@ -37,9 +75,11 @@ def test_an_op_whose_server_restarted_reports_that_the_job_ended(tmp_path):
         while not first.busy():  # the generate is submitted
             assert time.monotonic() < deadline and waiting.is_alive()
             time.sleep(0.02)
+        app.down = True
         first.close(drain_timeout=0)  # the server goes down with the op in flight ...
         second = Service(ServiceSettings(data_dir=data, device="cpu"))
         app.state.service = second  # ... and comes back on the same address
+        app.down = False
         try:
             waiting.join(timeout=120)
             assert not waiting.is_alive()
