@@ -1,9 +1,9 @@
 """lm-eval, unmodified, evaluates a checkpoint of a run through the OpenAI-compatible API.
 
-A run trains ``builtin:tiny`` on the main job's addition task over our client (the main job's
-supervised warm-up, shortened, on chat-rendered prompts) and saves a checkpoint; lm-eval's own CLI
-then evaluates ``job:<id>/<checkpoint>`` on two tasks defined locally (task YAMLs over a JSONL of
-held-out sums, no hub):
+The main job (``run_recipe``, shortened: its warm-up and two GRPO steps, on chat-rendered prompts)
+trains ``builtin:tiny`` on a server and saves its checkpoint; lm-eval's own CLI then evaluates
+``job:<id>/<checkpoint>`` on two tasks defined locally (task YAMLs over a JSONL of held-out sums,
+no hub), and a second job of our client restores the same checkpoint to answer independently:
 
 * a generation task with ``local-chat-completions`` (greedy, the model's chat template): its
   answers, and so its exact-match score, are our client's greedy ``generate`` on the same items;
@@ -25,6 +25,9 @@ import pytest
 from arctic_platform.client import create_arctic_rl_client
 from arctic_platform.engine.builtin import builtin_model_path
 from arctic_platform.layout import training_batch
+from arctic_platform.recipes.config import load_recipe
+from arctic_platform.recipes.grpo import STATE_FILE, run_recipe
+from arctic_platform.recipes.launch import backend_settings
 from arctic_platform.recipes.tasks.addition import AdditionTask
 from arctic_platform.server.service import Service, ServiceSettings
 from tests.live_server import serve_app
@@ -34,7 +37,18 @@ pytest.importorskip("lm_eval", reason="lm-eval (dev extra) is not installed")
 pytestmark = pytest.mark.slow
 
 ITEMS = 24
-SFT_STEPS = 40
+# The main job (``arctic-platform train``), shortened: its warm-up, two GRPO steps and the final
+# checkpoint; prompts rendered with the chat template, as local-chat-completions renders them.
+RUN = [
+    "task.chat_template=true",
+    "sft.steps=40",
+    "grpo.steps=2",
+    "grpo.prompts_per_step=4",
+    "eval.every=0",
+    "eval.size=20",
+    "checkpoint.every=0",
+    "logging.plot_every=0",
+]
 MAX_TOKENS = 5
 STOP = "\n"
 
@@ -67,21 +81,24 @@ metric_list:
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    """A server, and a run on it: a shortened warm-up, a checkpoint, the sampler synced."""
-    service = Service(ServiceSettings(data_dir=tmp_path_factory.mktemp("lm-eval"), device="cpu"))
+    """A server, the main job shortened on it (its checkpoint the model lm-eval evaluates), and a
+    client whose job restored that checkpoint the way a resumed run does."""
+    root = tmp_path_factory.mktemp("lm-eval")
+    service = Service(ServiceSettings(data_dir=root / "server", device="cpu"))
     with serve_app(make_app(service)) as url:
-        config = {
-            "model": TINY,
-            "seed": 0,
-            "backend": {"type": "http", "url": url},
-            "training": {"optimizer": {"lr": 3e-3, "grad_clip": 1.0}},
-            "sampling": {},
-        }
-        client = create_arctic_rl_client(config, blocking_calls=True)
+        recipe = load_recipe(None, RUN, backend_settings("http", url))
+        run_recipe(recipe, root / "run", show_progress=False)
+        state = json.loads((root / "run" / STATE_FILE).read_text())
+        job_id = state["training_job_id"].split(":")[0]
+        config = {"model": TINY, "seed": 0, "backend": {"type": "http", "url": url}}
+        client = create_arctic_rl_client(
+            {**config, "training": {}, "sampling": {}}, blocking_calls=True
+        )
+        client.load_checkpoint(state["checkpoint_path"])
+        client.sync_weights()
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(builtin_model_path(TINY))
-        task = AdditionTask()
 
         def chat(prompt: str) -> list[int]:
             messages = [{"role": "user", "content": prompt}]
@@ -93,31 +110,12 @@ def run(tmp_path_factory):
         def ids(text: str) -> list[int]:
             return tokenizer(text, add_special_tokens=False)["input_ids"]
 
-        for step in range(SFT_STEPS):
-            examples = task.train_batch(step, 32)
-            batch = training_batch(
-                [chat(e.prompt) for e in examples],
-                [[*ids(e.answer), tokenizer.eos_token_id] for e in examples],
-                pad_token_id=tokenizer.pad_token_id,
-            )
-            labels = np.where(batch["response_mask"] == 1, batch["input_ids"], -100)
-            client.fwd_bwd(
-                {
-                    "batch": {**batch, "labels": labels},
-                    "processing": {"loss_fn": "cross_entropy"},
-                }
-            )
-            client.step()
-        saved = client.save_checkpoint(export_hf=True)
-        client.sync_weights()
-        job_id = client.training_job_id.split(":")[0]
-        items = task.eval_set()[:ITEMS]
         try:
             yield {
                 "url": url,
                 "client": client,
-                "model": f"job:{job_id}/{saved['checkpoint_id']}",
-                "items": items,
+                "model": f"job:{job_id}/{state['checkpoint_id']}",
+                "items": AdditionTask().eval_set()[:ITEMS],
                 "chat": chat,
                 "ids": ids,
                 "pad": tokenizer.pad_token_id,
@@ -182,7 +180,8 @@ def test_lm_eval_generation_scores_what_our_greedy_generate_answers(run, tmp_pat
         prompt_ids=[run["chat"](e.prompt) for e in run["items"]],
         sampling_params={"temperature": 0.0, "max_tokens": MAX_TOKENS, "stop": [STOP]},
     )
-    assert any(sample["text"] for sample in ours)  # the warm-up taught it to answer
+    # The warm-up taught the format: every answer is a number (the untrained model's are not).
+    assert all(sample["text"].isdigit() for sample in ours), ours
     for example, sample in zip(run["items"], ours, strict=True):
         record = by_item[example.prompt]
         assert record["filtered_resps"] == [sample["text"]], example
