@@ -166,8 +166,15 @@ _TORCH_DTYPE_NAMES = {
 
 
 def _torch_module():
-    """torch if this process already imported it; encoding never imports torch by itself."""
-    return sys.modules.get("torch")
+    """torch if this process finished importing it; encoding never imports torch by itself.
+
+    A torch another thread is still importing counts as absent: its half-built module has no
+    ``Tensor`` yet (a job being created while a request is encoded hit exactly that), and no
+    tensor can exist before the import ends."""
+    torch = sys.modules.get("torch")
+    if torch is None or getattr(getattr(torch, "__spec__", None), "_initializing", False):
+        return None
+    return torch
 
 
 def is_torch_tensor(value: Any) -> bool:

@@ -60,3 +60,25 @@ def test_numpy_round_trip_without_torch():
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "ok"
+
+
+def test_a_torch_another_thread_is_still_importing_counts_as_absent():
+    result = run_without_torch(
+        """
+        import importlib.machinery, sys, types
+        import numpy as np
+        from arctic_platform import wire
+
+        # What sys.modules holds while another thread runs torch's __init__.
+        half = types.ModuleType("torch")
+        half.__spec__ = importlib.machinery.ModuleSpec("torch", None)
+        half.__spec__._initializing = True
+        sys.modules["torch"] = half
+        assert not wire.is_torch_tensor(np.arange(3))
+        decoded = wire.loads(wire.dumps({"x": np.arange(3)}), tensor_type="numpy")
+        assert decoded["x"].tolist() == [0, 1, 2]
+        print("ok")
+        """
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "ok"
