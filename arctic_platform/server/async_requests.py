@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from arctic_platform import wire
+from arctic_platform.contract.states import UNFINISHED_REQUEST_STATES, RequestState
 from arctic_platform.engine.cancellation import CancelToken
 from arctic_platform.server.errors import (
     BadRequest,
@@ -53,7 +54,7 @@ class AsyncRequest:
     sub_job_id: str
     op: str
     binary_result: bool
-    status: str = "pending"
+    status: RequestState = "pending"
     created_at: float = field(default_factory=time.time)
     updated_at: float = field(default_factory=time.time)
     result: Any = None
@@ -208,7 +209,7 @@ class RequestStore:
     def _evict(self) -> None:
         while len(self._requests) > self._capacity:
             oldest = next(iter(self._requests))
-            if self._requests[oldest].status in ("pending", "running"):
+            if self._requests[oldest].status in UNFINISHED_REQUEST_STATES:
                 break
             del self._requests[oldest]
 

@@ -72,6 +72,7 @@ from arctic_platform.client.transports.liveness import LivenessWatch
 from arctic_platform.contract.job_config import SHORT_JOB_TYPE
 from arctic_platform.contract.ops import OPERATION
 from arctic_platform.contract.ops import op as contract_op
+from arctic_platform.contract.states import TERMINAL_JOB_STATES
 
 log = logging.getLogger(__name__)
 
@@ -90,10 +91,11 @@ FINAL_CODES = frozenset(
     }
 )
 MAX_EVENTS = 512
+# Our states (contract/states.py) and the other spellings Cortex servers use for them.
 DONE = {"done", "completed", "succeeded"}
 FAILED = {"failed"}
 CANCELLED = {"cancelled", "canceled"}
-ENDED_JOB = {"failed", "cancelled", "canceled", "terminated", "done"}
+ENDED_JOB = {*TERMINAL_JOB_STATES, "canceled", "done"}
 
 
 @dataclass(frozen=True)
