@@ -27,6 +27,7 @@ from arctic_platform.contract.bodies import (
     TRAIN_ENVELOPE_KEYS,
     Problem,
     learning_rate_problem,
+    load_source_problem,
     prompts_problem,
 )
 from arctic_platform.contract.generate_columns import COLUMNS_KEY, request_columns, results_of
@@ -139,8 +140,7 @@ class OpCalls:
         checkpoint_id: str | None,
         source_job_id: str | None,
     ) -> Call:
-        if path is not None and checkpoint_id is not None:
-            raise ValueError("load_checkpoint: give path or checkpoint_id, not both")
+        _raise("load_checkpoint", load_source_problem(path, checkpoint_id))
         if path is None and checkpoint_id is None and self.config.training is not None:
             path = self.config.training.checkpoint_dir
         optional = {

@@ -121,9 +121,7 @@ def _load(service, sub, engine, job_id, body):
     path = None
     if body.path is not None:
         path = service.paths.readable(owner, body.path, field="load.path")
-    if body.checkpoint_id is not None:
-        if body.path is not None:
-            raise BadRequest("load: give either path or checkpoint_id, not both")
+    if body.checkpoint_id is not None:  # not both: LoadBody's rule
         source_job = body.source_job_id or sub.job_id
         record = service.checkpoint(source_job, body.checkpoint_id, owner=owner)
         path = service.paths.readable(owner, record["path"], field="load.checkpoint_id")
