@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from arctic_platform import wire
+from arctic_platform.contract.ops import OpName
 from arctic_platform.contract.states import UNFINISHED_REQUEST_STATES, RequestState
 from arctic_platform.engine.cancellation import CancelToken
 from arctic_platform.server.errors import (
@@ -72,7 +73,7 @@ class AsyncRequest:
     @property
     def streaming(self) -> bool:
         """Streaming generation: its outputs are events, drained by a server-side cursor."""
-        return self.op == "generate-stream"
+        return self.op == OpName.GENERATE_STREAM
 
 
 class RequestStore:

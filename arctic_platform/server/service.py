@@ -38,7 +38,7 @@ from arctic_platform.contract.job_config import (
     CreateJobRequest,
     SubJobConfig,
 )
-from arctic_platform.contract.ops import INLINE_OPERATIONS, OPERATION, OPERATION_TYPES
+from arctic_platform.contract.ops import INLINE_OPERATIONS, OPERATION, OPERATION_TYPES, OpName
 from arctic_platform.contract.states import TERMINAL_JOB_STATES, JobState
 from arctic_platform.engine import cancellation
 from arctic_platform.engine.cancellation import CancelToken
@@ -564,10 +564,10 @@ class Service:
         from arctic_platform.server.op_bodies import parse
 
         job_id = target.split(":", 1)[0]
-        if op == "cancel-request":
-            parsed = parse(CancelRequestBody, body, what="cancel-request")
+        if op == OpName.CANCEL_REQUEST:
+            parsed = parse(CancelRequestBody, body, what=OpName.CANCEL_REQUEST)
             return self.requests.cancel(job_id, parsed.request_id)
-        parsed = parse(TailLogsBody, body, what="tail-logs")
+        parsed = parse(TailLogsBody, body, what=OpName.TAIL_LOGS)
         return self.tail_logs(job_id, owner=owner, cursor=parsed.cursor, max_lines=parsed.max_lines)
 
     def owner_of(self, job_id: str) -> str | None:

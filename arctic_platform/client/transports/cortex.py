@@ -70,7 +70,7 @@ from arctic_platform.client.transports.http_common import (
 )
 from arctic_platform.client.transports.liveness import LivenessWatch
 from arctic_platform.contract.job_config import SHORT_JOB_TYPE
-from arctic_platform.contract.ops import OPERATION
+from arctic_platform.contract.ops import OPERATION, OpName
 from arctic_platform.contract.ops import op as contract_op
 from arctic_platform.contract.states import TERMINAL_JOB_STATES
 
@@ -256,12 +256,12 @@ class CortexTransport(Transport):
         if op == OPERATION:
             return self._operation(request.body)
         spec = contract_op(op)
-        if op == "load-checkpoint":
+        if op == OpName.LOAD_CHECKPOINT:
             return self._load(request)
         if spec.cortex_route is None:
             # No route of its own: an operation envelope addressed to the sub-job.
             payload = request.body
-            if op == "wake-inference":
+            if op == OpName.WAKE_INFERENCE:
                 payload = {} if payload is None else {"tags": payload}
             envelope = {
                 "operation_type": op,
