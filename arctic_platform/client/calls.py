@@ -27,10 +27,11 @@ from arctic_platform.contract.bodies import (
     TRAIN_ENVELOPE_KEYS,
     Problem,
     learning_rate_problem,
+    load_source_problem,
     prompts_problem,
 )
 from arctic_platform.contract.generate_columns import COLUMNS_KEY, request_columns, results_of
-from arctic_platform.contract.ops import default_role
+from arctic_platform.contract.ops import OpName, default_role
 from arctic_platform.contract.results import shape_step_result, shape_train_result
 
 SYNCHRONOUS_SAVES = {
@@ -81,7 +82,7 @@ class OpCalls:
             body["processing"] = folded
         if router_replay is not None:
             body["router_replay"] = router_replay
-        request = self._request("forward-backward", body)
+        request = self._request(OpName.FORWARD_BACKWARD, body)
         return Call([request], _only(shape_train_result))
 
     def fwd_no_grad(
@@ -97,7 +98,7 @@ class OpCalls:
             )
         body = train_body("fwd_no_grad", batch, meta=meta, processing=processing)
         body["reference_model"] = reference_model
-        request = self._request("forward", body, reference_model=reference_model)
+        request = self._request(OpName.FORWARD, body, reference_model=reference_model)
         return Call([request], _only(shape_train_result))
 
     def step(self, learning_rate: float | None) -> Call:
@@ -105,7 +106,7 @@ class OpCalls:
         if learning_rate is not None:
             _raise("step", learning_rate_problem(learning_rate))
             body["learning_rate"] = float(learning_rate)
-        request = self._request("step", body)
+        request = self._request(OpName.STEP, body)
         return Call([request], _only(shape_step_result))
 
     def save_checkpoint(
@@ -129,7 +130,7 @@ class OpCalls:
             "stage_info": stage_info,
         }
         body.update({k: v for k, v in optional.items() if v is not None})
-        request = self._request("save", body)
+        request = self._request(OpName.SAVE, body)
         return Call([request], _only(dict))
 
     def load_checkpoint(
@@ -139,8 +140,7 @@ class OpCalls:
         checkpoint_id: str | None,
         source_job_id: str | None,
     ) -> Call:
-        if path is not None and checkpoint_id is not None:
-            raise ValueError("load_checkpoint: give path or checkpoint_id, not both")
+        _raise("load_checkpoint", load_source_problem(path, checkpoint_id))
         if path is None and checkpoint_id is None and self.config.training is not None:
             path = self.config.training.checkpoint_dir
         optional = {
@@ -150,18 +150,18 @@ class OpCalls:
             "source_job_id": source_job_id,
         }
         body = {k: v for k, v in optional.items() if v is not None}
-        request = self._request("load-checkpoint", body)
+        request = self._request(OpName.LOAD_CHECKPOINT, body)
         return Call([request], _only(dict))
 
     def sleep_training(self, mode: str) -> Call:
         body = {"mode": _str("sleep_training", "mode", mode)}
-        return self._simple("sleep-training", body)
+        return self._simple(OpName.SLEEP_TRAINING, body)
 
     def wake_training(self) -> Call:
-        return self._simple("wake-training", {})
+        return self._simple(OpName.WAKE_TRAINING, {})
 
     def empty_training_cache(self) -> Call:
-        return self._simple("empty-training-cache", {})
+        return self._simple(OpName.EMPTY_TRAINING_CACHE, {})
 
     # -- inference --------------------------------------------------------------------------
 
@@ -187,7 +187,7 @@ class OpCalls:
         if not isinstance(strict, bool):
             raise TypeError(f"generate: strict must be True or False, got {strict!r}")
         body["strict"] = strict
-        request = self._request("generate", body, frame_metadata=request_columns())
+        request = self._request(OpName.GENERATE, body, frame_metadata=request_columns())
         return Call([request], _only(shape_generate_result))
 
     def log_probs(self, prompts: Sequence, completions: Sequence | None, top_k: int) -> Call:
@@ -202,7 +202,7 @@ class OpCalls:
         if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
             raise ValueError(f"log_probs: top_k must be an integer >= 0, got {top_k!r}")
         body["top_k"] = top_k
-        request = self._request("log-probs", body)
+        request = self._request(OpName.LOG_PROBS, body)
         return Call([request], _only(to_python))
 
     def sync_weights(self, cuda_ipc: bool | None, low_memory: bool | None) -> Call:
@@ -215,15 +215,15 @@ class OpCalls:
                     raise TypeError(f"sync_weights: {name} must be True, False or None")
                 payload[name] = value
         envelope = {
-            "operation_type": "weight-sync",
+            "operation_type": OpName.WEIGHT_SYNC,
             "sub_job_id": training,
             "sub_job_type": "training",
             "payload": payload,
         }
         requests = [
-            Request("wake-inference", sampling, ["weights"]),
+            Request(OpName.WAKE_INFERENCE, sampling, ["weights"]),
             Request("operation", training, envelope),
-            Request("wake-inference", sampling, ["kv_cache"]),
+            Request(OpName.WAKE_INFERENCE, sampling, ["kv_cache"]),
             self._reset_prefix_cache_request(True, 60.0, 0.1),
         ]
         return Call(requests, lambda results: dict(results[1]))
@@ -235,20 +235,20 @@ class OpCalls:
     def sleep_inference(self, level: int) -> Call:
         if isinstance(level, bool) or level not in (1, 2):
             raise ValueError(f"sleep_inference: level must be 1 or 2, got {level!r}")
-        return self._simple("sleep-inference", {"level": level})
+        return self._simple(OpName.SLEEP_INFERENCE, {"level": level})
 
     def wake_inference(self, tags: Sequence[str] | None) -> Call:
         if tags is not None:
             if isinstance(tags, str) or not all(isinstance(t, str) for t in tags):
                 raise TypeError(f"wake_inference: tags must be a list of strings, got {tags!r}")
             tags = list(tags)
-        return self._simple("wake-inference", tags)
+        return self._simple(OpName.WAKE_INFERENCE, tags)
 
     def _reset_prefix_cache_request(
         self, drain: bool, timeout_s: float, retry_interval_s: float
     ) -> Request:
         envelope = {
-            "operation_type": "reset-prefix-cache",
+            "operation_type": OpName.RESET_PREFIX_CACHE,
             "sub_job_type": "sampling",
             "payload": {
                 "drain": drain,

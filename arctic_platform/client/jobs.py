@@ -29,6 +29,7 @@ import httpx
 
 from arctic_platform.client.errors import ArcticRLError
 from arctic_platform.client.transports.http_common import error_from_response
+from arctic_platform.contract.ops import OpName
 
 DEFAULT_TIMEOUT_S = 30.0
 
@@ -257,7 +258,7 @@ class CortexJobsClient(JobsClient):
         payload: dict[str, Any] = {"max_lines": max_lines}
         if cursor is not None:
             payload["cursor"] = cursor
-        body = {"operation_type": "tail-logs", "payload": payload}
+        body = {"operation_type": OpName.TAIL_LOGS, "payload": payload}
         return self._json("POST", f"/{_segment(job_id)}/operation", what="logs", json=body)
 
     def checkpoints(self, job_id: str) -> list[dict[str, Any]]:

@@ -21,7 +21,14 @@ from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 import numpy as np
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, NonNegativeInt
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    NonNegativeInt,
+    model_validator,
+)
 from pydantic_core import PydanticCustomError
 
 # The tensor envelope of forward-backward / forward: the on-prem (verl) form and the SnowAPI form.
@@ -52,6 +59,13 @@ def learning_rate_problem(value: Any) -> Problem | None:
         return Problem("learning_rate", f"must be a number, got {value!r}", wrong_type=True)
     if not math.isfinite(value) or value <= 0:
         return Problem("learning_rate", f"must be > 0, got {value!r}")
+    return None
+
+
+def load_source_problem(path: Any, checkpoint_id: Any) -> Problem | None:
+    """A load names its checkpoint by folder (``path``) or by ``checkpoint_id``, never both."""
+    if path is not None and checkpoint_id is not None:
+        return Problem("checkpoint_id", "and path both given: give path or checkpoint_id, not both")
     return None
 
 
@@ -165,6 +179,13 @@ class LoadBody(_Body):
     checkpoint_id: str | None = None
     source_job_id: str | None = None
     target_sub_job_id: str | None = None
+
+    @model_validator(mode="after")
+    def _one_source(self) -> LoadBody:
+        problem = load_source_problem(self.path, self.checkpoint_id)
+        if problem is not None:
+            raise PydanticCustomError("invalid_value", "{problem}", {"problem": str(problem)})
+        return self
 
 
 class GenerateBody(_Body):

@@ -3,7 +3,8 @@
 Each :class:`Op` says what an op is on every side of the wire:
 
 * ``name``: its canonical name (the on-prem route segment, the ``operation_type``, the name the
-  Service dispatches on);
+  Service dispatches on), an :class:`OpName` member: code elsewhere writes ``OpName.STEP``, never
+  the string;
 * ``job_types``: the sub-job types it runs on; the first is the one chosen when a caller names
   only the parent job (``forward`` with ``reference_model: true`` goes to the log-prob job);
 * ``request``: the pydantic model its JSON body validates against (None: a tensor envelope, checked
@@ -27,6 +28,7 @@ Nothing here imports torch, FastAPI or the server: the client-only install reads
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Literal
 
 from pydantic import BaseModel
@@ -39,11 +41,42 @@ Retry = Literal["safe", "chunk_group", "never"]
 OperationKind = Literal["queued", "quick", "inline"]
 
 
+class OpName(StrEnum):
+    """Every op's canonical name, written once: code elsewhere names an op as ``OpName.STEP``,
+    never as the string. A member is a ``str`` equal to (and hashing as) its value, so tables
+    keyed by the plain names still find it, and it formats, JSON-encodes and travels as that
+    plain string.
+    """
+
+    FORWARD_BACKWARD = "forward-backward"
+    FORWARD = "forward"
+    STEP = "step"
+    SAVE = "save"
+    LOAD_CHECKPOINT = "load-checkpoint"
+    GENERATE = "generate"
+    GENERATE_STREAM = "generate-stream"
+    LOG_PROBS = "log-probs"
+    WEIGHT_SYNC = "weight-sync"
+    RESET_PREFIX_CACHE = "reset-prefix-cache"
+    SLEEP_INFERENCE = "sleep-inference"
+    WAKE_INFERENCE = "wake-inference"
+    SLEEP_TRAINING = "sleep-training"
+    WAKE_TRAINING = "wake-training"
+    EMPTY_TRAINING_CACHE = "empty-training-cache"
+    CANCEL_REQUEST = "cancel-request"
+    TAIL_LOGS = "tail-logs"
+
+    def __repr__(self) -> str:
+        # Messages show an op with ``!r`` (``op 'step' does not run on ...``) or list the table
+        # (``known: sorted(OPS)``): a member reads as its plain string there too.
+        return repr(self.value)
+
+
 @dataclass(frozen=True)
 class Op:
     """The facts of one op (see the module doc)."""
 
-    name: str
+    name: OpName
     job_types: tuple[Role, ...]
     request: type[BaseModel] | None = None
     binary_request: bool = False
@@ -57,7 +90,7 @@ class Op:
 
 _TABLE = (
     Op(
-        "forward-backward",
+        OpName.FORWARD_BACKWARD,
         ("training",),
         binary_request=True,
         binary_result=True,
@@ -65,18 +98,18 @@ _TABLE = (
         retry="chunk_group",
     ),
     Op(
-        "forward",
+        OpName.FORWARD,
         ("training", "log_prob"),
         binary_request=True,
         binary_result=True,
         cortex_route="forward-no-grad",
         retry="safe",
     ),
-    Op("step", ("training",), bodies.StepBody, cortex_route="step"),
-    Op("save", ("training",), bodies.SaveBody, cortex_route="save"),
-    Op("load-checkpoint", ("training",), bodies.LoadBody, cortex_route="load"),
+    Op(OpName.STEP, ("training",), bodies.StepBody, cortex_route="step"),
+    Op(OpName.SAVE, ("training",), bodies.SaveBody, cortex_route="save"),
+    Op(OpName.LOAD_CHECKPOINT, ("training",), bodies.LoadBody, cortex_route="load"),
     Op(
-        "generate",
+        OpName.GENERATE,
         ("sampling",),
         bodies.GenerateBody,
         binary_request=True,
@@ -85,7 +118,7 @@ _TABLE = (
         retry="safe",
     ),
     Op(
-        "generate-stream",
+        OpName.GENERATE_STREAM,
         ("sampling",),
         bodies.GenerateBody,
         onprem=False,
@@ -94,40 +127,48 @@ _TABLE = (
         client_op=False,
     ),
     Op(
-        "log-probs",
+        OpName.LOG_PROBS,
         ("log_prob",),
         bodies.LogProbsBody,
         binary_result=True,
         cortex_route="log-probs",
         retry="safe",
     ),
-    Op("weight-sync", ("training",), bodies.WeightSyncBody, operation="queued", client_op=False),
     Op(
-        "reset-prefix-cache",
+        OpName.WEIGHT_SYNC,
+        ("training",),
+        bodies.WeightSyncBody,
+        operation="queued",
+        client_op=False,
+    ),
+    Op(
+        OpName.RESET_PREFIX_CACHE,
         ("sampling", "log_prob"),
         bodies.ResetPrefixCacheBody,
         operation="quick",
         client_op=False,
     ),
     Op(
-        "sleep-inference",
+        OpName.SLEEP_INFERENCE,
         ("sampling", "log_prob"),
         bodies.SleepInferenceBody,
         operation="quick",
     ),
-    Op("wake-inference", ("sampling", "log_prob"), operation="quick"),
-    Op("sleep-training", ("training",), bodies.SleepTrainingBody, operation="quick"),
-    Op("wake-training", ("training",), bodies.EmptyBody, operation="quick"),
-    Op("empty-training-cache", ("training",), bodies.EmptyBody, operation="quick"),
+    Op(OpName.WAKE_INFERENCE, ("sampling", "log_prob"), operation="quick"),
+    Op(OpName.SLEEP_TRAINING, ("training",), bodies.SleepTrainingBody, operation="quick"),
+    Op(OpName.WAKE_TRAINING, ("training",), bodies.EmptyBody, operation="quick"),
+    Op(OpName.EMPTY_TRAINING_CACHE, ("training",), bodies.EmptyBody, operation="quick"),
     Op(
-        "cancel-request",
+        OpName.CANCEL_REQUEST,
         (),
         bodies.CancelRequestBody,
         onprem=False,
         operation="inline",
         client_op=False,
     ),
-    Op("tail-logs", (), bodies.TailLogsBody, onprem=False, operation="inline", client_op=False),
+    Op(
+        OpName.TAIL_LOGS, (), bodies.TailLogsBody, onprem=False, operation="inline", client_op=False
+    ),
 )
 
 OPS: dict[str, Op] = {op.name: op for op in _TABLE}
@@ -155,7 +196,7 @@ def op(name: str) -> Op:
 
 def default_role(name: str, *, reference_model: bool = False) -> Role:
     """The sub-job type ``name`` runs on when the caller names only the parent job."""
-    if name == "forward" and reference_model:
+    if name == OpName.FORWARD and reference_model:
         return "log_prob"
     return op(name).job_types[0]
 

@@ -5,6 +5,8 @@ Every response carries ``X-Request-ID`` (the caller's, when it sent one, else a 
 Clients log the id of a failed request, so an operator can find the server's side of it.
 A client that disconnects before its body arrived is status 499 (nginx's "client closed
 request", :class:`~arctic_platform.server.errors.ClientDisconnected`): this line is all it logs.
+An exception no route anticipated is answered here, inside the id's scope: a JSON 500 naming the
+request id (:func:`~arctic_platform.server.errors.internal_error`), its traceback logged under it.
 """
 
 from __future__ import annotations
@@ -15,9 +17,14 @@ import re
 import time
 import uuid
 
+from starlette.responses import JSONResponse
+
+from arctic_platform.server.errors import internal_error
+
 REQUEST_ID_HEADER = "x-request-id"
 _SAFE_ID = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 log = logging.getLogger("arctic_platform.access")
+errors_log = logging.getLogger("arctic_platform.server")
 
 
 class AccessLog:
@@ -34,17 +41,24 @@ class AccessLog:
         request_id = given if _SAFE_ID.match(given) else uuid.uuid4().hex
         start = time.perf_counter()
         status = 500
+        started = False
 
         async def send_with_id(message) -> None:
-            nonlocal status
+            nonlocal status, started
             if message["type"] == "http.response.start":
-                status = message["status"]
+                status, started = message["status"], True
                 headers = [h for h in message.get("headers", []) if h[0] != b"x-request-id"]
                 message = {**message, "headers": [*headers, (b"x-request-id", request_id.encode())]}
             await send(message)
 
         try:
             await self.app(scope, receive, send_with_id)
+        except Exception:
+            if started:  # part of the answer is out: only closing the connection can tell
+                raise
+            errors_log.exception("request %s: %s %s", request_id, scope["method"], scope["path"])
+            error = internal_error(request_id)
+            await JSONResponse(error.body(), status_code=error.status)(scope, receive, send_with_id)
         finally:
             log.info(
                 json.dumps(

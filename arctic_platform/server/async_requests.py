@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import logging
 import threading
 import time
 import uuid
@@ -26,14 +27,23 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from arctic_platform import wire
+from arctic_platform.contract.ops import OpName
+from arctic_platform.contract.states import UNFINISHED_REQUEST_STATES, RequestState
 from arctic_platform.engine.cancellation import CancelToken
-from arctic_platform.server.errors import BadRequest, Conflict, NotFound
+from arctic_platform.server.errors import (
+    BadRequest,
+    Conflict,
+    NotFound,
+    ServiceError,
+    internal_error,
+)
 from arctic_platform.server.limits import ServerLimits
 
 INLINE_RESULT_BYTES = 8 * 1024 * 1024
 RESULT_CHUNK_BYTES = 4 * 1024 * 1024
 DEFAULT_MAX_EVENTS = 16
 MAX_EVENTS = 512
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -45,11 +55,14 @@ class AsyncRequest:
     sub_job_id: str
     op: str
     binary_result: bool
-    status: str = "pending"
+    status: RequestState = "pending"
     created_at: float = field(default_factory=time.time)
     updated_at: float = field(default_factory=time.time)
     result: Any = None
     error: str | None = None
+    # The failure as the other surfaces report it: the HTTP status they would answer, with the
+    # error body (``message``, ``code``, details); ``error`` keeps the reference's string.
+    error_detail: dict | None = None
     events: list[dict] = field(default_factory=list)
     stream_cursor: int = 0
     future: Future | None = field(default=None, repr=False)
@@ -60,7 +73,7 @@ class AsyncRequest:
     @property
     def streaming(self) -> bool:
         """Streaming generation: its outputs are events, drained by a server-side cursor."""
-        return self.op == "generate-stream"
+        return self.op == OpName.GENERATE_STREAM
 
 
 class RequestStore:
@@ -150,6 +163,7 @@ class RequestStore:
                 "updated_at": request.updated_at,
                 "result": request.result,
                 "error": request.error,
+                "error_detail": request.error_detail,
                 "events": events,
                 "next_cursor": str(end) if more and not streaming else "",
             }
@@ -164,14 +178,20 @@ class RequestStore:
         else:
             try:
                 result, events = self._outcome(request, future)
-            except Exception as exc:
-                stopped = isinstance(exc, Conflict) and exc.code == "op_cancelled"
+            except ServiceError as exc:
+                stopped = exc.code == "op_cancelled"
                 status = "cancelled" if stopped and request.stop.cancelled else "failed"
-                error = f"{type(exc).__name__}: {exc}"
+                error = exc
+            except Exception:
+                log.exception("request %s (%s) failed", request.request_id, request.op)
+                status, error = "failed", internal_error(request.request_id)
         with self._lock:
             request.updated_at = time.time()
             request.status = status
-            request.result, request.events, request.error = result, events, error
+            request.result, request.events = result, events
+            if error is not None:
+                request.error = error.message
+                request.error_detail = {"status": error.status, **error.body()}
 
     @staticmethod
     def _outcome(request: AsyncRequest, future: Future) -> tuple[Any, list[dict]]:
@@ -190,7 +210,7 @@ class RequestStore:
     def _evict(self) -> None:
         while len(self._requests) > self._capacity:
             oldest = next(iter(self._requests))
-            if self._requests[oldest].status in ("pending", "running"):
+            if self._requests[oldest].status in UNFINISHED_REQUEST_STATES:
                 break
             del self._requests[oldest]
 

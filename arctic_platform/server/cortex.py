@@ -26,7 +26,7 @@ from arctic_platform import wire
 from arctic_platform.contract import ops as contract
 from arctic_platform.contract.bodies import GenerateBody
 from arctic_platform.contract.generate_columns import as_columns, wants_columns
-from arctic_platform.contract.ops import BINARY_RESULTS, QUICK_OPERATIONS
+from arctic_platform.contract.ops import BINARY_RESULTS, QUICK_OPERATIONS, OpName
 from arctic_platform.server.errors import BadRequest, NotFound
 from arctic_platform.server.http_common import (
     frame_of,
@@ -167,9 +167,9 @@ async def _chunked_octet_op(request: Request, job_id: str, op: str) -> dict:
         }
     try:
         payload, metadata = await frame_of(request, outcome.frame, what=op)
-        if op == "forward" and isinstance(payload, dict):
+        if op == OpName.FORWARD and isinstance(payload, dict):
             payload.setdefault("reference_model", False)
-        columns = op == "generate" and wants_columns(metadata)
+        columns = op == OpName.GENERATE and wants_columns(metadata)
         request_id = _submit(
             service, job_id, op, payload, owner, reshape=as_columns if columns else None
         )
@@ -186,7 +186,10 @@ async def _chunked_octet_op(request: Request, job_id: str, op: str) -> dict:
 
 # What turns a generate op's result into the reference's form (``generate``: ``{job_id, results}``;
 # ``generate-stream``: the list of samples its events carry).
-_REFERENCE_SHAPED = {"generate": as_reference_logprobs, "generate-stream": reference_samples}
+_REFERENCE_SHAPED = {
+    OpName.GENERATE: as_reference_logprobs,
+    OpName.GENERATE_STREAM: reference_samples,
+}
 
 
 def _submit(service, job_id: str, op: str, body: Any, owner: str | None, *, reshape=None) -> str:
@@ -213,12 +216,12 @@ def _queue(service, job_id: str, sub, op: str, body: Any, *, reshape=None) -> st
 @router.post("/{job_id}/generate-stream")
 async def generate_stream(job_id: str, request: Request) -> dict:
     owner = owner_of(request)
-    body = await json_of(request, await read_body(request), what="generate-stream")
-    parsed = parse(GenerateBody, body, what="generate-stream")
+    body = await json_of(request, await read_body(request), what=OpName.GENERATE_STREAM)
+    parsed = parse(GenerateBody, body, what=OpName.GENERATE_STREAM)
     params = parsed.sampling_params
     per_prompt = params if isinstance(params, list) else [params] * len(parsed.prompts)
     count = sum(int((p or {}).get("n", 1)) for p in per_prompt)
-    request_id = _submit(_service(request), job_id, "generate-stream", body, owner)
+    request_id = _submit(_service(request), job_id, OpName.GENERATE_STREAM, body, owner)
     return {"request_id": request_id, "job_id": job_id, "count": count}
 
 
@@ -242,7 +245,7 @@ def _add_data_plane_route(spec: contract.Op) -> None:
 
 # Routes with their own checks are written out below; every other data-plane op comes from the
 # op table.
-_SPECIAL_ROUTES = {"generate-stream", "load-checkpoint"}
+_SPECIAL_ROUTES = {OpName.GENERATE_STREAM, OpName.LOAD_CHECKPOINT}
 for _spec in contract.OPS.values():
     if _spec.cortex_route is not None and _spec.name not in _SPECIAL_ROUTES:
         _add_data_plane_route(_spec)
@@ -255,7 +258,7 @@ async def load(job_id: str, request: Request) -> dict:
     if not isinstance(body, dict) or not body.get("checkpoint_id"):
         raise BadRequest("load: checkpoint_id is required")
     return {
-        "request_id": _submit(_service(request), job_id, "load-checkpoint", body, owner),
+        "request_id": _submit(_service(request), job_id, OpName.LOAD_CHECKPOINT, body, owner),
         "job_id": job_id,
     }
 

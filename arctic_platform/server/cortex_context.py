@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 
 from arctic_platform import wire
+from arctic_platform.contract.ops import OpName
 from arctic_platform.server.errors import BadRequest
 
 # Shifted per-token context tensors -> the engine's position-indexed batch fields.
@@ -122,7 +123,7 @@ def _rows_scoring_past_their_end(batch: Mapping, loss_mask: Any, *, op: str) -> 
     selected = at_last[:, 0] & (last >= 0)
     if not selected.any() and not mask[:, -1].astype(bool).any():
         return None
-    if op != "forward-backward" or "labels" in batch:
+    if op != OpName.FORWARD_BACKWARD or "labels" in batch:
         raise BadRequest(
             f"{op}: context.loss_mask selects the last token of a row, whose target (the next "
             "token) only a forward-backward without kwargs.labels takes, as the reference does, "
@@ -136,11 +137,11 @@ def _widen_inputs(out: dict, batch: Mapping, extend: np.ndarray) -> None:
     """One more column for the model inputs: ``input_ids[:, 0]`` (the reference's rolled target
     of the last column), attention on it only where a row's own next token is scored (``extend``;
     a shorter row's next token is already in the batch: the client's padding)."""
-    shape = tuple(_as_array("input_ids", batch["input_ids"], op="forward-backward").shape)
+    shape = tuple(_as_array("input_ids", batch["input_ids"], op=OpName.FORWARD_BACKWARD).shape)
     for name, value in batch.items():
         if not _is_tensor(value) or tuple(value.shape) != shape:
             continue  # not a per-token input
-        array = _as_array(name, value, op="forward-backward")
+        array = _as_array(name, value, op=OpName.FORWARD_BACKWARD)
         if name == "input_ids":
             column = array[:, :1]
         elif name == "position_ids":

@@ -28,6 +28,16 @@ class ServiceError(Exception):
         return {"message": self.message, "code": self.code, **self.details}
 
 
+def internal_error(request_id: str) -> ServiceError:
+    """What a caller is told of an exception nobody anticipated: a 500 naming the request, whose
+    traceback the server logged under that id (the exception's own text stays in the log: it
+    may hold paths and internals)."""
+    return ServiceError(
+        f"internal error in request {request_id}; the server's log has its traceback",
+        request_id=request_id,
+    )
+
+
 class BadRequest(ServiceError):
     """Malformed body, unknown field, bad value (400)."""
 

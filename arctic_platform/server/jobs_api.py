@@ -19,12 +19,11 @@ from fastapi import APIRouter, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import FileResponse
 
+from arctic_platform.contract.states import JOB_STATES
 from arctic_platform.server.errors import BadRequest, NotFound
 from arctic_platform.server.http_common import owner_of
-from arctic_platform.server.service import TERMINAL
 
 router = APIRouter(prefix="/jobs")
-JOB_STATES = ("pending", "initializing", "running", *TERMINAL)
 MAX_LOG_LINES = 1000
 
 

@@ -20,7 +20,7 @@ from fastapi.concurrency import run_in_threadpool
 
 from arctic_platform.contract.generate_columns import as_columns, wants_columns
 from arctic_platform.contract.job_config import SHORT_JOB_TYPE
-from arctic_platform.contract.ops import BINARY_RESULTS, ONPREM_OPS
+from arctic_platform.contract.ops import BINARY_RESULTS, ONPREM_OPS, OpName
 from arctic_platform.server.errors import BadRequest, NotFound
 from arctic_platform.server.http_common import (
     frame_response,
@@ -119,16 +119,16 @@ async def run_op(
         raise NotFound(f"unknown op {op!r}; known: {sorted(ONPREM_OPS)}")
     owner = owner_of(request)
     body, frame_metadata = await read_op_body(request, what=op)
-    if op == "sleep-inference" and level is not None and body is None:
+    if op == OpName.SLEEP_INFERENCE and level is not None and body is None:
         body = {"level": level}
-    if op == "sleep-training" and mode is not None and body is None:
+    if op == OpName.SLEEP_TRAINING and mode is not None and body is None:
         body = {"mode": mode}
     service = _service(request)
     sub, op, body = service.dispatch(job_id, op, body, owner=owner)
     if sub is None:
         return service.inline_operation(job_id, op, body, owner=owner)
     result = await asyncio.wrap_future(service.submit(sub, op, body))
-    if op == "generate":  # columns when asked for, else the reference form (vLLM log-probs)
+    if op == OpName.GENERATE:  # columns when asked for, else the reference form (vLLM log-probs)
         reshape = (
             as_columns
             if wants_columns(frame_metadata)

@@ -35,7 +35,9 @@ def describe(exc: ValidationError) -> str:
     for error in exc.errors():
         location = ".".join(str(p) for p in error["loc"]) or "body"
         # The contract's rules name the field (and index) in their message already.
-        ruled = error["type"] == "invalid_value" and error["msg"].startswith(location)
+        ruled = error["type"] == "invalid_value" and (
+            not error["loc"] or error["msg"].startswith(location)
+        )
         parts.append(error["msg"] if ruled else f"{location}: {error['msg']}")
     return "; ".join(parts)
 

@@ -14,6 +14,7 @@ from typing import Any
 from arctic_platform.contract import ops as contract
 from arctic_platform.contract import results
 from arctic_platform.contract.bodies import longest_row_problem
+from arctic_platform.contract.ops import OpName
 from arctic_platform.server.errors import BadRequest, NotFound
 from arctic_platform.server.op_bodies import parse, train_envelope, wake_tags
 
@@ -53,26 +54,28 @@ def check_context(
 
 
 def _forward_backward(service, sub, engine, job_id, body):
-    batch, meta, processing, _ = train_envelope(body, op="forward-backward", limits=service.limits)
-    tokens = service.limits.check_batch("forward-backward", batch)
-    check_context(engine, "forward-backward", batch)
+    batch, meta, processing, _ = train_envelope(
+        body, op=OpName.FORWARD_BACKWARD, limits=service.limits
+    )
+    tokens = service.limits.check_batch(OpName.FORWARD_BACKWARD, batch)
+    check_context(engine, OpName.FORWARD_BACKWARD, batch)
 
     def run():
         out = engine.forward_backward(batch, meta, processing)
-        service.metrics.add_tokens("forward-backward", tokens)
+        service.metrics.add_tokens(OpName.FORWARD_BACKWARD, tokens)
         return results.fwd_bwd_result(job_id, out)
 
     return run
 
 
 def _forward(service, sub, engine, job_id, body):
-    batch, meta, processing, _ = train_envelope(body, op="forward", limits=service.limits)
-    tokens = service.limits.check_batch("forward", batch)
-    check_context(engine, "forward", batch)
+    batch, meta, processing, _ = train_envelope(body, op=OpName.FORWARD, limits=service.limits)
+    tokens = service.limits.check_batch(OpName.FORWARD, batch)
+    check_context(engine, OpName.FORWARD, batch)
 
     def run():
         out = engine.forward(batch, meta, processing)
-        service.metrics.add_tokens("forward", tokens)
+        service.metrics.add_tokens(OpName.FORWARD, tokens)
         return results.forward_result(job_id, out)
 
     return run
@@ -121,9 +124,7 @@ def _load(service, sub, engine, job_id, body):
     path = None
     if body.path is not None:
         path = service.paths.readable(owner, body.path, field="load.path")
-    if body.checkpoint_id is not None:
-        if body.path is not None:
-            raise BadRequest("load: give either path or checkpoint_id, not both")
+    if body.checkpoint_id is not None:  # not both: LoadBody's rule
         source_job = body.source_job_id or sub.job_id
         record = service.checkpoint(source_job, body.checkpoint_id, owner=owner)
         path = service.paths.readable(owner, record["path"], field="load.checkpoint_id")
@@ -184,18 +185,18 @@ def _weight_sync(service, sub, engine, job_id, body):
 
 
 def _generate(service, sub, engine, job_id, body):
-    check_generate(service, engine, "generate", body.prompts, body.sampling_params)
+    check_generate(service, engine, OpName.GENERATE, body.prompts, body.sampling_params)
 
     def run():
         samples = engine.generate(body.prompts, body.sampling_params)
-        service.metrics.add_tokens("generate", sum(len(r["token_ids"]) for r in samples))
+        service.metrics.add_tokens(OpName.GENERATE, sum(len(r["token_ids"]) for r in samples))
         return {"job_id": job_id, "results": samples}
 
     return run
 
 
 def _generate_stream(service, sub, engine, job_id, body):
-    check_generate(service, engine, "generate-stream", body.prompts, body.sampling_params)
+    check_generate(service, engine, OpName.GENERATE_STREAM, body.prompts, body.sampling_params)
     return lambda: engine.generate(body.prompts, body.sampling_params)
 
 
@@ -208,7 +209,7 @@ def check_generate(service, engine, op: str, prompts: list, sampling_params: Any
 
 
 def _log_probs(service, sub, engine, job_id, body):
-    service.limits.check_rows("log-probs", len(body.prompts))
+    service.limits.check_rows(OpName.LOG_PROBS, len(body.prompts))
 
     def run():
         scored = engine.log_probs(body.prompts, body.completions, body.top_k)
@@ -241,19 +242,19 @@ def _not_applicable(what: str) -> dict:
 
 
 _HANDLERS = {
-    "forward-backward": _forward_backward,
-    "forward": _forward,
-    "step": _step,
-    "save": _save,
-    "load-checkpoint": _load,
-    "sleep-training": _sleep_training,
-    "wake-training": _wake_training,
-    "empty-training-cache": _empty_training_cache,
-    "weight-sync": _weight_sync,
-    "generate": _generate,
-    "generate-stream": _generate_stream,
-    "log-probs": _log_probs,
-    "sleep-inference": _sleep_inference,
-    "wake-inference": _wake_inference,
-    "reset-prefix-cache": _reset_prefix_cache,
+    OpName.FORWARD_BACKWARD: _forward_backward,
+    OpName.FORWARD: _forward,
+    OpName.STEP: _step,
+    OpName.SAVE: _save,
+    OpName.LOAD_CHECKPOINT: _load,
+    OpName.SLEEP_TRAINING: _sleep_training,
+    OpName.WAKE_TRAINING: _wake_training,
+    OpName.EMPTY_TRAINING_CACHE: _empty_training_cache,
+    OpName.WEIGHT_SYNC: _weight_sync,
+    OpName.GENERATE: _generate,
+    OpName.GENERATE_STREAM: _generate_stream,
+    OpName.LOG_PROBS: _log_probs,
+    OpName.SLEEP_INFERENCE: _sleep_inference,
+    OpName.WAKE_INFERENCE: _wake_inference,
+    OpName.RESET_PREFIX_CACHE: _reset_prefix_cache,
 }

@@ -56,6 +56,7 @@ from typing import Any
 import numpy as np
 
 from arctic_platform.contract.job_config import API_JOB_TYPE
+from arctic_platform.contract.ops import OpName
 from arctic_platform.contract.results import FORWARD_OUTPUTS, loss_fields
 from arctic_platform.engine import cancellation
 from arctic_platform.server.dp_split import merge_rows, split_by_tokens, take_rows
@@ -362,7 +363,7 @@ class RayTrainingEngine:
                 )
                 for r in ranks
             },
-            "save",
+            OpName.SAVE,
         )
         return replies[0]
 
@@ -384,7 +385,7 @@ class RayTrainingEngine:
                 r: self.actors.handles[r].weight_chunks.remote(WEIGHT_CHUNK_BYTES)
                 for r in self._gathering_ranks()
             },
-            "weight-sync",
+            OpName.WEIGHT_SYNC,
         )
         return replies[0]
 
@@ -530,7 +531,9 @@ class RayInferenceEngine:
 
     def load_weight_chunks(self, refs: list) -> dict:
         handle = self.actors.handles[0]
-        return self.actors.gather({0: handle.load_weight_chunks.remote(refs)}, "weight-sync")[0]
+        return self.actors.gather({0: handle.load_weight_chunks.remote(refs)}, OpName.WEIGHT_SYNC)[
+            0
+        ]
 
     def close(self) -> None:
         """Kill the replica and give back the job's placement; idempotent."""

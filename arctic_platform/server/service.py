@@ -38,7 +38,8 @@ from arctic_platform.contract.job_config import (
     CreateJobRequest,
     SubJobConfig,
 )
-from arctic_platform.contract.ops import INLINE_OPERATIONS, OPERATION, OPERATION_TYPES
+from arctic_platform.contract.ops import INLINE_OPERATIONS, OPERATION, OPERATION_TYPES, OpName
+from arctic_platform.contract.states import TERMINAL_JOB_STATES, JobState
 from arctic_platform.engine import cancellation
 from arctic_platform.engine.cancellation import CancelToken
 from arctic_platform.engine.checkpoint_layout import is_loadable
@@ -62,7 +63,7 @@ from arctic_platform.server.scheduler import FairSlots
 from arctic_platform.server.store import MetadataStore
 from arctic_platform.server.tenant_quota import TenantQuota, weight_bytes
 
-TERMINAL = ("failed", "cancelled", "terminated")
+TERMINAL = TERMINAL_JOB_STATES
 LOG_LINES_PER_JOB = 2000
 log = logging.getLogger(__name__)
 
@@ -117,7 +118,7 @@ class SubJob:
     job_id: str
     kind: str
     spec: SubJobConfig
-    status: str = "pending"
+    status: JobState = "pending"
     engine: Any = None
     queue: ThreadPoolExecutor | None = None
     # What the engine loads: ``spec.model_name`` checked against the owner's space (see paths.py).
@@ -148,7 +149,7 @@ class Job:
     request: dict
     experiment_name: str | None
     sub_jobs: list[SubJob]
-    status: str = "pending"
+    status: JobState = "pending"
     reason: str | None = None
     created_at: float = field(default_factory=time.time)
     updated_at: float = field(default_factory=time.time)
@@ -563,10 +564,10 @@ class Service:
         from arctic_platform.server.op_bodies import parse
 
         job_id = target.split(":", 1)[0]
-        if op == "cancel-request":
-            parsed = parse(CancelRequestBody, body, what="cancel-request")
+        if op == OpName.CANCEL_REQUEST:
+            parsed = parse(CancelRequestBody, body, what=OpName.CANCEL_REQUEST)
             return self.requests.cancel(job_id, parsed.request_id)
-        parsed = parse(TailLogsBody, body, what="tail-logs")
+        parsed = parse(TailLogsBody, body, what=OpName.TAIL_LOGS)
         return self.tail_logs(job_id, owner=owner, cursor=parsed.cursor, max_lines=parsed.max_lines)
 
     def owner_of(self, job_id: str) -> str | None:
@@ -929,7 +930,7 @@ class Service:
                 queue.shutdown(wait=wait, cancel_futures=True)
             _close_engine(engine)
 
-    def _set_status(self, job: Job, status: str, reason: str | None) -> None:
+    def _set_status(self, job: Job, status: JobState, reason: str | None) -> None:
         if reason is not None:
             reason = self.paths.redact(job.owner, reason)
         with self._lock:

@@ -98,3 +98,82 @@ def test_the_client_imports_only_the_wire_codec_and_the_contract():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+# Where a string spelled like an op name means something else, and why (issue 23: no op-name
+# literal lives anywhere but contract/ops.py; everything else names an op as ``OpName.X``).
+NOT_OP_NAMES = {
+    # The Python method named in a client-side argument error (``step: learning_rate ...``,
+    # ``generate: prompts ...``), and the ``step`` field of a save/load body.
+    ("arctic_platform/client/calls.py", "step"),
+    ("arctic_platform/client/calls.py", "generate"),
+    # The ``step`` field a Cortex load looks the checkpoint up by.
+    ("arctic_platform/client/transports/cortex.py", "step"),
+    # A checkpoint's training step (a field name, a metric key), not the optimizer-step op.
+    ("arctic_platform/engine/checkpoint_layout.py", "step"),
+    ("arctic_platform/engine/trainer.py", "step"),
+    # vLLM's own method name.
+    ("arctic_platform/engine/vllm_backend/engine.py", "generate"),
+    # The recipes' step counter in run logs, records and trackers.
+    ("arctic_platform/recipes/grpo.py", "step"),
+    ("arctic_platform/recipes/run_log.py", "step"),
+    ("arctic_platform/recipes/trackers/__init__.py", "step"),
+    # Engine methods the Ray workers run (``forward``, ``step``, ``generate``), by method name.
+    ("arctic_platform/server/ray_engines.py", "forward"),
+    ("arctic_platform/server/ray_engines.py", "step"),
+    ("arctic_platform/server/ray_engines.py", "generate"),
+    ("arctic_platform/server/ray_workers.py", "forward"),
+    ("arctic_platform/server/ray_workers.py", "generate"),
+}
+
+
+def op_name_literals(source: str, rel: str) -> set[tuple[str, str]]:
+    """``(rel, name)`` for every string constant of ``source`` that spells an op name."""
+    import ast
+
+    return {
+        (rel, node.value)
+        for node in ast.walk(ast.parse(source, rel))
+        if isinstance(node, ast.Constant) and isinstance(node.value, str)
+        if node.value in contract.OPS
+    }
+
+
+def test_op_names_are_written_only_in_the_op_table():
+    """Code outside contract/ops.py names an op as ``OpName.X``: a literal ``"forward-backward"``
+    in the server or the client fails here (a string that only looks like an op name is a row of
+    ``NOT_OP_NAMES`` with its reason)."""
+    from pathlib import Path
+
+    import arctic_platform
+
+    root = Path(arctic_platform.__file__).parent.parent
+    found: set[tuple[str, str]] = set()
+    for path in sorted((root / "arctic_platform").rglob("*.py")):
+        rel = path.relative_to(root).as_posix()
+        if rel != "arctic_platform/contract/ops.py":
+            found |= op_name_literals(path.read_text(), rel)
+    assert sorted(found - NOT_OP_NAMES) == [], "write contract.ops.OpName.X instead"
+    assert sorted(NOT_OP_NAMES - found) == [], "a NOT_OP_NAMES row no longer applies: remove it"
+
+
+def test_the_scan_finds_an_op_name_written_as_a_string():
+    rel = "arctic_platform/server/example.py"
+    source = 'x = {"forward-backward": 1}\ny = f"{x}"\nz = "forward_backward"\n'
+    assert op_name_literals(source, rel) == {(rel, "forward-backward")}
+
+
+def test_op_names_are_the_table_and_read_as_plain_strings():
+    """An ``OpName`` member is the plain name everywhere it ends up: as a key, in a message (also
+    with ``!r``), in JSON."""
+    import json
+
+    assert set(contract.OpName) == set(contract.OPS)
+    assert all(type(op.name) is contract.OpName for op in contract.OPS.values())
+    name = contract.OpName.FORWARD_BACKWARD
+    assert contract.OPS["forward-backward"] is contract.OPS[name]
+    assert {"forward-backward": 1}[name] == 1
+    assert f"{name}: {name!r}" == "forward-backward: 'forward-backward'"
+    assert str(name) == "forward-backward" and type(str(name)) is str
+    assert json.dumps({name: name}) == '{"forward-backward": "forward-backward"}'
+    assert str(sorted(contract.OPS)).startswith("['cancel-request', ")

@@ -10,9 +10,11 @@ from arctic_platform.client import MockTransport, SyncArcticRLClient
 from arctic_platform.client.calls import prompt_list
 from arctic_platform.contract.bodies import (
     GenerateBody,
+    LoadBody,
     LogProbsBody,
     StepBody,
     learning_rate_problem,
+    load_source_problem,
 )
 from arctic_platform.engine.config import ModelConfig, SamplingEngineConfig
 from arctic_platform.engine.errors import EngineInputError
@@ -66,6 +68,21 @@ def test_a_bad_learning_rate_is_refused_by_the_body_and_the_client_alike(value, 
     assert transport.requests == []  # refused before anything was sent
     problem = learning_rate_problem(value)
     assert f"learning_rate {problem.message}" in describe(body.value)
+
+
+def test_a_load_naming_both_a_path_and_a_checkpoint_id_is_refused_by_body_and_client():
+    both = {"path": "ckpt", "checkpoint_id": "abc"}
+    with pytest.raises(ValidationError) as body:
+        LoadBody.model_validate(both)
+    problem = load_source_problem("ckpt", "abc")
+    assert describe(body.value) == str(problem)
+    assert str(problem).startswith("checkpoint_id ") and "not both" in str(problem)
+    transport = MockTransport(lambda request: {"job_id": request.job_id})
+    client = SyncArcticRLClient({"model": "builtin:tiny"}, transport=transport)
+    with client, pytest.raises(ValueError, match=f"load_checkpoint: {problem}"):
+        client.load_checkpoint("ckpt", checkpoint_id="abc")
+    assert transport.requests == []
+    assert LoadBody.model_validate({"checkpoint_id": "abc"}).checkpoint_id == "abc"
 
 
 def test_good_values_pass_unchanged():

@@ -39,7 +39,6 @@ from __future__ import annotations
 import base64
 import hashlib
 import logging
-import re
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -63,6 +62,7 @@ from arctic_platform.client.transport import JobHandles, Request, Transport
 from arctic_platform.client.transports.http_common import (
     connection_error,
     decode_body,
+    error_from_fields,
     error_from_response,
     log_failed,
     octet_request,
@@ -70,8 +70,9 @@ from arctic_platform.client.transports.http_common import (
 )
 from arctic_platform.client.transports.liveness import LivenessWatch
 from arctic_platform.contract.job_config import SHORT_JOB_TYPE
-from arctic_platform.contract.ops import OPERATION
+from arctic_platform.contract.ops import OPERATION, OpName
 from arctic_platform.contract.ops import op as contract_op
+from arctic_platform.contract.states import TERMINAL_JOB_STATES
 
 log = logging.getLogger(__name__)
 
@@ -90,18 +91,11 @@ FINAL_CODES = frozenset(
     }
 )
 MAX_EVENTS = 512
+# Our states (contract/states.py) and the other spellings Cortex servers use for them.
 DONE = {"done", "completed", "succeeded"}
 FAILED = {"failed"}
 CANCELLED = {"cancelled", "canceled"}
-ENDED_JOB = {"failed", "cancelled", "canceled", "terminated", "done"}
-# Error kinds our server records for failed requests, and the status the same error has inline.
-FAILED_KINDS = {
-    "BadRequest": (400, "invalid_argument"),
-    "Unauthorized": (401, "unauthenticated"),
-    "NotFound": (404, "not_found"),
-    "Conflict": (409, "conflict"),
-    "EngineFailure": (500, "engine_failure"),
-}
+ENDED_JOB = {*TERMINAL_JOB_STATES, "canceled", "done"}
 
 
 @dataclass(frozen=True)
@@ -262,12 +256,12 @@ class CortexTransport(Transport):
         if op == OPERATION:
             return self._operation(request.body)
         spec = contract_op(op)
-        if op == "load-checkpoint":
+        if op == OpName.LOAD_CHECKPOINT:
             return self._load(request)
         if spec.cortex_route is None:
             # No route of its own: an operation envelope addressed to the sub-job.
             payload = request.body
-            if op == "wake-inference":
+            if op == OpName.WAKE_INFERENCE:
                 payload = {} if payload is None else {"tags": payload}
             envelope = {
                 "operation_type": op,
@@ -409,7 +403,7 @@ class CortexTransport(Transport):
             if status in DONE:
                 return self._result(state, chunks, op)
             if status in FAILED:
-                raise _failed_request(state.get("error"), op)
+                raise _failed_request(state, op)
             if status in CANCELLED:
                 raise server_error(
                     409, "request_cancelled", f"request {request_id} was cancelled", op=op
@@ -547,14 +541,12 @@ def _chunk_payload(event: dict, op: str) -> bytearray:
     return payload
 
 
-_KIND = re.compile(r"^([A-Za-z]+): (.*)$", re.DOTALL)
-
-
-def _failed_request(error: Any, op: str) -> ServerError:
-    """The exception for a failed request: the same class its error has on the other backends."""
-    text = str(error or "the request failed without an error message")
-    match = _KIND.match(text)
-    if match and match.group(1) in FAILED_KINDS:
-        status, code = FAILED_KINDS[match.group(1)]
-        return server_error(status, code, match.group(2), op=op)
+def _failed_request(state: dict, op: str) -> ServerError:
+    """The exception for a failed request: the class the same error has on the other backends,
+    from our server's ``error_detail``; a server without one gives only the reference's string."""
+    detail = state.get("error_detail")
+    if isinstance(detail, dict) and isinstance(detail.get("status"), int):
+        fields = {k: v for k, v in detail.items() if k != "status"}
+        return error_from_fields(detail["status"], fields, op=op)
+    text = str(state.get("error") or "the request failed without an error message")
     return server_error(None, "request_failed", text, op=op)

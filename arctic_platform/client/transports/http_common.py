@@ -108,6 +108,12 @@ def error_from_response(status: int, body: bytes | bytearray, *, op: str) -> Ser
         parsed = {"message": bytes(body[:500]).decode("utf-8", "replace")}
     if not isinstance(parsed, dict):
         parsed = {"message": str(parsed)}
+    return error_from_fields(status, parsed, op=op)
+
+
+def error_from_fields(status: int, parsed: dict, *, op: str) -> ServerError:
+    """The client exception for a parsed error body with its HTTP status (an HTTP answer, or a
+    failed Cortex request's ``error_detail``)."""
     message = parsed.get("message")
     detail = parsed.get("detail")
     if message is None and detail is not None:

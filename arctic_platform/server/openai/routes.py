@@ -14,6 +14,7 @@ from fastapi import APIRouter, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import StreamingResponse
 
+from arctic_platform.contract.ops import OpName
 from arctic_platform.server.errors import BadRequest
 from arctic_platform.server.http_common import json_of, read_body
 from arctic_platform.server.openai import codec, models
@@ -84,13 +85,13 @@ def _complete(service, tinker, owner, body: CompletionRequest) -> dict:
         )
     prompts = body.prompts()
     params = codec.sampling_params(body)
-    check_generate(service, None, "generate", prompts, params)
+    check_generate(service, None, OpName.GENERATE, prompts, params)
     model = models.resolve(service, tinker, owner, body.model)
     scored, spell, token_prompts = None, None, prompts
     if body.echo and (body.logprobs is not None or body.max_tokens == 0):
         top_k = max(1, body.logprobs)
         with models.model_sub_job(service, tinker, owner, model, "log_prob") as sub:
-            scored = service.submit(sub, "log-probs", {"prompts": prompts, "top_k": top_k})
+            scored = service.submit(sub, OpName.LOG_PROBS, {"prompts": prompts, "top_k": top_k})
             scored = scored.result()["results"]
             spell = codec.Spelling(sub.engine, model.weights)
         token_prompts = [s["prompt_token_ids"] for s in scored]
@@ -98,7 +99,7 @@ def _complete(service, tinker, owner, body: CompletionRequest) -> dict:
     if body.max_tokens > 0:
         with models.model_sub_job(service, tinker, owner, model, "sampling") as sub:
             op = {"prompts": token_prompts, "sampling_params": params}
-            samples = service.submit(sub, "generate", op).result()["results"]
+            samples = service.submit(sub, OpName.GENERATE, op).result()["results"]
             spell = codec.Spelling(sub.engine, model.weights)
     return codec.completion(body, prompts, samples, scored, spell)
 
@@ -106,7 +107,7 @@ def _complete(service, tinker, owner, body: CompletionRequest) -> dict:
 def _chat(service, tinker, owner, body: ChatRequest) -> dict:
     """The messages rendered with the model's chat template, then ``generate``."""
     params = codec.sampling_params(body)
-    check_generate(service, None, "generate", [""], params)
+    check_generate(service, None, OpName.GENERATE, [""], params)
     model = models.resolve(service, tinker, owner, body.model)
     with models.model_sub_job(service, tinker, owner, model, "sampling") as sub:
         tokenizer = codec.tokenizer_of(sub.engine, model.weights)
@@ -118,5 +119,5 @@ def _chat(service, tinker, owner, body: ChatRequest) -> dict:
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         op = {"prompts": [prompt], "sampling_params": params}
-        samples = service.submit(sub, "generate", op).result()["results"]
+        samples = service.submit(sub, OpName.GENERATE, op).result()["results"]
         return codec.chat(body, samples, codec.Spelling(sub.engine, model.weights))

@@ -15,16 +15,18 @@ finished first is dropped (kept in finishing order, so no op scans the store).
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import uuid
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass
 
-from arctic_platform.server.errors import NotFound, ServiceError
+from arctic_platform.server.errors import NotFound, ServiceError, internal_error
 
 LONG_POLL_S = 30.0
 MAX_FINISHED = 10_000
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -80,8 +82,9 @@ class FutureStore:
         except ServiceError as exc:
             category = "user" if 400 <= exc.status < 500 else "server"
             return {"error": exc.message, "category": category}
-        except Exception as exc:  # an engine bug must reach the client, not kill the poll
-            return {"error": f"{type(exc).__name__}: {exc}", "category": "server"}
+        except Exception:  # an engine bug must reach the client, not kill the poll
+            log.exception("Tinker request %s failed", request_id)
+            return {"error": internal_error(request_id).message, "category": "server"}
 
     def _finish(self, request_id: str) -> None:
         with self._lock:

@@ -19,13 +19,13 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
+from arctic_platform.contract.states import LIVE_JOB_STATES
 from arctic_platform.server.errors import ServiceError
 from arctic_platform.server.service import Service
 from arctic_platform.server.tinker.state import Session
 
 # Loaded model sampling jobs one owner keeps (the least recently used idle one goes first).
 MAX_MODEL_SAMPLING_JOBS = 2
-_LIVE = ("pending", "initializing", "running")
 
 
 @dataclass
@@ -134,4 +134,4 @@ class ModelSamplingJobs:
                 self.service.cancel_job(job_id, owner=owner)
 
     def _alive(self, job_id: str, owner: str | None) -> bool:
-        return self.service.get_job(job_id, owner=owner)["status"] in _LIVE
+        return self.service.get_job(job_id, owner=owner)["status"] in LIVE_JOB_STATES

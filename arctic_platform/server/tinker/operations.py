@@ -19,6 +19,7 @@ from functools import partial
 from typing import Any
 
 from arctic_platform.contract.bodies import learning_rate_problem
+from arctic_platform.contract.ops import OpName
 from arctic_platform.engine.builtin import resolve_model_path
 from arctic_platform.server.errors import BadRequest, Conflict, ServiceError
 from arctic_platform.server.ops import check_context, check_generate
@@ -170,7 +171,7 @@ class TinkerOps:
 
     def forward_backward(self, request: codec.ForwardBackwardRequest, owner: str | None) -> str:
         run = self.state.run(request.model_id, owner)
-        op = "forward" if request.forward_only else "forward-backward"
+        op = OpName.FORWARD if request.forward_only else OpName.FORWARD_BACKWARD
 
         def prepare():
             data = codec.decode_data(request)
@@ -235,7 +236,7 @@ class TinkerOps:
 
             return runner
 
-        return self._sequenced(run, body.seq_id, owner, "step", prepare)
+        return self._sequenced(run, body.seq_id, owner, OpName.STEP, prepare)
 
     def save_state(self, body: bodies.SaveWeightsBody, owner: str | None) -> str:
         """``save_state``: LoRA weights and Adam state under ``weights/<name>``."""
@@ -257,7 +258,11 @@ class TinkerOps:
         run = self.state.run(body.model_id, owner)
         if body.path is None:
             return self._sequenced(
-                run, body.seq_id, owner, "weight-sync", lambda: self._sync_to_sampler(run, owner)
+                run,
+                body.seq_id,
+                owner,
+                OpName.WEIGHT_SYNC,
+                lambda: self._sync_to_sampler(run, owner),
             )
         return self._save(
             run,
@@ -319,7 +324,7 @@ class TinkerOps:
 
             return runner
 
-        return self._sequenced(run, body.seq_id, owner, "save", prepare)
+        return self._sequenced(run, body.seq_id, owner, OpName.SAVE, prepare)
 
     def _expire(self, path: TinkerPath, owner, ttl_seconds: int | None) -> None:
         if ttl_seconds is not None:
@@ -383,7 +388,7 @@ class TinkerOps:
                 path, directory = checked_path()
                 return lambda engine: OpResult(json=load(engine, path, directory))
 
-            return self._sequenced(run, body.seq_id, owner, "load-checkpoint", prepare)
+            return self._sequenced(run, body.seq_id, owner, OpName.LOAD_CHECKPOINT, prepare)
         path, directory = checked_path()
         if body.session_id is None or body.model_seq_id is None:
             raise BadRequest("load_weights: give model_id, or session_id and model_seq_id")
@@ -398,7 +403,7 @@ class TinkerOps:
             self.service.wait_until_running(run.job_id, owner=owner, timeout=STARTUP_TIMEOUT_S)
             sub = self.service.resolve(run.training_sub_job, owner=owner)
             answer = self.service.submit_runner(
-                sub, "load-checkpoint", lambda: load(sub.engine, path, directory)
+                sub, OpName.LOAD_CHECKPOINT, lambda: load(sub.engine, path, directory)
             )
             return OpResult(json={**answer.result(), "model_id": model_id})
 
@@ -467,7 +472,7 @@ class TinkerOps:
         def attach() -> None:
             sub = self.service.resolve(sub_job_id, owner=owner)
             check_generate(self.service, sub.engine, SAMPLE_OP, [prompt], params)
-            submit = partial(self.service.submit_runner, sub, "generate")
+            submit = partial(self.service.submit_runner, sub, OpName.GENERATE)
             done = self._batcher.add(
                 sub, prompt, params, want_prompt_logprobs, submit, key=key, before=load
             )
