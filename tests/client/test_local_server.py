@@ -14,7 +14,6 @@ import subprocess
 import sys
 import textwrap
 import threading
-import time
 
 import pytest
 
@@ -22,6 +21,7 @@ from arctic_platform.client import ArcticRLClientConfig
 from arctic_platform.client.errors import BackendUnavailableError
 from arctic_platform.client.local_server import LocalServer, free_port
 from arctic_platform.client.transports.http import HttpTransport
+from tests.waiting import wait_until
 
 DRIVER = textwrap.dedent(
     """
@@ -46,13 +46,6 @@ def alive(pid: int) -> bool:
         return False
 
 
-def wait_gone(pid: int, timeout: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout
-    while alive(pid):
-        assert time.monotonic() < deadline, f"server process {pid} outlived its driver"
-        time.sleep(0.1)
-
-
 def start_driver(tmp_path, mode: str) -> tuple[subprocess.Popen, int]:
     driver = subprocess.Popen(
         [sys.executable, "-c", DRIVER, str(tmp_path / "data"), mode],
@@ -67,14 +60,22 @@ def start_driver(tmp_path, mode: str) -> tuple[subprocess.Popen, int]:
 def test_server_stops_when_the_driver_returns_without_shutdown(tmp_path):
     driver, server_pid = start_driver(tmp_path, "return")
     assert driver.wait(timeout=120) == 0
-    wait_gone(server_pid)
+    wait_until(
+        lambda: not alive(server_pid),
+        what=f"server process {server_pid} outlived its driver",
+        interval_s=0.1,
+    )
 
 
 def test_server_stops_when_the_driver_is_killed(tmp_path):
     driver, server_pid = start_driver(tmp_path, "hang")
     driver.kill()  # SIGKILL: no atexit, no cleanup in the driver
     driver.wait()
-    wait_gone(server_pid)
+    wait_until(
+        lambda: not alive(server_pid),
+        what=f"server process {server_pid} outlived its driver",
+        interval_s=0.1,
+    )
 
 
 class _Stranger(http.server.BaseHTTPRequestHandler):

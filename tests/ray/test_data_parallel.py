@@ -22,6 +22,7 @@ from arctic_platform.client import create_arctic_rl_client
 from arctic_platform.engine.builtin import BUILTIN_MODELS
 from arctic_platform.layout import training_batch
 from tests.ray.cluster import ray_backend
+from tests.waiting import wait_until
 
 pytest.importorskip("ray")
 pytestmark = pytest.mark.slow
@@ -301,11 +302,11 @@ def test_bad_input_changes_nothing_on_any_rank(runs, batches, ddp):
 def test_shutdown_gives_the_devices_back(fsdp):
     """The creating client's shutdown ends its job, killing the actors and the placement group
     (this test uses up the FSDP client, so it runs last)."""
-    import time
-
     assert live_groups(fsdp)
     fsdp.shutdown()
-    deadline = time.monotonic() + 30
-    while live_groups(fsdp) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not live_groups(fsdp)
+    wait_until(
+        lambda: not live_groups(fsdp),
+        what="the placement groups gone",
+        timeout_s=30,
+        interval_s=0.1,
+    )

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
@@ -21,6 +20,7 @@ from arctic_platform.client import ServerError, create_arctic_rl_client
 from arctic_platform.client.config import ArcticRLClientConfig
 from arctic_platform.layout import training_batch
 from tests.ray.cluster import ray_backend
+from tests.waiting import wait_until
 
 ray = pytest.importorskip("ray")
 pytestmark = pytest.mark.slow
@@ -71,14 +71,14 @@ BATCH["batch"]["old_log_probs"] = np.full(BATCH["batch"]["input_ids"].shape, -4.
 
 
 def wait_dead(actor, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    def dead() -> bool:
         try:
             ray.get(actor.__ray_ready__.remote(), timeout=10)
         except ray.exceptions.RayActorError:
-            return
-        time.sleep(0.2)
-    raise AssertionError("the actor is still alive")
+            return True
+        return False
+
+    wait_until(dead, what="the actor is still alive", timeout_s=timeout, interval_s=0.2)
 
 
 @pytest.fixture(scope="module")

@@ -43,6 +43,7 @@ from arctic_platform.server.ray_placement import SHARES
 from arctic_platform.server.service import Service, ServiceSettings
 from tests.ray.cluster import start_ray
 from tests.server.conftest import sub_job
+from tests.waiting import wait_until
 
 ray = pytest.importorskip("ray")
 psutil = pytest.importorskip("psutil")
@@ -73,16 +74,6 @@ def batch(rows: int, prompt: int, response: int) -> dict:
 SMALL = batch(2, 3, 4)
 # Seconds of compute for each of two workers on one core: long enough to be removed under.
 BIG = batch(12, 100, 400)
-
-
-def poll(what: str, check, timeout: float = WAIT_S):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = check()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"still waiting for {what}")
 
 
 def node_args(num_cpus: int, name: str) -> dict:
@@ -147,7 +138,7 @@ def wait_dead(actor) -> None:
             pass
         return False
 
-    poll("the actor to die", dead)
+    wait_until(dead, what="the actor to die", timeout_s=WAIT_S, interval_s=0.05)
 
 
 def cluster_processes(temp_dir: str) -> list:
@@ -235,7 +226,12 @@ def test_a_lost_node_fails_only_its_job_naming_the_node(cluster, tmp_path):
 
         op = threading.Thread(target=train)
         op.start()
-        poll("A's worker there to run the op", lambda: running(lost, "forward_backward"))
+        wait_until(
+            lambda: running(lost, "forward_backward"),
+            what="A's worker there to run the op",
+            timeout_s=WAIT_S,
+            interval_s=0.05,
+        )
         cluster.remove_node(lost, allow_graceful=False)  # SIGKILL: see module doc
         op.join(WAIT_S)
         assert not op.is_alive(), "the op on the lost node never answered"
@@ -251,7 +247,12 @@ def test_a_lost_node_fails_only_its_job_naming_the_node(cluster, tmp_path):
         assert job["status"] == "failed"
         assert expected in job["reason"]
         wait_dead(survivor)  # killed, not left waiting in a collective for its lost peer
-        poll("A's placement group to go", lambda: group_of(job_a)["state"] == "REMOVED")
+        wait_until(
+            lambda: group_of(job_a)["state"] == "REMOVED",
+            what="A's placement group to go",
+            timeout_s=WAIT_S,
+            interval_s=0.05,
+        )
 
         # The server and the other job go on; a new job starts on what is left and trains.
         assert service.execute(job_b, "forward-backward", SMALL)["loss"] != 0

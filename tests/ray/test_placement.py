@@ -11,29 +11,18 @@ this CPU-only cluster) fails as soon as Ray reports it infeasible; with ``autosc
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 from arctic_platform.engine.cancellation import CancelToken, OpCancelled, scope
 from arctic_platform.server.ray_placement import JobShape, Placement, PlacementWait
 from arctic_platform.server.service import Service, ServiceSettings
 from tests.server.conftest import sub_job
+from tests.waiting import wait_until
 
 ray = pytest.importorskip("ray")
 pytestmark = pytest.mark.slow
 
 ONE_WORKER = {"sub_job_configs": [sub_job("training", training_config={"n_gpus": 1})]}
-
-
-def poll(what: str, check, timeout: float = 120.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = check()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"still waiting for {what}")
 
 
 def log_of(service: Service, job_id: str) -> str:
@@ -69,7 +58,11 @@ def busy(ray_cluster, tmp_path_factory):
 def test_a_job_waiting_for_busy_resources_says_why_and_a_cancel_frees_them(busy):
     service, job_a = busy
     job_b = service.create_job(ONE_WORKER)["job_id"]
-    line = poll("B's note", lambda: "waiting for Ray resources" in log_of(service, job_b))
+    line = wait_until(
+        lambda: "waiting for Ray resources" in log_of(service, job_b),
+        what="B's note",
+        interval_s=0.05,
+    )
     log = log_of(service, job_b)
     assert line and "waiting for Ray resources: 1 bundle(s) (0.34 CPU); " in log
     assert "available now: 0.2 CPU" in log
@@ -79,8 +72,17 @@ def test_a_job_waiting_for_busy_resources_says_why_and_a_cancel_frees_them(busy)
     assert len(pending_groups()) == 1
 
     service.cancel_job(job_b)
-    poll("B's placement group to go", lambda: pending_groups() == [], timeout=10)
-    poll("B's build to stop", lambda: "initialization stopped" in log_of(service, job_b))
+    wait_until(
+        lambda: pending_groups() == [],
+        what="B's placement group to go",
+        timeout_s=10,
+        interval_s=0.05,
+    )
+    wait_until(
+        lambda: "initialization stopped" in log_of(service, job_b),
+        what="B's build to stop",
+        interval_s=0.05,
+    )
     assert service.get_job(job_b)["status"] == "cancelled"
     assert service.get_job(job_a)["status"] == "running"
 
@@ -89,7 +91,11 @@ def test_the_operator_timeout_bounds_the_wait(busy, tmp_path):
     impatient = Service(settings(tmp_path, placement_timeout_s=1.0))
     try:
         job = impatient.create_job(ONE_WORKER)["job_id"]
-        poll("the timeout", lambda: impatient.get_job(job)["status"] == "failed")
+        wait_until(
+            lambda: impatient.get_job(job)["status"] == "failed",
+            what="the timeout",
+            interval_s=0.05,
+        )
         reason = impatient.get_job(job)["reason"]
         assert "1 bundle(s) (0.34 CPU) were not free within 1s (serve --placement-timeout)" in (
             reason

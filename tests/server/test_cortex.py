@@ -15,6 +15,7 @@ from arctic_platform.engine.models import load_tokenizer
 from arctic_platform.server import async_requests
 from tests.server.conftest import CORTEX, OCTET, TINY, job_request
 from tests.server.helpers import PROMPTS, SAMPLING, grpo_batch, same_weights, weights_of
+from tests.waiting import wait_until
 
 RESPONSE_OPTIONS = {"response_options": {"format": "dssst1", "delivery": "chunked"}}
 
@@ -23,10 +24,13 @@ def create(http, request=None) -> str:
     response = http.post(CORTEX, json=request or job_request())
     assert response.status_code == 200, response.text
     job_id = response.json()["job_id"]
-    deadline = time.monotonic() + 120
-    while (status := http.get(f"{CORTEX}/{job_id}").json()["status"]) != "running":
-        assert status in ("pending", "initializing") and time.monotonic() < deadline, status
-        time.sleep(0.05)
+
+    def running() -> bool:
+        status = http.get(f"{CORTEX}/{job_id}").json()["status"]
+        assert status in ("pending", "initializing", "running"), status
+        return status == "running"
+
+    wait_until(running, what=f"job {job_id} running", interval_s=0.05)
     return job_id
 
 
@@ -208,12 +212,15 @@ def test_chunk_group_protocol_errors(http, service):
     # and the job keeps running.
     replies = post_chunks(http, job_id, "forward-backward", chunks[1:])
     request_id = replies[-1].json()["request_id"]
-    deadline = time.monotonic() + 60
-    while (body := http.get(f"{CORTEX}/{job_id}/requests/{request_id}").json())[
-        "status"
-    ] != "failed":
-        assert body["status"] in ("pending", "running") and time.monotonic() < deadline
-        time.sleep(0.02)
+
+    def failed() -> dict | None:
+        body = http.get(f"{CORTEX}/{job_id}/requests/{request_id}").json()
+        if body["status"] == "failed":
+            return body
+        assert body["status"] in ("pending", "running")
+        return None
+
+    body = wait_until(failed, what=f"request {request_id} failed", timeout_s=60)
     assert "attention_mask" in body["error"]
     assert http.get(f"{CORTEX}/{job_id}").json()["status"] == "running"
 
@@ -227,15 +234,15 @@ def test_large_results_arrive_as_result_chunks(http, service, monkeypatch):
     reply = http.post(
         f"{CORTEX}/{job_id}/forward-no-grad", content=wire.dumps({"batch": batch}), headers=OCTET
     ).json()
-    deadline = time.monotonic() + 120
-    while True:  # the first page of events, once the request is done
+
+    def first_page() -> dict | None:  # the first page of events, once the request is done
         first = http.get(
             f"{CORTEX}/{job_id}/requests/{reply['request_id']}", params={"max_events": 2}
         ).json()
-        if first["status"] == "done" or time.monotonic() > deadline:
-            break
-        time.sleep(0.01)
-    assert first["status"] == "done" and first["result"] is None and first["next_cursor"] == "2"
+        return first if first["status"] == "done" else None
+
+    first = wait_until(first_page, what=f"request {reply['request_id']} done", interval_s=0.01)
+    assert first["result"] is None and first["next_cursor"] == "2"
     decoded = wait(http, job_id, reply["request_id"])
     assert torch.equal(decoded["batch"]["logprobs"], direct)
 

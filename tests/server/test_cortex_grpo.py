@@ -10,8 +10,6 @@ row through the HF model on its own, one Python-level term per token, autograd f
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 
@@ -19,6 +17,7 @@ from arctic_platform.engine.config import ModelConfig
 from arctic_platform.engine.models import load_causal_lm
 from tests.server.conftest import CORTEX, OCTET, TINY, job_request
 from tests.server.test_cortex import create, submit_frame, wire
+from tests.waiting import wait_until
 
 LENGTHS = [(3, 5), (5, 2), (2, 6), (4, 4)]  # (prompt, response) per row
 WIDTH = 10
@@ -87,10 +86,12 @@ def failure_of(http, job_id: str, response) -> str:
     """The error of a submitted request that fails when it runs (polled with a deadline)."""
     assert response.status_code == 200, response.text
     url = f"{CORTEX}/{job_id}/requests/{response.json()['request_id']}"
-    deadline = time.monotonic() + 120
-    while (status := http.get(url).json())["status"] in ("pending", "running"):
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
+
+    def ended() -> dict | None:
+        status = http.get(url).json()
+        return None if status["status"] in ("pending", "running") else status
+
+    status = wait_until(ended, what=f"{url} ended")
     assert status["status"] == "failed", status
     return status["error"]
 

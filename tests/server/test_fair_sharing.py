@@ -4,7 +4,6 @@ fairness in the op scheduler, and a bounded drain on shutdown."""
 from __future__ import annotations
 
 import threading
-import time
 from concurrent.futures import Future
 
 import httpx
@@ -18,6 +17,7 @@ from arctic_platform.server.service import Service, ServiceSettings
 from tests.live_server import serve_app
 from tests.server.conftest import CORTEX, OCTET, job_request, make_app
 from tests.server.test_paths import running
+from tests.waiting import wait_until
 
 # A generation that runs for minutes on the tiny model: thousands of full-length samples.
 ENDLESS = {"n": 2048, "max_tokens": 1000, "ignore_eos": True, "temperature": 1.0}
@@ -25,11 +25,14 @@ ENDLESS = {"n": 2048, "max_tokens": 1000, "ignore_eos": True, "temperature": 1.0
 
 def started(service: Service, future: Future, job_id: str) -> None:
     """Wait (with a deadline) until ``future``'s op is running on the engine."""
-    deadline = time.monotonic() + 120
-    while not future.running():
+
+    def running_now() -> bool:
+        if future.running():
+            return True
         assert not future.done(), future.exception()
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
+        return False
+
+    wait_until(running_now, what=f"the op on job {job_id} running")
 
 
 def endless_generate(service: Service, job_id: str, owner: str | None) -> Future:
@@ -112,11 +115,11 @@ def test_cancel_request_stops_a_running_generate_and_the_job_goes_on(service, ht
     generate = f"{CORTEX}/{job_id}/generate"
 
     def poll(request_id: str, until) -> dict:
-        deadline = time.monotonic() + 120
-        while not until(body := http.get(f"{CORTEX}/{job_id}/requests/{request_id}").json()):
-            assert time.monotonic() < deadline, body
-            time.sleep(0.02)
-        return body
+        def reached() -> dict | None:
+            body = http.get(f"{CORTEX}/{job_id}/requests/{request_id}").json()
+            return body if until(body) else None
+
+        return wait_until(reached, what=f"request {request_id}")
 
     def finished(body: dict) -> bool:
         return body["status"] not in ("pending", "running")
@@ -157,12 +160,22 @@ def test_the_slot_scheduler_serves_waiting_tenants_in_turn():
     # Tenant a holds the slot; then a queues three more ops and b two.
     holding.append(threading.Thread(target=hold, args=("a",)))
     holding[-1].start()
-    wait_for(lambda: slots.running() == 1)
+    wait_until(
+        lambda: slots.running() == 1,
+        what="tenant a holding the slot",
+        timeout_s=60,
+        interval_s=0.01,
+    )
     waiters = []
     for count, tenant in enumerate(("a", "a", "a", "b", "b"), start=1):
         waiters.append(threading.Thread(target=take, args=(tenant,)))
         waiters[-1].start()
-        wait_for(lambda n=count: sum(slots.queued().values()) == n)
+        wait_until(
+            lambda n=count: sum(slots.queued().values()) == n,
+            what=f"{count} ops queued",
+            timeout_s=60,
+            interval_s=0.01,
+        )
     release.set()
     for thread in holding + waiters:
         thread.join(timeout=60)
@@ -183,21 +196,22 @@ def test_one_tenant_never_holds_more_than_its_share_of_slots():
     threads = [threading.Thread(target=hold, args=("a",)) for _ in range(4)]
     for thread in threads:
         thread.start()
-    wait_for(lambda: slots.running() == 2 and slots.queued() == {"a": 2})
+    wait_until(
+        lambda: slots.running() == 2 and slots.queued() == {"a": 2},
+        what="tenant a running two ops and queueing two",
+        timeout_s=60,
+        interval_s=0.01,
+    )
     other = threading.Thread(target=hold, args=("b",))
     other.start()
-    wait_for(lambda: slots.running() == 3)  # b gets the slot a may not take
+    # b gets the slot a may not take
+    wait_until(
+        lambda: slots.running() == 3, what="tenant b's op running", timeout_s=60, interval_s=0.01
+    )
     release.set()
     for thread in [*threads, other]:
         thread.join(timeout=60)
     assert max(peak) <= 3
-
-
-def wait_for(condition) -> None:
-    deadline = time.monotonic() + 60
-    while not condition():
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
 
 
 def test_another_tenant_is_served_while_one_tenant_runs_long_generates(tmp_path):

@@ -30,6 +30,7 @@ from arctic_platform.server.service import Service, ServiceSettings
 from arctic_platform.server.tinker import proto
 from tests.live_server import serve_app, serve_process
 from tests.server.conftest import CORTEX, OCTET, job_request, make_app
+from tests.waiting import wait_until
 
 MIB = 1024 * 1024
 ALICE, BOB = "tml-alice", "tml-bob"
@@ -143,18 +144,22 @@ def test_a_tenant_has_at_most_max_uploads_per_tenant_bodies_in_flight(tmp_path):
         serving(tmp_path, tokens=[ALICE, BOB], max_uploads_per_tenant=2) as (_, url),
         httpx.Client(base_url=url, timeout=30) as http,
     ):
+
+        def refused() -> httpx.Response | None:
+            answer = http.post(probe, json={}, headers=credentials(ALICE))
+            if answer.status_code == 429:
+                return answer
+            assert answer.status_code == 400, answer.text
+            return None
+
         stalled = [
             lying_upload(url, path, kind, claimed=MIB, token=ALICE)
             for path, kind in (UPLOAD_ROUTES[0], UPLOAD_ROUTES[3])  # on-prem and Tinker
         ]
         try:
-            deadline = time.monotonic() + 30
-            while (answer := http.post(probe, json={}, headers=credentials(ALICE))).status_code:
-                if answer.status_code == 429:
-                    break
-                assert answer.status_code == 400, answer.text
-                assert time.monotonic() < deadline, "a third concurrent upload was never refused"
-                time.sleep(0.02)
+            answer = wait_until(
+                refused, what="a third concurrent upload was never refused", timeout_s=30
+            )
             body = answer.json()
             assert body["code"] == "limit_exceeded" and body["limit"] == "max_uploads_per_tenant"
             assert body["maximum"] == 2 and "--max-uploads-per-tenant" in body["message"]
@@ -162,11 +167,13 @@ def test_a_tenant_has_at_most_max_uploads_per_tenant_bodies_in_flight(tmp_path):
             assert http.post(probe, json={}, headers=credentials(BOB)).status_code == 400
         finally:
             stalled[0].close()
+
+        def let_in() -> httpx.Response | None:
+            answer = http.post(probe, json={}, headers=credentials(ALICE))
+            return None if answer.status_code == 429 else answer
+
         # A closed upload gives its slot back.
-        deadline = time.monotonic() + 30
-        while (answer := http.post(probe, json={}, headers=credentials(ALICE))).status_code == 429:
-            assert time.monotonic() < deadline, "a disconnected upload kept its slot"
-            time.sleep(0.02)
+        answer = wait_until(let_in, what="a disconnected upload kept its slot", timeout_s=30)
         assert answer.status_code == 400, answer.text
         stalled[1].close()
 
@@ -249,10 +256,7 @@ def test_a_disconnect_mid_upload_is_one_log_line_with_status_499(tmp_path, serve
         for path, content_type in UPLOAD_ROUTES:
             server_logs.clear()
             lying_upload(url, path, content_type, claimed=100_000).close()
-            deadline = time.monotonic() + 30
-            while not ours():
-                assert time.monotonic() < deadline, f"{path}: nothing logged"
-                time.sleep(0.01)
+            wait_until(ours, what=f"{path}: nothing logged", timeout_s=30, interval_s=0.01)
             # The upload's task logs all it logs in the loop turn that ends it; a request
             # answered after that turn bounds the wait for anything else it might log.
             assert httpx.get(f"{url}/health").status_code == 200
@@ -300,10 +304,12 @@ def test_the_upload_flags_reach_a_serve_process(tmp_path):
     ):
         before = process_rss_kib(process.pid)
         sock = lying_upload(url, *UPLOAD_ROUTES[0], claimed=CLAIMED)
-        deadline = time.monotonic() + 30
-        while (second := http.post(f"{CORTEX}/nojob/operation", json={})).status_code != 429:
-            assert time.monotonic() < deadline, f"never refused: {second.text}"
-            time.sleep(0.02)
+
+        def refused() -> httpx.Response | None:
+            second = http.post(f"{CORTEX}/nojob/operation", json={})
+            return second if second.status_code == 429 else None
+
+        second = wait_until(refused, what="a second upload never refused", timeout_s=30)
         assert "--max-uploads-per-tenant" in second.json()["message"]
         grown_mib = (process_rss_kib(process.pid) - before) / 1024
         raw, closed = answer_of(sock, within=30)

@@ -18,6 +18,7 @@ from arctic_platform.client.errors import ConflictError
 from arctic_platform.server.service import Service, ServiceSettings
 from tests.live_server import serve_app, serve_process
 from tests.server.conftest import CORTEX, TINY, job_request, make_app
+from tests.waiting import wait_until
 
 # Far beyond any test's duration: the background reaper never acts; the tests call reap().
 LONG_S = 3600.0
@@ -59,12 +60,12 @@ def test_a_driver_that_exits_without_close_has_its_job_expired(tmp_path):
         reconnect = driver.reconnect_config()
         job_id = reconnect.sampling_job_id.split(":", 1)[0]
         # the driver dies here: no close(), no shutdown()
-        deadline = time.monotonic() + 60
-        while (status := httpx.get(url + CORTEX + "/capacity", timeout=30).json())[
-            "active_sub_jobs"
-        ]:
-            assert time.monotonic() < deadline, f"the idle job kept its engine: {status}"
-            time.sleep(0.1)
+        wait_until(
+            lambda: not httpx.get(url + CORTEX + "/capacity", timeout=30).json()["active_sub_jobs"],
+            what="the idle job kept its engine",
+            timeout_s=60,
+            interval_s=0.1,
+        )
         shown = CliRunner().invoke(cli.app, ["jobs", "show", job_id, "--url", url, "--json"])
         assert shown.exit_code == 0, shown.output
         job = json.loads(shown.stdout)
@@ -108,10 +109,9 @@ def test_a_job_with_an_op_running_or_queued_is_not_expired(idle_service):
     finally:
         release.set()
     assert running.result(timeout=60) is True and "global_steps" in queued.result(timeout=60)
-    deadline = time.monotonic() + 30
-    while idle_service.busy():
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
+    wait_until(
+        lambda: not idle_service.busy(), what="the ops ending", timeout_s=30, interval_s=0.01
+    )
     # the idle clock started when the last op ended
     assert job_id not in idle_service.idle_reaper.reap(now=later(LONG_S - 60))
     assert job_id in idle_service.idle_reaper.reap(now=later(LONG_S + 1))
@@ -170,13 +170,18 @@ def test_collecting_an_op_over_the_cortex_api_is_use_reading_the_job_is_not(idle
     job_id = start(idle_service, "training")
     with serve_app(make_app(idle_service)) as url, httpx.Client(base_url=url, timeout=60) as http:
         request_id = http.post(f"{CORTEX}/{job_id}/step", json={}).json()["request_id"]
-        deadline = time.monotonic() + 60
-        while http.get(f"{CORTEX}/{job_id}/requests/{request_id}").json()["status"] != "done":
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
-        while idle_service.busy():
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
+        deadline = time.monotonic() + 60  # one bound for the request and the op's end
+        wait_until(
+            lambda: http.get(f"{CORTEX}/{job_id}/requests/{request_id}").json()["status"] == "done",
+            what=f"request {request_id} done",
+            timeout_s=60,
+        )
+        wait_until(
+            lambda: not idle_service.busy(),
+            what="the op ending",
+            timeout_s=deadline - time.monotonic(),
+            interval_s=0.01,
+        )
         polled_at = time.time()
         assert http.get(f"{CORTEX}/{job_id}/requests/{request_id}").status_code == 200
         assert job_id not in idle_service.idle_reaper.reap(now=polled_at + LONG_S)

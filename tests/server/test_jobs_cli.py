@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -17,6 +16,7 @@ from arctic_platform.cli import app
 from arctic_platform.server.auth import TokenAuth
 from tests.live_server import serve_app
 from tests.server.conftest import CORTEX, TINY, job_request, make_app, sub_job
+from tests.waiting import wait_until
 
 ALICE, BOB = "alice-token", "bob-token"
 ALICE_OWNER = TokenAuth([ALICE]).owner(f"Bearer {ALICE}")
@@ -131,10 +131,11 @@ def test_a_failed_job_shows_its_reason(server, service):
     empty = service.paths.tenant_root(ALICE_OWNER) / "not-a-model"  # in Alice's space, no model
     empty.mkdir()
     job_id = create_job(server, {"sub_job_configs": [sub_job("training", model_name=str(empty))]})
-    deadline = time.monotonic() + 120
-    while service.get_job(job_id, owner=ALICE_OWNER)["status"] != "failed":
-        assert time.monotonic() < deadline, "the job did not fail"
-        time.sleep(0.05)
+    wait_until(
+        lambda: service.get_job(job_id, owner=ALICE_OWNER)["status"] == "failed",
+        what="the job did not fail",
+        interval_s=0.05,
+    )
     shown = as_json(jobs(server, "ALICE_TOKEN", "show", job_id, "--json"))
     assert shown["reason"].startswith("initialization failed")
     assert "initialization failed" in jobs(server, "ALICE_TOKEN", "show", job_id).stdout

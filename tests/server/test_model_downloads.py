@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import socket
 import threading
-import time
 
 import pytest
 from huggingface_hub import constants
@@ -15,6 +14,7 @@ from arctic_platform.engine.model_files import files_to_fetch
 from arctic_platform.server.errors import Conflict
 from arctic_platform.server.service import Service, ServiceSettings
 from tests.server.conftest import job_request, sub_job
+from tests.waiting import wait_until
 
 
 class SilentHub:
@@ -66,25 +66,24 @@ def status_of(service: Service, job_id: str, owner: str) -> str:
     return service.get_job(job_id, owner=owner)["status"]
 
 
-def wait_for(condition, what: str) -> None:
-    deadline = time.monotonic() + 120
-    while not condition():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.05)
-
-
 def test_a_hung_download_holds_up_only_its_own_job(tmp_path, silent_hub, monkeypatch):
     monkeypatch.setattr(constants, "HF_HUB_ETAG_TIMEOUT", 600)  # hangs for this whole phase
     service = Service(ServiceSettings(data_dir=tmp_path, device="cpu"))
     try:
         hub_job = {"sub_job_configs": [sub_job("sampling", model_name="some-org/some-model")]}
         hung = service.create_job(hub_job, owner="alice")["job_id"]
-        wait_for(lambda: silent_hub.connections, "the job never asked the hub")
+        wait_until(
+            lambda: silent_hub.connections, what="the job never asked the hub", interval_s=0.05
+        )
         other = service.create_job(job_request("sampling"), owner="bob")["job_id"]
         service.wait_until_running(other, owner="bob", timeout=120)
         assert status_of(service, hung, "alice") == "initializing"  # still waiting on the hub
         silent_hub.close()  # the hub goes away: the hung job fails, nothing else changes
-        wait_for(lambda: status_of(service, hung, "alice") == "failed", "the hung job went on")
+        wait_until(
+            lambda: status_of(service, hung, "alice") == "failed",
+            what="the hung job went on",
+            interval_s=0.05,
+        )
         assert status_of(service, other, "bob") == "running"
     finally:
         service.close()

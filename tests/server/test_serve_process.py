@@ -14,16 +14,20 @@ import pytest
 from arctic_platform import wire
 from tests.live_server import serve_process, stopped
 from tests.server.conftest import CORTEX, OCTET, TINY, job_request
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.slow
 
 
 def wait_request(http, job_id, request_id):
-    deadline = time.monotonic() + 120
-    while (body := http.get(f"{CORTEX}/{job_id}/requests/{request_id}").json())["status"] != "done":
-        assert body["status"] in ("pending", "running") and time.monotonic() < deadline, body
-        time.sleep(0.05)
-    return body["result"]
+    def done() -> dict | None:
+        body = http.get(f"{CORTEX}/{job_id}/requests/{request_id}").json()
+        if body["status"] == "done":
+            return body
+        assert body["status"] in ("pending", "running"), body
+        return None
+
+    return wait_until(done, what=f"request {request_id} done", interval_s=0.05)["result"]
 
 
 def onprem_steps(url: str, steps: int, results: list) -> None:
@@ -110,10 +114,11 @@ def test_sigterm_finishes_the_op_in_flight_then_exits(tmp_path):
 
         thread = threading.Thread(target=generate)
         thread.start()
-        deadline = time.monotonic() + 120
-        while http.get("/status").json()["running_ops"] == 0:  # until the op is running
-            assert time.monotonic() < deadline, "the generate op never started"
-            time.sleep(0.01)
+        wait_until(  # until the op is running
+            lambda: http.get("/status").json()["running_ops"] != 0,
+            what="the generate op never started",
+            interval_s=0.01,
+        )
         process.send_signal(signal.SIGTERM)
         thread.join(timeout=120)
         assert process.wait(timeout=60) == 0
@@ -161,19 +166,24 @@ def test_sigterm_with_a_long_generate_in_flight_exits_after_the_drain_timeout(tm
     with serve_process(tmp_path / "data", "--drain-timeout", "1") as (process, url):
         http = httpx.Client(base_url=url, timeout=600)
         job = http.post(CORTEX, json=job_request("sampling")).json()["job_id"]
-        deadline = time.monotonic() + 120
-        while http.get(f"{CORTEX}/{job}").json()["status"] != "running":
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+        deadline = time.monotonic() + 120  # one bound for the job and its request
+        wait_until(
+            lambda: http.get(f"{CORTEX}/{job}").json()["status"] == "running",
+            what=f"job {job} running",
+            interval_s=0.05,
+        )
         endless = {"n": 2048, "max_tokens": 1000, "ignore_eos": True}
         request = http.post(
             f"{CORTEX}/{job}/generate",
             content=wire.dumps({"prompts": ["1+2="], "sampling_params": endless}),
             headers=OCTET,
         ).json()["request_id"]
-        while http.get(f"{CORTEX}/{job}/requests/{request}").json()["status"] != "running":
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+        wait_until(
+            lambda: http.get(f"{CORTEX}/{job}/requests/{request}").json()["status"] == "running",
+            what=f"request {request} running",
+            timeout_s=deadline - time.monotonic(),
+            interval_s=0.05,
+        )
         process.send_signal(signal.SIGTERM)
         # Without the drain bound the server would wait for the whole generation (minutes).
         assert process.wait(timeout=120) == 0
