@@ -177,7 +177,7 @@ class TinkerOps:
             data = codec.decode_data(request)
             spec = losses.check_loss(request.loss_fn, request.loss_fn_config)
             # the on-prem batch limits, checked before the batch is allocated
-            self.service.limits.check_batch_shape(op, *losses.batch_shape(data))
+            tokens = self.service.limits.check_batch_shape(op, *losses.batch_shape(data))
             batch = losses.build_batch(data, spec)
             processing = losses.processing_for(request.loss_fn, request.loss_fn_config)
             trainer = self.service.resolve(run.training_sub_job, owner=owner).engine
@@ -195,6 +195,7 @@ class TinkerOps:
                     out = engine.forward(batch, None, processing)
                 else:
                     out = engine.forward_backward(batch, None, processing, with_logprobs=True)
+                self.service.metrics.add_tokens(op, tokens)  # counted as the on-prem op counts
                 body = codec.encode_forward_backward_output(
                     losses.per_datum(out["logprobs"], data),
                     losses.loss_metrics(out["metric_sums"]),
@@ -476,7 +477,8 @@ class TinkerOps:
             done = self._batcher.add(
                 sub, prompt, params, want_prompt_logprobs, submit, key=key, before=load
             )
-            done.add_done_callback(lambda f: _sample_result(f, outer))
+            count = partial(self.service.metrics.add_tokens, OpName.GENERATE)
+            done.add_done_callback(lambda f: _sample_result(f, outer, count))
 
         if self.service.get_job(job_id, owner=owner)["status"] == "running":
             attach()  # a bad request is refused here, before it gets a request id
@@ -551,13 +553,15 @@ def _is_seq_id(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= FIRST_SEQ_ID
 
 
-def _sample_result(done: Future, outer: Future) -> None:
-    """The ``SampleResponse`` of a finished batched request (or its error)."""
+def _sample_result(done: Future, outer: Future, count_tokens: Callable[[int], None]) -> None:
+    """The ``SampleResponse`` of a finished batched request (or its error); its sampled tokens
+    counted as an on-prem ``generate`` counts them."""
     exc = done.exception()
     if exc is not None:
         outer.set_exception(exc)
         return
     outputs, scored = done.result()
+    count_tokens(sum(len(o["token_ids"]) for o in outputs))
     sequences = [
         codec.SampledSequence(
             tokens=o["token_ids"],

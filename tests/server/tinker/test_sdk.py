@@ -381,3 +381,24 @@ def test_a_released_model_job_is_cancelled_outside_the_registry_lock(server_app,
     registry.end(None, "builtin:small", second)
     for job_id in session.job_ids[1:]:
         service.cancel_job(job_id)
+
+
+def test_tinker_ops_count_their_tokens_as_the_onprem_ops_do(service_client, server_app):
+    registry = server_app.state.service.metrics.registry
+
+    def tokens(op: str) -> float:
+        return registry.get_sample_value("arctic_tokens_processed_total", {"op": op}) or 0.0
+
+    trained_before, sampled_before = tokens("forward-backward"), tokens("generate")
+    client = service_client.create_lora_training_client(base_model=TINY, rank=4, seed=0).result()
+    data = [sft_datum("12+34=46", 6), sft_datum("7+8=15", 4)]
+    client.forward_backward([d for _, d in data], "cross_entropy").result()
+    # The batch's rows x width, as an on-prem forward-backward counts it (a row per datum of
+    # its model_input and its last target).
+    width = max(len(ids) for ids, _ in data)
+    assert tokens("forward-backward") - trained_before == len(data) * width
+    sampler = client.save_weights_and_get_sampling_client().result()
+    params = types.SamplingParams(max_tokens=4, temperature=1.0, seed=1)
+    response = sampler.sample(types.ModelInput.from_ints(encode("1+2=")), 3, params).result()
+    sampled = sum(len(s.tokens) for s in response.sequences)
+    assert sampled > 0 and tokens("generate") - sampled_before == sampled
