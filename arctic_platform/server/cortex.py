@@ -10,10 +10,6 @@ group (see :mod:`arctic_platform.server.async_requests`).
 from __future__ import annotations
 
 import functools
-import hashlib
-import hmac
-import json
-import secrets
 import time
 from pathlib import Path
 from typing import Any
@@ -40,7 +36,6 @@ from arctic_platform.server.reference_logprobs import as_reference_logprobs, ref
 PREFIX = "/api/v2/databases/{database}/schemas/{schema}/{endpoint}"
 EXPORT_TTL_S = 900
 router = APIRouter(prefix=PREFIX)
-_URL_SECRET = secrets.token_bytes(32)
 
 
 def _service(request: Request):
@@ -102,34 +97,27 @@ async def list_checkpoints(job_id: str, request: Request) -> dict:
 
 @router.post("/{job_id}/checkpoints/{checkpoint_id}:export")
 async def export_checkpoint(job_id: str, checkpoint_id: str, request: Request) -> dict:
-    files = _service(request).checkpoint_files(job_id, checkpoint_id, owner=owner_of(request))
-    expires = int(time.time()) + EXPORT_TTL_S
+    service = _service(request)
+    files = service.checkpoint_files(job_id, checkpoint_id, owner=owner_of(request))
     base = str(request.url).rsplit(":export", 1)[0]
-    return {
-        "checkpoint_id": checkpoint_id,
-        "files": [
-            {
-                "filename": f["filename"],
-                "url": f"{base}/files/{f['filename']}?expires={expires}"
-                f"&signature={_sign(job_id, checkpoint_id, f['filename'], expires)}",
-                "size_bytes": f["size_bytes"],
-            }
-            for f in files
-        ],
-        "expires_at": expires,
-    }
+    expires = time.time() + EXPORT_TTL_S
+    listed = []
+    for f in files:
+        subject = [job_id, checkpoint_id, f["filename"]]
+        token, expires = service.links.sign(subject, lifetime_s=EXPORT_TTL_S)
+        url = f"{base}/files/{f['filename']}?token={token}"
+        listed.append({"filename": f["filename"], "url": url, "size_bytes": f["size_bytes"]})
+    return {"checkpoint_id": checkpoint_id, "files": listed, "expires_at": int(expires)}
 
 
 @router.get("/{job_id}/checkpoints/{checkpoint_id}/files/{filename:path}")
 async def download_checkpoint_file(
-    job_id: str, checkpoint_id: str, filename: str, request: Request, expires: int, signature: str
+    job_id: str, checkpoint_id: str, filename: str, request: Request, token: str
 ) -> FileResponse:
     """Serve one exported file; the signed URL is the credential (like a presigned URL)."""
-    if expires < time.time():
-        raise NotFound("download URL expired; export the checkpoint again", code="expired")
-    if not hmac.compare_digest(signature, _sign(job_id, checkpoint_id, filename, expires)):
-        raise NotFound("unknown download URL")
     service = _service(request)
+    if service.links.verify(token) != [job_id, checkpoint_id, filename]:
+        raise NotFound("download link not found")
     owner = service.owner_of(job_id)
     for entry in service.checkpoint_files(job_id, checkpoint_id, owner=owner):
         if entry["filename"] == filename:
@@ -288,8 +276,3 @@ async def poll(
     # Collecting an op's result is its owner's use of the job (see Service.expire_idle_jobs).
     _service(request).note_activity(job_id, owner=owner_of(request))
     return _service(request).requests.poll(job_id, request_id, cursor=cursor, max_events=max_events)
-
-
-def _sign(job_id: str, checkpoint_id: str, filename: str, expires: int) -> str:
-    message = json.dumps([job_id, checkpoint_id, filename, expires]).encode()
-    return hmac.new(_URL_SECRET, message, hashlib.sha256).hexdigest()

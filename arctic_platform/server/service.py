@@ -60,6 +60,7 @@ from arctic_platform.server.op_bodies import describe
 from arctic_platform.server.paths import CHECKPOINTS_DIR, PathPolicy
 from arctic_platform.server.ray_placement import PLACEMENT_TIMEOUT_S
 from arctic_platform.server.scheduler import FairSlots
+from arctic_platform.server.signed_links import LinkSigner
 from arctic_platform.server.store import MetadataStore
 from arctic_platform.server.tenant_quota import TenantQuota, weight_bytes
 
@@ -219,6 +220,7 @@ class Service:
         )
         self.store = MetadataStore(settings.data_dir / "metadata.sqlite3")
         self.requests = RequestStore()
+        self.links = LinkSigner()  # every API's signed download links
         self.chunk_groups = ChunkGroups(limits=settings.limits)
         self._lock = threading.RLock()
         self._jobs: dict[str, Job] = {}

@@ -297,8 +297,11 @@ def test_control_plane_routes(http):
     assert "model.safetensors" in files and "optimizer.pt" in files
     download = httpx.get(files["config.json"]["url"])
     assert download.status_code == 200 and download.json()["model_type"] == "llama"
-    forged = files["config.json"]["url"].replace("signature=", "signature=0")
+    forged = files["config.json"]["url"].replace("token=", "token=0")
     assert httpx.get(forged).status_code == 404
+    # A link opens the one file it names: another file's name under the same token is a 404.
+    other = files["config.json"]["url"].replace("/files/config.json", "/files/optimizer.pt")
+    assert httpx.get(other).status_code == 404
     assert http.delete(f"{CORTEX}/{job_id}/checkpoints/{save['checkpoint_id']}").status_code == 204
     assert http.get(f"{CORTEX}/{job_id}/checkpoints").json()["checkpoints"] == []
     assert http.delete(f"{CORTEX}/{job_id}/checkpoints/nope").status_code == 404

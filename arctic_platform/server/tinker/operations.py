@@ -31,7 +31,6 @@ from arctic_platform.server.tinker.checkpoints import (
     check_name,
     check_ttl,
 )
-from arctic_platform.server.tinker.downloads import DownloadSigner
 from arctic_platform.server.tinker.futures import FutureStore, OpResult
 from arctic_platform.server.tinker.model_samplers import ModelSamplingJobs
 from arctic_platform.server.tinker.sample_batcher import SampleBatcher
@@ -65,7 +64,6 @@ class TinkerOps:
         )
         for path in self.checkpoints.recover(service.paths.root.glob(f"*/{TINKER_DIR}")):
             log.info("recovered %s, left by a save that did not finish", path)
-        self.downloads = DownloadSigner()
         # Waits that are not engine work (engines loading, chained ops) run here.
         self._waiters = ThreadPoolExecutor(max_workers=8, thread_name_prefix="tinker-wait")
         self.model_jobs = ModelSamplingJobs(service)

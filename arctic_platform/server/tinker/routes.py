@@ -32,6 +32,8 @@ from arctic_platform.server.tinker.checkpoints import TinkerPath
 from arctic_platform.server.tinker.futures import OpResult
 from arctic_platform.server.tinker.operations import TinkerOps
 
+LINK_LIFETIME_S = 3600  # how long a get_external_weights_urls link opens its file
+
 API_KEY_PREFIX = "tml-"
 
 router = APIRouter(prefix="/api/v1")
@@ -301,7 +303,9 @@ async def external_weights_urls(model_id: str, kind: str, name: str, request: Re
     path = TinkerPath.parse(f"tinker://{model_id}/{kind}/{name}", field="checkpoint")
     urls, expires = {}, 0.0
     for relative in ops.checkpoints.exported_files(path, owner):
-        token, expires = ops.downloads.sign([owner, str(path), relative])
+        token, expires = ops.service.links.sign(
+            [owner, str(path), relative], lifetime_s=LINK_LIFETIME_S
+        )
         urls[relative] = str(request.url_for("download", token=token))
     return {"urls": urls, "expires": datetime.fromtimestamp(expires, tz=timezone.utc).isoformat()}
 
@@ -319,7 +323,7 @@ async def set_checkpoint_ttl(model_id: str, kind: str, name: str, request: Reque
 async def download(token: str, request: Request) -> FileResponse:
     """A checkpoint file behind a signed link (no credentials: the link is the capability)."""
     ops = _ops(request)
-    owner, tinker_path, relative = ops.downloads.verify(token)
+    owner, tinker_path, relative = ops.service.links.verify(token)
     files = ops.checkpoints.exported_files(TinkerPath.parse(tinker_path), owner)
     if relative not in files:
         raise NotFound("download link not found")
