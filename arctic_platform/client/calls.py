@@ -25,13 +25,13 @@ from arctic_platform.client.transport import JobHandles, Request
 from arctic_platform.contract.bodies import (
     SNOWAPI_ENVELOPE_KEYS,
     TRAIN_ENVELOPE_KEYS,
-    Problem,
     learning_rate_problem,
     load_source_problem,
     prompts_problem,
 )
 from arctic_platform.contract.generate_columns import COLUMNS_KEY, request_columns, results_of
 from arctic_platform.contract.ops import OpName, default_role
+from arctic_platform.contract.problems import Problem
 from arctic_platform.contract.results import shape_step_result, shape_train_result
 
 SYNCHRONOUS_SAVES = {

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 import numpy as np
@@ -31,24 +30,14 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from arctic_platform.contract.problems import Problem
+from arctic_platform.contract.sampling_params import sampling_params_problem
+
 # The tensor envelope of forward-backward / forward: the on-prem (verl) form and the SnowAPI form.
 TRAIN_ENVELOPE_KEYS = frozenset({"batch", "meta", "processing", "router_replay", "reference_model"})
 SNOWAPI_ENVELOPE_KEYS = frozenset(
     {"args", "kwargs", "context", "meta", "processing", "reference_model"}
 )
-
-
-@dataclass(frozen=True)
-class Problem:
-    """What is wrong with a value: ``field`` (its path), ``message``, and ``wrong_type`` (the
-    value has the wrong type, a ``TypeError`` for Python callers, rather than a bad value)."""
-
-    field: str
-    message: str
-    wrong_type: bool = False
-
-    def __str__(self) -> str:
-        return f"{self.field} {self.message}"
 
 
 def learning_rate_problem(value: Any) -> Problem | None:
@@ -190,7 +179,10 @@ class LoadBody(_Body):
 
 class GenerateBody(_Body):
     prompts: Prompts
-    sampling_params: dict[str, Any] | list[dict[str, Any] | None] | None = None
+    # Kept as sent (the engines read it with SamplingParams.from_request), ruled on here.
+    sampling_params: Annotated[
+        dict[str, Any] | list[dict[str, Any] | None] | None, _ruled_by(sampling_params_problem)
+    ] = None
     routing_key: Any = None
     strict: bool = False
 

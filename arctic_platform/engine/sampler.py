@@ -42,6 +42,7 @@ from dataclasses import dataclass
 
 import torch
 
+from arctic_platform.contract.sampling_params import SamplingParams
 from arctic_platform.engine import cancellation
 from arctic_platform.engine.config import SamplingEngineConfig
 from arctic_platform.engine.errors import EngineInputError, SamplerStateError
@@ -59,7 +60,6 @@ from arctic_platform.engine.sampling_ops import (
     sequence_keys,
     step_uniforms,
 )
-from arctic_platform.engine.sampling_params import SamplingParams
 from arctic_platform.engine.sampling_requests import (
     RequestShaper,
     SampleRequest,

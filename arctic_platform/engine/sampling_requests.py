@@ -21,9 +21,9 @@ from dataclasses import dataclass
 import torch
 
 from arctic_platform.contract.bodies import context_problem, prompts_problem
+from arctic_platform.contract.sampling_params import InvalidSamplingParams, SamplingParams
 from arctic_platform.engine.config import SamplingEngineConfig
 from arctic_platform.engine.errors import EngineInputError
-from arctic_platform.engine.sampling_params import SamplingParams
 
 
 @dataclass
@@ -65,7 +65,7 @@ class RequestShaper:
         problem = prompts_problem(prompts)
         if problem is not None:
             raise EngineInputError(problem.field, problem.message)
-        if isinstance(sampling_params, Sequence):
+        if isinstance(sampling_params, Sequence) and not isinstance(sampling_params, str):
             if len(sampling_params) != len(prompts):
                 raise EngineInputError(
                     "sampling_params",
@@ -73,13 +73,10 @@ class RequestShaper:
                     "dictionary for all prompts or one per prompt",
                 )
             fields = [f"sampling_params[{i}]" for i in range(len(prompts))]
-            params = [
-                SamplingParams.from_request(p, f)
-                for p, f in zip(sampling_params, fields, strict=True)
-            ]
+            params = [_params(p, f) for p, f in zip(sampling_params, fields, strict=True)]
         else:
             fields = ["sampling_params"] * len(prompts)
-            params = [SamplingParams.from_request(sampling_params)] * len(prompts)
+            params = [_params(sampling_params, "sampling_params")] * len(prompts)
         token_ids = self._tokenize(prompts)
         return [
             self._check(i, ids, p, f)
@@ -141,6 +138,14 @@ class RequestShaper:
                 f"{field}.min_tokens", f"{params.min_tokens} exceeds the {max_new} tokens left"
             )
         return SampleRequest(index, ids, params, max_new)
+
+
+def _params(value, field: str) -> SamplingParams:
+    """The contract's validated parameters; a bad one is this engine's input error."""
+    try:
+        return SamplingParams.from_request(value, field)
+    except InvalidSamplingParams as exc:
+        raise EngineInputError(exc.field, exc.message) from None
 
 
 def _token_list(prompt):

@@ -21,6 +21,13 @@ from arctic_platform.engine.errors import EngineInputError
 from arctic_platform.engine.sampling_requests import RequestShaper
 from arctic_platform.server.op_bodies import describe
 
+
+def tiny_shaper() -> RequestShaper:
+    """The engines' request check for a 100-token vocabulary and a 32-token context."""
+    config = SamplingEngineConfig(model=ModelConfig(name="builtin:tiny"))
+    return RequestShaper(None, config, vocab_size=100, max_model_len=32)
+
+
 BAD_PROMPTS = [
     ("2+2=", "prompts", TypeError),
     ([], "prompts", ValueError),
@@ -41,12 +48,7 @@ def test_bad_prompts_name_the_same_field_at_every_edge(prompts, field, kind):
     with pytest.raises(kind) as client:
         prompt_list("generate", prompts)
     assert str(client.value).startswith(f"generate: {field} ")
-    shaper = RequestShaper(
-        None,
-        SamplingEngineConfig(model=ModelConfig(name="builtin:tiny")),
-        vocab_size=100,
-        max_model_len=32,
-    )
+    shaper = tiny_shaper()
     with pytest.raises(EngineInputError) as engine:
         shaper.validate(prompts, None)
     assert engine.value.field == field
@@ -85,7 +87,32 @@ def test_a_load_naming_both_a_path_and_a_checkpoint_id_is_refused_by_body_and_cl
     assert LoadBody.model_validate({"checkpoint_id": "abc"}).checkpoint_id == "abc"
 
 
+BAD_SAMPLING = [
+    ({"top_p": 2.0}, "sampling_params.top_p"),
+    ({"n": 0}, "sampling_params.n"),
+    ({"presence_penalty": 0.5}, "sampling_params.presence_penalty"),
+    ([{"max_tokens": 4}, {"stop": [""]}], "sampling_params[1].stop[0]"),
+    ("greedy", "sampling_params"),
+]
+
+
+@pytest.mark.parametrize("params, field", BAD_SAMPLING)
+def test_bad_sampling_params_name_the_same_key_in_the_body_and_the_engine(params, field):
+    prompts = ["1+2=", "3+4="]
+    with pytest.raises(ValidationError) as body:
+        GenerateBody.model_validate({"prompts": prompts, "sampling_params": params})
+    assert describe(body.value).startswith(f"{field} ")
+    shaper = tiny_shaper()
+    with pytest.raises(EngineInputError) as engine:
+        shaper.validate([[1, 2], [3]], params)
+    assert engine.value.field == field
+    assert engine.value.message in describe(body.value)
+
+
 def test_good_values_pass_unchanged():
     assert GenerateBody.model_validate({"prompts": ["hi", [1, 2]]}).prompts == ["hi", [1, 2]]
     assert StepBody.model_validate({"learning_rate": 1e-5}).learning_rate == 1e-5
     assert prompt_list("generate", ("hi", (1, 2))) == ["hi", [1, 2]]
+    params = [{"top_p": 0.9, "stop": "##"}, None]
+    body = GenerateBody.model_validate({"prompts": ["a", "b"], "sampling_params": params})
+    assert body.sampling_params == params  # kept as sent: the engines read it

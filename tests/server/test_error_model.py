@@ -144,3 +144,16 @@ async def test_an_unanticipated_exception_in_a_tinker_op_names_its_request(caplo
         "category": "server",
     }
     assert any(request_id in r.getMessage() and r.exc_info for r in caplog.records)
+
+
+@pytest.mark.parametrize("route", ["/generate?job_id={job}", CORTEX + "/{job}/generate"])
+def test_a_bad_sampling_parameter_is_a_400_at_submit_naming_it(http, service, route):
+    """Checked by the body's contract model: nothing is queued (on Cortex, no request id)."""
+    job_id = running(service, "sampling")
+    body = {"prompts": ["1+2="], "sampling_params": [{"top_p": 2.0}]}
+    answer = http.post(route.format(job=job_id), content=wire.dumps(body), headers=OCTET)
+    assert answer.status_code == 400, answer.text
+    assert answer.json()["message"].startswith(
+        "generate: sampling_params[0].top_p must be in (0, 1]"
+    )
+    assert "request_id" not in answer.json()

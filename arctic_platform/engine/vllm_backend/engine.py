@@ -41,6 +41,7 @@ import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from arctic_platform.contract.sampling_params import SamplingParams
 from arctic_platform.engine.builtin import resolve_model_path
 from arctic_platform.engine.config import SamplingEngineConfig
 from arctic_platform.engine.errors import EngineInputError, SamplerStateError
@@ -49,7 +50,6 @@ from arctic_platform.engine.models import (
     resolve_device,
     resolve_dtype,
 )
-from arctic_platform.engine.sampling_params import SamplingParams
 from arctic_platform.engine.sampling_requests import (
     RequestShaper,
     SampleRequest,

@@ -30,7 +30,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-from arctic_platform.engine.sampling_params import SamplingParams
+from arctic_platform.contract.sampling_params import SamplingParams
 from arctic_platform.server.errors import BadRequest, Conflict
 
 LINGER_GAP_S = 0.03
@@ -99,7 +99,7 @@ class SampleBatcher:
         engine = sub.engine
         try:
             parsed = SamplingParams.from_request(params)
-        except ValueError as exc:  # EngineInputError is a ValueError naming the field
+        except ValueError as exc:  # InvalidSamplingParams: a ValueError naming the field
             raise BadRequest(f"sampling_params: {exc}") from None
         if any(not 0 <= t < engine.vocab_size for t in prompt):
             raise BadRequest(f"prompt: token ids must lie in [0, {engine.vocab_size})")

@@ -1,9 +1,11 @@
 """Sampling parameters as RL frameworks send them (the vLLM dictionary), validated up front.
 
 SkyRL and verl build their sampling settings for vLLM and pass the same dictionary to us, so the
-keys and their meanings follow vLLM's ``SamplingParams``. Validation happens here, before the
-engine does any work, and every failure names the offending key (``sampling_params.top_p``, or
-``sampling_params[3].top_p`` when one dictionary per prompt is given).
+keys and their meanings follow vLLM's ``SamplingParams``. This is the one definition: the
+``generate`` body validates with it (a 400 naming the key before the op is queued, on every API),
+the engines read the validated :class:`SamplingParams`, and every failure names the offending key
+(``sampling_params.top_p``, or ``sampling_params[3].top_p`` when one dictionary per prompt is
+given) as an :class:`InvalidSamplingParams` (the engines raise it as their ``EngineInputError``).
 
 Semantics worth knowing (chosen to match vLLM):
 
@@ -30,10 +32,19 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
-from arctic_platform.engine.errors import EngineInputError
+from arctic_platform.contract.problems import Problem
 
 GREEDY_TEMPERATURE = 1e-5
 DEFAULT_MAX_TOKENS = 16
+
+
+class InvalidSamplingParams(ValueError):
+    """A bad sampling parameter; ``field`` names it (``sampling_params[3].top_p``)."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.message = message
 
 
 @dataclass(frozen=True)
@@ -63,24 +74,39 @@ class SamplingParams:
     def from_request(cls, value: Any, field: str = "sampling_params") -> SamplingParams:
         """Validate a vLLM-style dictionary (or pass a ``SamplingParams`` through).
 
-        ``None`` gives the defaults. Raises :class:`EngineInputError` naming ``field.<key>``.
+        ``None`` gives the defaults. Raises :class:`InvalidSamplingParams` naming ``field.<key>``.
         """
         if value is None:
             return cls()
         if isinstance(value, SamplingParams):
             return value
         if not isinstance(value, Mapping):
-            raise EngineInputError(
+            raise InvalidSamplingParams(
                 field, f"expected a dictionary of sampling parameters, got {type(value).__name__}"
             )
         known = {f.name for f in fields(cls)}
         unknown = sorted(str(k) for k in value if k not in known)
         if unknown:
-            raise EngineInputError(
+            raise InvalidSamplingParams(
                 f"{field}.{unknown[0]}",
                 f"unknown sampling parameter(s) {unknown}; supported: {sorted(known)}",
             )
         return cls(**_validated(value, field))
+
+
+def sampling_params_problem(value: Any) -> Problem | None:
+    """A ``generate`` body's ``sampling_params``: one dictionary for every prompt, or a list of
+    one per prompt (``None`` entries take the defaults); what is wrong with it, or None. Whether
+    a list has one entry per prompt is the engine's check, with the prompts."""
+    entries = [(value, "sampling_params")]
+    if isinstance(value, list):
+        entries = [(v, f"sampling_params[{i}]") for i, v in enumerate(value)]
+    for entry, field in entries:
+        try:
+            SamplingParams.from_request(entry, field)
+        except InvalidSamplingParams as exc:
+            return Problem(exc.field, exc.message)
+    return None
 
 
 _NONE_IS_MEANINGFUL = ("max_tokens", "seed", "logprobs")
@@ -100,20 +126,20 @@ def _validated(raw: Mapping[str, Any], field: str) -> dict[str, Any]:
     out["n"] = _int(get("n"), name("n"), minimum=1)
     out["temperature"] = _number(get("temperature"), name("temperature"))
     if out["temperature"] < 0:
-        raise EngineInputError(name("temperature"), f"must be >= 0, got {out['temperature']}")
+        raise InvalidSamplingParams(name("temperature"), f"must be >= 0, got {out['temperature']}")
     out["top_p"] = _number(get("top_p"), name("top_p"))
     if not 0.0 < out["top_p"] <= 1.0:
-        raise EngineInputError(name("top_p"), f"must be in (0, 1], got {out['top_p']}")
+        raise InvalidSamplingParams(name("top_p"), f"must be in (0, 1], got {out['top_p']}")
     top_k = _int(get("top_k"), name("top_k"), minimum=-1)
     out["top_k"] = -1 if top_k == 0 else top_k
     out["min_p"] = _number(get("min_p"), name("min_p"))
     if not 0.0 <= out["min_p"] <= 1.0:
-        raise EngineInputError(name("min_p"), f"must be in [0, 1], got {out['min_p']}")
+        raise InvalidSamplingParams(name("min_p"), f"must be in [0, 1], got {out['min_p']}")
     max_tokens = get("max_tokens")
     out["max_tokens"] = None if max_tokens is None else _int(max_tokens, name("max_tokens"), 1)
     out["min_tokens"] = _int(get("min_tokens"), name("min_tokens"), minimum=0)
     if out["max_tokens"] is not None and out["min_tokens"] > out["max_tokens"]:
-        raise EngineInputError(
+        raise InvalidSamplingParams(
             name("min_tokens"),
             f"must be <= max_tokens ({out['max_tokens']}), got {out['min_tokens']}",
         )
@@ -133,37 +159,39 @@ def _int(value: Any, field: str, minimum: int | None = None) -> int:
         if isinstance(value, float) and value.is_integer():
             value = int(value)
         else:
-            raise EngineInputError(field, f"expected an integer, got {value!r}")
+            raise InvalidSamplingParams(field, f"expected an integer, got {value!r}")
     if minimum is not None and value < minimum:
-        raise EngineInputError(field, f"must be >= {minimum}, got {value}")
+        raise InvalidSamplingParams(field, f"must be >= {minimum}, got {value}")
     return value
 
 
 def _number(value: Any, field: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise EngineInputError(field, f"expected a number, got {value!r}")
+        raise InvalidSamplingParams(field, f"expected a number, got {value!r}")
     if not math.isfinite(value):
-        raise EngineInputError(field, f"must be finite, got {value!r}")
+        raise InvalidSamplingParams(field, f"must be finite, got {value!r}")
     return float(value)
 
 
 def _bool(value: Any, field: str) -> bool:
     if not isinstance(value, bool):
-        raise EngineInputError(field, f"expected true or false, got {value!r}")
+        raise InvalidSamplingParams(field, f"expected true or false, got {value!r}")
     return value
 
 
 def _stop_strings(value: Any, field: str) -> tuple[str, ...]:
     items = [value] if isinstance(value, str) else value
     if not isinstance(items, (list, tuple)):
-        raise EngineInputError(field, f"expected a string or a list of strings, got {value!r}")
+        raise InvalidSamplingParams(field, f"expected a string or a list of strings, got {value!r}")
     for i, item in enumerate(items):
         if not isinstance(item, str) or not item:
-            raise EngineInputError(f"{field}[{i}]", f"expected a non-empty string, got {item!r}")
+            raise InvalidSamplingParams(
+                f"{field}[{i}]", f"expected a non-empty string, got {item!r}"
+            )
     return tuple(items)
 
 
 def _token_ids(value: Any, field: str) -> tuple[int, ...]:
     if not isinstance(value, (list, tuple)):
-        raise EngineInputError(field, f"expected a list of token ids, got {value!r}")
+        raise InvalidSamplingParams(field, f"expected a list of token ids, got {value!r}")
     return tuple(_int(item, f"{field}[{i}]", minimum=0) for i, item in enumerate(value))
