@@ -100,14 +100,13 @@ async def export_checkpoint(job_id: str, checkpoint_id: str, request: Request) -
     service = _service(request)
     files = service.checkpoint_files(job_id, checkpoint_id, owner=owner_of(request))
     base = str(request.url).rsplit(":export", 1)[0]
-    expires = time.time() + EXPORT_TTL_S
+    expires = int(time.time()) + EXPORT_TTL_S
     listed = []
     for f in files:
-        subject = [job_id, checkpoint_id, f["filename"]]
-        token, expires = service.links.sign(subject, lifetime_s=EXPORT_TTL_S)
+        token = service.links.sign([job_id, checkpoint_id, f["filename"]], expires=expires)
         url = f"{base}/files/{f['filename']}?token={token}"
         listed.append({"filename": f["filename"], "url": url, "size_bytes": f["size_bytes"]})
-    return {"checkpoint_id": checkpoint_id, "files": listed, "expires_at": int(expires)}
+    return {"checkpoint_id": checkpoint_id, "files": listed, "expires_at": expires}
 
 
 @router.get("/{job_id}/checkpoints/{checkpoint_id}/files/{filename:path}")

@@ -64,7 +64,6 @@ from arctic_platform.server.signed_links import LinkSigner
 from arctic_platform.server.store import MetadataStore
 from arctic_platform.server.tenant_quota import TenantQuota, weight_bytes
 
-TERMINAL = TERMINAL_JOB_STATES
 LOG_LINES_PER_JOB = 2000
 log = logging.getLogger(__name__)
 
@@ -308,7 +307,7 @@ class Service:
         live = [
             j
             for j in self._jobs.values()
-            if j.owner == job.owner and j.status not in TERMINAL and j is not job
+            if j.owner == job.owner and j.status not in TERMINAL_JOB_STATES and j is not job
         ]
         self.settings.quota.check(
             jobs=len(live) + 1, model_bytes=sum(j.model_bytes for j in live) + job.model_bytes
@@ -404,7 +403,7 @@ class Service:
         """Block until the job runs; raise if it ends or ``timeout`` passes first."""
         job = self._job(job_id, owner)
         deadline = time.monotonic() + timeout
-        while job.status not in ("running", *TERMINAL):
+        while job.status not in ("running", *TERMINAL_JOB_STATES):
             if time.monotonic() > deadline:
                 raise TimeoutError(f"job {job_id} is still {job.status} after {timeout:.0f}s")
             time.sleep(0.02)
@@ -475,7 +474,7 @@ class Service:
             active = sum(
                 len(j.sub_jobs)
                 for j in self._jobs.values()
-                if j.status not in TERMINAL and (every_tenant or j.owner == owner)
+                if j.status not in TERMINAL_JOB_STATES and (every_tenant or j.owner == owner)
             )
         return {
             "has_reservation": False,
@@ -506,7 +505,7 @@ class Service:
             return {
                 "entries": lines,
                 "next_cursor": str(end),
-                "eof": job.status in TERMINAL and end >= job.log_offset + len(job.logs),
+                "eof": job.status in TERMINAL_JOB_STATES and end >= job.log_offset + len(job.logs),
             }
 
     # -- ops --------------------------------------------------------------------------------
@@ -836,7 +835,7 @@ class Service:
                 reason = f"server shut down with ops in flight after --drain-timeout {timeout:g}s"
                 job.stop.cancel(reason)  # its ops stop at their next step or microbatch
                 self._fail(job, reason)
-            elif job.status not in TERMINAL:
+            elif job.status not in TERMINAL_JOB_STATES:
                 self._set_status(job, "terminated", "server shut down")
             self._release(job)
         self.store.close()
@@ -913,7 +912,7 @@ class Service:
 
     def _fail(self, job: Job, reason: str) -> None:
         with self._lock:
-            if job.status in TERMINAL:
+            if job.status in TERMINAL_JOB_STATES:
                 return
             self._set_status(job, "failed", reason)
         self._release(job, wait=False)
@@ -924,7 +923,7 @@ class Service:
         lock, so exactly one of them closes it."""
         for sub in job.sub_jobs:
             with self._lock:
-                if sub.status not in TERMINAL:
+                if sub.status not in TERMINAL_JOB_STATES:
                     sub.status = job.status
                 queue = sub.queue
                 engine, sub.engine = sub.engine, None
@@ -986,7 +985,7 @@ class Service:
                 updated_at=record["updated_at"],
             )
             self._jobs[job.job_id] = job
-            if job.status not in TERMINAL:
+            if job.status not in TERMINAL_JOB_STATES:
                 self._set_status(job, "terminated", "server restarted")
                 for sub in subs:
                     sub.status = "terminated"

@@ -25,11 +25,11 @@ class LinkSigner:
     def __init__(self) -> None:
         self._key = secrets.token_bytes(32)
 
-    def sign(self, subject: list, *, lifetime_s: float) -> tuple[str, float]:
-        """A URL-safe token for ``subject`` and the time it expires."""
-        expires = time.time() + lifetime_s
+    def sign(self, subject: list, *, expires: float) -> str:
+        """A URL-safe token for ``subject`` that opens it until ``expires`` (a Unix time; one
+        answer's links share theirs)."""
         payload = base64.urlsafe_b64encode(json.dumps([subject, expires]).encode()).decode()
-        return f"{payload}.{self._mac(payload)}", expires
+        return f"{payload}.{self._mac(payload)}"
 
     def verify(self, token: str) -> list:
         """The subject a valid, unexpired token names; 404 otherwise (no oracle for guesses)."""

@@ -301,11 +301,10 @@ async def delete_checkpoint(model_id: str, kind: str, name: str, request: Reques
 async def external_weights_urls(model_id: str, kind: str, name: str, request: Request) -> dict:
     ops, owner = _ops(request), _owner(request)
     path = TinkerPath.parse(f"tinker://{model_id}/{kind}/{name}", field="checkpoint")
-    urls, expires = {}, 0.0
+    expires = time.time() + LINK_LIFETIME_S
+    urls = {}
     for relative in ops.checkpoints.exported_files(path, owner):
-        token, expires = ops.service.links.sign(
-            [owner, str(path), relative], lifetime_s=LINK_LIFETIME_S
-        )
+        token = ops.service.links.sign([owner, str(path), relative], expires=expires)
         urls[relative] = str(request.url_for("download", token=token))
     return {"urls": urls, "expires": datetime.fromtimestamp(expires, tz=timezone.utc).isoformat()}
 
