@@ -53,7 +53,8 @@ class _ScheduledPhase(_Section):
     and its held-out accuracy depends on the float rounding of the machine (0.4 on one CPU, 0.005
     on another). Decayed, one machine reproduces its figure, but the warm-up still breaks through
     its plateau or not by chance: with the default 450 steps, a peak rate of 2e-3, 2.2e-3,
-    2.85e-3, 3e-3 or 3.15e-3 ends at 0.07, 0.2, 0.82, 0.67 or 0.12 held-out (issue 25's note)."""
+    2.85e-3, 3e-3 or 3.15e-3 ends at 0.07, 0.2, 0.82, 0.67 or 0.12 held-out
+    (`benchmarks/results/warmup_sweep.json`)."""
 
     def learning_rate_at(self, step_in_phase: int) -> float:
         if self.lr_schedule == "constant":

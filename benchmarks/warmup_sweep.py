@@ -1,0 +1,71 @@
+"""How the default recipe's supervised warm-up ends under small changes of its settings.
+
+Each setting runs the default recipe's warm-up alone (``grpo.steps=1``, no intermediate
+evaluations or checkpoints) in its own process, ``--jobs`` at a time on one thread each, and
+reports the held-out greedy reward when GRPO would start and the mean loss of the last ten
+warm-up steps. This is a sensitivity measure, not a speed one: the README's caveat on the warm-up
+quotes it. Run: ``python -m benchmarks.warmup_sweep [--jobs 2]``; writes
+``benchmarks/results/warmup_sweep.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+
+from benchmarks._common import write_result
+
+FIXED = ["grpo.steps=1", "eval.every=0", "checkpoint.every=0", "logging.plot_every=0"]
+SETTINGS = [
+    [],
+    ["sft.learning_rate=2e-3"],
+    ["sft.learning_rate=2.2e-3"],
+    ["sft.learning_rate=2.85e-3"],
+    ["sft.learning_rate=3.15e-3"],
+    ["sft.learning_rate=3.15e-3", "sft.steps=700"],
+    ["sft.learning_rate=3e-3", "sft.batch_size=128"],
+    ["sft.learning_rate=3.15e-3", "sft.batch_size=128"],
+    ["sft.learning_rate=2.2e-3", "sft.steps=1500"],
+    ["sft.learning_rate=3.15e-3", "sft.steps=1500"],
+]
+# Runs in a child so each setting gets a fresh process (one thread, its own model cache use).
+CHILD = """
+import json, sys, time
+from pathlib import Path
+from arctic_platform.recipes.config import load_recipe
+from arctic_platform.recipes.grpo import run_recipe
+out, overrides = Path(sys.argv[1]), json.loads(sys.argv[2])
+started = time.perf_counter()
+summary = run_recipe(load_recipe(None, overrides), out, show_progress=False)
+losses = [r["loss"] for r in summary.records if r.get("phase") == "sft"]
+print(json.dumps({
+    "held_out_after_warm_up": summary.eval_rewards("sft")[-1],
+    "loss_last_10": sum(losses[-10:]) / 10,
+    "seconds": round(time.perf_counter() - started),
+}))
+"""
+
+
+def run(overrides: list[str], root: str, index: int) -> dict:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-c", CHILD, f"{root}/{index}", json.dumps([*FIXED, *overrides])]
+    done = subprocess.run(command, capture_output=True, text=True, env=env, check=True)
+    return {"overrides": overrides, **json.loads(done.stdout.strip().splitlines()[-1])}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--jobs", type=int, default=2)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as root, ThreadPoolExecutor(args.jobs) as pool:
+        runs = list(pool.map(run, SETTINGS, [root] * len(SETTINGS), range(len(SETTINGS))))
+    write_result("warmup_sweep", {"fixed": FIXED, "runs": runs})
+
+
+if __name__ == "__main__":
+    main()
