@@ -16,3 +16,17 @@ class Problem:
 
     def __str__(self) -> str:
         return f"{self.field} {self.message}"
+
+
+class FieldError(ValueError):
+    """Bad input, naming the field at fault (``sampling_params[3].top_p``, ``batch.advantages``).
+
+    The one exception for it: the contract's rules raise it, the engines raise it through their
+    :class:`~arctic_platform.engine.errors.EngineInputError`, and every surface answers it as a
+    400 naming ``field``, so no layer translates one field error into another.
+    """
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.message = message

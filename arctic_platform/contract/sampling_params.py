@@ -5,7 +5,7 @@ keys and their meanings follow vLLM's ``SamplingParams``. This is the one defini
 ``generate`` body validates with it (a 400 naming the key before the op is queued, on every API),
 the engines read the validated :class:`SamplingParams`, and every failure names the offending key
 (``sampling_params.top_p``, or ``sampling_params[3].top_p`` when one dictionary per prompt is
-given) as an :class:`InvalidSamplingParams` (the engines raise it as their ``EngineInputError``).
+given) as a :class:`~arctic_platform.contract.problems.FieldError`.
 
 Semantics worth knowing (chosen to match vLLM):
 
@@ -32,19 +32,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
-from arctic_platform.contract.problems import Problem
+from arctic_platform.contract.problems import FieldError, Problem
 
 GREEDY_TEMPERATURE = 1e-5
 DEFAULT_MAX_TOKENS = 16
-
-
-class InvalidSamplingParams(ValueError):
-    """A bad sampling parameter; ``field`` names it (``sampling_params[3].top_p``)."""
-
-    def __init__(self, field: str, message: str) -> None:
-        super().__init__(f"{field}: {message}")
-        self.field = field
-        self.message = message
 
 
 @dataclass(frozen=True)
@@ -74,20 +65,20 @@ class SamplingParams:
     def from_request(cls, value: Any, field: str = "sampling_params") -> SamplingParams:
         """Validate a vLLM-style dictionary (or pass a ``SamplingParams`` through).
 
-        ``None`` gives the defaults. Raises :class:`InvalidSamplingParams` naming ``field.<key>``.
+        ``None`` gives the defaults. Raises :class:`FieldError` naming ``field.<key>``.
         """
         if value is None:
             return cls()
         if isinstance(value, SamplingParams):
             return value
         if not isinstance(value, Mapping):
-            raise InvalidSamplingParams(
+            raise FieldError(
                 field, f"expected a dictionary of sampling parameters, got {type(value).__name__}"
             )
         known = {f.name for f in fields(cls)}
         unknown = sorted(str(k) for k in value if k not in known)
         if unknown:
-            raise InvalidSamplingParams(
+            raise FieldError(
                 f"{field}.{unknown[0]}",
                 f"unknown sampling parameter(s) {unknown}; supported: {sorted(known)}",
             )
@@ -104,7 +95,7 @@ def sampling_params_problem(value: Any) -> Problem | None:
     for entry, field in entries:
         try:
             SamplingParams.from_request(entry, field)
-        except InvalidSamplingParams as exc:
+        except FieldError as exc:
             return Problem(exc.field, exc.message)
     return None
 
@@ -126,20 +117,20 @@ def _validated(raw: Mapping[str, Any], field: str) -> dict[str, Any]:
     out["n"] = _int(get("n"), name("n"), minimum=1)
     out["temperature"] = _number(get("temperature"), name("temperature"))
     if out["temperature"] < 0:
-        raise InvalidSamplingParams(name("temperature"), f"must be >= 0, got {out['temperature']}")
+        raise FieldError(name("temperature"), f"must be >= 0, got {out['temperature']}")
     out["top_p"] = _number(get("top_p"), name("top_p"))
     if not 0.0 < out["top_p"] <= 1.0:
-        raise InvalidSamplingParams(name("top_p"), f"must be in (0, 1], got {out['top_p']}")
+        raise FieldError(name("top_p"), f"must be in (0, 1], got {out['top_p']}")
     top_k = _int(get("top_k"), name("top_k"), minimum=-1)
     out["top_k"] = -1 if top_k == 0 else top_k
     out["min_p"] = _number(get("min_p"), name("min_p"))
     if not 0.0 <= out["min_p"] <= 1.0:
-        raise InvalidSamplingParams(name("min_p"), f"must be in [0, 1], got {out['min_p']}")
+        raise FieldError(name("min_p"), f"must be in [0, 1], got {out['min_p']}")
     max_tokens = get("max_tokens")
     out["max_tokens"] = None if max_tokens is None else _int(max_tokens, name("max_tokens"), 1)
     out["min_tokens"] = _int(get("min_tokens"), name("min_tokens"), minimum=0)
     if out["max_tokens"] is not None and out["min_tokens"] > out["max_tokens"]:
-        raise InvalidSamplingParams(
+        raise FieldError(
             name("min_tokens"),
             f"must be <= max_tokens ({out['max_tokens']}), got {out['min_tokens']}",
         )
@@ -159,39 +150,37 @@ def _int(value: Any, field: str, minimum: int | None = None) -> int:
         if isinstance(value, float) and value.is_integer():
             value = int(value)
         else:
-            raise InvalidSamplingParams(field, f"expected an integer, got {value!r}")
+            raise FieldError(field, f"expected an integer, got {value!r}")
     if minimum is not None and value < minimum:
-        raise InvalidSamplingParams(field, f"must be >= {minimum}, got {value}")
+        raise FieldError(field, f"must be >= {minimum}, got {value}")
     return value
 
 
 def _number(value: Any, field: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise InvalidSamplingParams(field, f"expected a number, got {value!r}")
+        raise FieldError(field, f"expected a number, got {value!r}")
     if not math.isfinite(value):
-        raise InvalidSamplingParams(field, f"must be finite, got {value!r}")
+        raise FieldError(field, f"must be finite, got {value!r}")
     return float(value)
 
 
 def _bool(value: Any, field: str) -> bool:
     if not isinstance(value, bool):
-        raise InvalidSamplingParams(field, f"expected true or false, got {value!r}")
+        raise FieldError(field, f"expected true or false, got {value!r}")
     return value
 
 
 def _stop_strings(value: Any, field: str) -> tuple[str, ...]:
     items = [value] if isinstance(value, str) else value
     if not isinstance(items, (list, tuple)):
-        raise InvalidSamplingParams(field, f"expected a string or a list of strings, got {value!r}")
+        raise FieldError(field, f"expected a string or a list of strings, got {value!r}")
     for i, item in enumerate(items):
         if not isinstance(item, str) or not item:
-            raise InvalidSamplingParams(
-                f"{field}[{i}]", f"expected a non-empty string, got {item!r}"
-            )
+            raise FieldError(f"{field}[{i}]", f"expected a non-empty string, got {item!r}")
     return tuple(items)
 
 
 def _token_ids(value: Any, field: str) -> tuple[int, ...]:
     if not isinstance(value, (list, tuple)):
-        raise InvalidSamplingParams(field, f"expected a list of token ids, got {value!r}")
+        raise FieldError(field, f"expected a list of token ids, got {value!r}")
     return tuple(_int(item, f"{field}[{i}]", minimum=0) for i, item in enumerate(value))

@@ -1,20 +1,21 @@
 """Errors the engines raise for bad input.
 
 Every engine validates what it is given before touching model or optimizer state, and reports the
-offending field by name. The server maps :class:`EngineInputError` to an HTTP 4xx; anything else an
-engine raises is a failure of the job itself.
+offending field by name. The server maps the contract's :class:`FieldError` (of which
+:class:`EngineInputError` is the engines' kind) to an HTTP 4xx; anything else an engine raises is a
+failure of the job itself.
 """
 
 from __future__ import annotations
 
+from arctic_platform.contract.problems import FieldError
 
-class EngineInputError(ValueError):
-    """A malformed request to an engine; ``field`` names the culprit (e.g. ``batch.advantages``)."""
 
-    def __init__(self, field: str, message: str) -> None:
-        super().__init__(f"{field}: {message}")
-        self.field = field
-        self.message = message
+class EngineInputError(FieldError):
+    """A malformed request to an engine; ``field`` names the culprit (e.g. ``batch.advantages``).
+
+    A contract rule's :class:`FieldError` raised inside an engine (a bad sampling parameter) is
+    bad input just the same: the server catches the base class."""
 
 
 class CheckpointNotFound(EngineInputError):

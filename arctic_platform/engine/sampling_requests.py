@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from arctic_platform.contract.bodies import context_problem, prompts_problem
-from arctic_platform.contract.sampling_params import InvalidSamplingParams, SamplingParams
+from arctic_platform.contract.sampling_params import SamplingParams
 from arctic_platform.engine.config import SamplingEngineConfig
 from arctic_platform.engine.errors import EngineInputError
 
@@ -54,7 +54,7 @@ class RequestShaper:
         prompts: Sequence[str | Sequence[int]],
         sampling_params: Mapping | SamplingParams | Sequence[Mapping | None] | None,
     ) -> list[SampleRequest]:
-        """The call's requests in prompt order; :class:`EngineInputError` names a bad field.
+        """The call's requests in prompt order; a :class:`FieldError` names a bad field.
 
         The prompts' shape is the contract's rule
         (:func:`arctic_platform.contract.bodies.prompts_problem`; 1-D integer tensors count as
@@ -73,10 +73,11 @@ class RequestShaper:
                     "dictionary for all prompts or one per prompt",
                 )
             fields = [f"sampling_params[{i}]" for i in range(len(prompts))]
-            params = [_params(p, f) for p, f in zip(sampling_params, fields, strict=True)]
+            parse = SamplingParams.from_request
+            params = [parse(p, f) for p, f in zip(sampling_params, fields, strict=True)]
         else:
             fields = ["sampling_params"] * len(prompts)
-            params = [_params(sampling_params, "sampling_params")] * len(prompts)
+            params = [SamplingParams.from_request(sampling_params, fields[0])] * len(prompts)
         token_ids = self._tokenize(prompts)
         return [
             self._check(i, ids, p, f)
@@ -138,14 +139,6 @@ class RequestShaper:
                 f"{field}.min_tokens", f"{params.min_tokens} exceeds the {max_new} tokens left"
             )
         return SampleRequest(index, ids, params, max_new)
-
-
-def _params(value, field: str) -> SamplingParams:
-    """The contract's validated parameters; a bad one is this engine's input error."""
-    try:
-        return SamplingParams.from_request(value, field)
-    except InvalidSamplingParams as exc:
-        raise EngineInputError(exc.field, exc.message) from None
 
 
 def _token_list(prompt):

@@ -19,10 +19,13 @@ creates share its fate: if the state actor goes away, so do its jobs' workers.
 
 from __future__ import annotations
 
+import logging
+import uuid
 from pathlib import Path
 from typing import Any
 
 MAX_CONCURRENT_CALLS = 64
+log = logging.getLogger(__name__)
 
 
 class ServerState:
@@ -80,23 +83,24 @@ class ServerState:
 
     @staticmethod
     def _reply(fn) -> tuple:
-        from arctic_platform.server.errors import ServiceError
+        """``fn()`` as a tagged reply. An exception nobody anticipated is the same 500
+        ``internal_error`` naming a request id as on the HTTP and Cortex APIs, its traceback
+        logged under that id: left to Ray, it would reach the client as a ``RayTaskError``
+        carrying the server's traceback, paths included."""
+        from arctic_platform.server.errors import ServiceError, internal_error
         from arctic_platform.tensor_tree import to_object_store
 
         try:
             return ("ok", to_object_store(fn()))
-        except ServiceError as exc:
-            return (
-                "error",
-                {
-                    "status": exc.status,
-                    "code": exc.code,
-                    "message": exc.message,
-                    "details": exc.details,
-                },
-            )
         except TimeoutError as exc:
             return ("timeout", str(exc))
+        except Exception as exc:
+            if not isinstance(exc, ServiceError):
+                request_id = uuid.uuid4().hex
+                log.exception("ray request %s failed", request_id)
+                exc = internal_error(request_id)
+            body = {"status": exc.status, "code": exc.code, "message": exc.message}
+            return ("error", {**body, "details": exc.details})
 
 
 def start_server_state(

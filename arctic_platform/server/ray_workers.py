@@ -6,7 +6,7 @@ The classes are plain; :mod:`arctic_platform.server.ray_engines` turns them into
 * **Tensors cross as numpy arrays** (zero-copy through the object store; torch tensors would be
   pickled, 10-100x slower). Arrays that arrive are read-only views of shared memory, so they are
   copied before torch sees them.
-* **Bad input is a value, not an exception.** An :class:`EngineInputError`, a sampler state error
+* **Bad input is a value, not an exception.** A :class:`FieldError`, a sampler state error
   or a peer rank's rejection comes back as :class:`Rejected`, which the proxy turns back into the
   exception the Service maps to 400/409. Anything raised is a failure of the worker, which fails
   the job (and a dead actor surfaces as ``RayActorError``).
@@ -33,12 +33,12 @@ from typing import Any, ClassVar, Literal
 
 import numpy as np
 
+from arctic_platform.contract.problems import FieldError
 from arctic_platform.engine import cancellation
 from arctic_platform.engine.cancellation import CancelToken
 from arctic_platform.engine.errors import (
     CheckpointNotFound,
     CheckpointWriteError,
-    EngineInputError,
     PeerRejected,
     SamplerStateError,
 )
@@ -106,7 +106,7 @@ def _replying(fn: Callable[[], Any], stops: OpStops | None = None, op_id: str | 
         return Stopped(exc.reason)
     except CheckpointNotFound as exc:
         return Rejected("missing", exc.field, exc.message)
-    except EngineInputError as exc:
+    except FieldError as exc:
         return Rejected("input", exc.field, exc.message)
     except CheckpointWriteError as exc:
         return Rejected("write", "path", exc.strerror, exc.errno)

@@ -39,6 +39,7 @@ from arctic_platform.contract.job_config import (
     SubJobConfig,
 )
 from arctic_platform.contract.ops import INLINE_OPERATIONS, OPERATION, OPERATION_TYPES, OpName
+from arctic_platform.contract.problems import FieldError
 from arctic_platform.contract.states import TERMINAL_JOB_STATES, JobState
 from arctic_platform.engine import cancellation
 from arctic_platform.engine.cancellation import CancelToken
@@ -671,7 +672,6 @@ class Service:
         from arctic_platform.engine.errors import (
             CheckpointNotFound,
             CheckpointWriteError,
-            EngineInputError,
             SamplerStateError,
         )
 
@@ -692,7 +692,7 @@ class Service:
                 raise Conflict(f"{op} stopped: {exc.reason}", code="op_cancelled") from None
             except CheckpointNotFound as exc:
                 raise NotFound(redact(f"{op}: {exc}"), field=exc.field) from None
-            except EngineInputError as exc:
+            except FieldError as exc:
                 raise BadRequest(redact(f"{op}: {exc}"), field=exc.field) from None
             except CheckpointWriteError as exc:
                 # A save only reads the engine's state: the job goes on as it was.

@@ -16,6 +16,7 @@ from arctic_platform.contract.bodies import (
     learning_rate_problem,
     load_source_problem,
 )
+from arctic_platform.contract.problems import FieldError
 from arctic_platform.engine.config import ModelConfig, SamplingEngineConfig
 from arctic_platform.engine.errors import EngineInputError
 from arctic_platform.engine.sampling_requests import RequestShaper
@@ -103,7 +104,7 @@ def test_bad_sampling_params_name_the_same_key_in_the_body_and_the_engine(params
         GenerateBody.model_validate({"prompts": prompts, "sampling_params": params})
     assert describe(body.value).startswith(f"{field} ")
     shaper = tiny_shaper()
-    with pytest.raises(EngineInputError) as engine:
+    with pytest.raises(FieldError) as engine:
         shaper.validate([[1, 2], [3]], params)
     assert engine.value.field == field
     assert engine.value.message in describe(body.value)

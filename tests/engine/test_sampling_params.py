@@ -2,7 +2,8 @@
 
 import pytest
 
-from arctic_platform.contract.sampling_params import InvalidSamplingParams, SamplingParams
+from arctic_platform.contract.problems import FieldError
+from arctic_platform.contract.sampling_params import SamplingParams
 
 
 def test_defaults_follow_vllm():
@@ -72,25 +73,25 @@ def test_instances_pass_through():
     ],
 )
 def test_bad_values_name_the_field(params, field):
-    with pytest.raises(InvalidSamplingParams) as err:
+    with pytest.raises(FieldError) as err:
         SamplingParams.from_request(params)
     assert err.value.field == field
     assert field in str(err.value)
 
 
 def test_unknown_keys_are_all_listed():
-    with pytest.raises(InvalidSamplingParams) as err:
+    with pytest.raises(FieldError) as err:
         SamplingParams.from_request({"top_pp": 1, "best_of": 2})
     assert "best_of" in str(err.value) and "top_pp" in str(err.value)
 
 
 def test_field_prefix_for_per_prompt_params():
-    with pytest.raises(InvalidSamplingParams) as err:
+    with pytest.raises(FieldError) as err:
         SamplingParams.from_request({"top_p": 2}, "sampling_params[3]")
     assert err.value.field == "sampling_params[3].top_p"
 
 
 def test_not_a_mapping():
-    with pytest.raises(InvalidSamplingParams) as err:
+    with pytest.raises(FieldError) as err:
         SamplingParams.from_request([("n", 1)])
     assert err.value.field == "sampling_params"

@@ -146,6 +146,26 @@ async def test_an_unanticipated_exception_in_a_tinker_op_names_its_request(caplo
     assert any(request_id in r.getMessage() and r.exc_info for r in caplog.records)
 
 
+def test_an_unanticipated_exception_on_the_ray_backend_is_the_same_500(caplog):
+    """The server-state actor's reply, as the Ray client transport raises it (the actor and the
+    transport are plain classes; Ray only carries the tuple between them)."""
+    from arctic_platform.client.transports.ray import RayTransport
+    from arctic_platform.server.ray_state import ServerState
+
+    caplog.set_level(logging.ERROR, logger="arctic_platform.server")
+    reply = ServerState._reply(broken)
+    kind, body = reply
+    request_id = body["details"]["request_id"]
+    message = f"internal error in request {request_id}; the server's log has its traceback"
+    assert kind == "error" and body["status"] == 500 and body["code"] == "internal_error"
+    assert body["message"] == message
+    assert SECRET not in str(reply) and "RuntimeError" not in str(reply)
+    assert any(request_id in r.getMessage() and r.exc_info for r in caplog.records)
+    with pytest.raises(ServerError) as raised:
+        RayTransport._unwrap(reply, "generate")
+    assert raised.value.code == "internal_error" and message in str(raised.value)
+
+
 @pytest.mark.parametrize("route", ["/generate?job_id={job}", CORTEX + "/{job}/generate"])
 def test_a_bad_sampling_parameter_is_a_400_at_submit_naming_it(http, service, route):
     """Checked by the body's contract model: nothing is queued (on Cortex, no request id)."""

@@ -30,6 +30,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
+from arctic_platform.contract.problems import FieldError
 from arctic_platform.contract.sampling_params import SamplingParams
 from arctic_platform.server.errors import BadRequest, Conflict
 
@@ -99,8 +100,8 @@ class SampleBatcher:
         engine = sub.engine
         try:
             parsed = SamplingParams.from_request(params)
-        except ValueError as exc:  # InvalidSamplingParams: a ValueError naming the field
-            raise BadRequest(f"sampling_params: {exc}") from None
+        except FieldError as exc:
+            raise BadRequest(str(exc), field=exc.field) from None
         if any(not 0 <= t < engine.vocab_size for t in prompt):
             raise BadRequest(f"prompt: token ids must lie in [0, {engine.vocab_size})")
         item = _Pending(prompt, parsed, prompt_logprobs)

@@ -70,8 +70,10 @@ def test_requests_queued_together_run_in_one_generate_call(engine):
         alone = original([prompt], params)
         assert [o["token_ids"] for o in outputs] == [o["token_ids"] for o in alone]
         assert (scored is not None) == want_pl
-    with pytest.raises(BadRequest, match="sampling_params"):
+    with pytest.raises(BadRequest) as bad:
         batcher.add(sub, [1], {"n": 0}, False, submit)
+    assert str(bad.value).startswith("sampling_params.n: must be >= 1")  # named once
+    assert bad.value.details == {"field": "sampling_params.n"}
     with pytest.raises(BadRequest, match="prompt: token ids"):
         batcher.add(sub, [10**6], {"n": 1}, False, submit)
 
