@@ -12,4 +12,3 @@ TERMINAL_JOB_STATES: tuple[JobState, ...] = ("failed", "cancelled", "terminated"
 
 RequestState = Literal["pending", "running", "done", "failed", "cancelled"]
 REQUEST_STATES: tuple[RequestState, ...] = get_args(RequestState)
-UNFINISHED_REQUEST_STATES: tuple[RequestState, ...] = ("pending", "running")

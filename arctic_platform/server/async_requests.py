@@ -16,11 +16,9 @@ from __future__ import annotations
 
 import base64
 import hashlib
-import logging
 import threading
 import time
-import uuid
-from collections import Counter, OrderedDict
+from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -28,29 +26,28 @@ from typing import Any
 
 from arctic_platform import wire
 from arctic_platform.contract.ops import OpName
-from arctic_platform.contract.states import UNFINISHED_REQUEST_STATES, RequestState
+from arctic_platform.contract.states import RequestState
 from arctic_platform.engine.cancellation import CancelToken
-from arctic_platform.server.errors import (
-    BadRequest,
-    Conflict,
-    NotFound,
-    ServiceError,
-    internal_error,
-)
+from arctic_platform.server.errors import BadRequest, Conflict, ServiceError
 from arctic_platform.server.limits import ServerLimits
+from arctic_platform.server.request_registry import (
+    RequestRegistry,
+    TrackedRequest,
+    outcome,
+)
 
 INLINE_RESULT_BYTES = 8 * 1024 * 1024
 RESULT_CHUNK_BYTES = 4 * 1024 * 1024
 DEFAULT_MAX_EVENTS = 16
 MAX_EVENTS = 512
-log = logging.getLogger(__name__)
+# Finished requests kept for polling (the one that finished first is dropped past this).
+MAX_FINISHED = 4096
 
 
-@dataclass
-class AsyncRequest:
+@dataclass(kw_only=True)
+class AsyncRequest(TrackedRequest):
     """One submitted op and what became of it."""
 
-    request_id: str
     job_id: str
     sub_job_id: str
     op: str
@@ -65,7 +62,6 @@ class AsyncRequest:
     error_detail: dict | None = None
     events: list[dict] = field(default_factory=list)
     stream_cursor: int = 0
-    future: Future | None = field(default=None, repr=False)
     reshape: Callable[[Any], Any] | None = field(default=None, repr=False)
     # Stops this request's op in flight (``cancel-request``); see engine/cancellation.py.
     stop: CancelToken = field(default_factory=CancelToken, repr=False)
@@ -77,12 +73,13 @@ class AsyncRequest:
 
 
 class RequestStore:
-    """Requests by id; bounded by ``capacity`` (oldest finished ones are forgotten first)."""
+    """Cortex requests by id, in the server's request registry (each visible in its job; past
+    ``max_finished`` finished ones, the first finished is forgotten), with what became of each."""
 
-    def __init__(self, capacity: int = 4096) -> None:
+    def __init__(self, max_finished: int = MAX_FINISHED) -> None:
+        # Guards the records' outcome fields; the registry guards which requests exist.
         self._lock = threading.Lock()
-        self._requests: OrderedDict[str, AsyncRequest] = OrderedDict()
-        self._capacity = capacity
+        self._requests: RequestRegistry[AsyncRequest] = RequestRegistry(max_finished)
 
     def track(
         self,
@@ -100,27 +97,20 @@ class RequestStore:
         stop = CancelToken()
         future = submit(stop)
         request = AsyncRequest(
-            request_id=uuid.uuid4().hex,
+            future=future,
             job_id=job_id,
             sub_job_id=sub_job_id,
             op=op,
             binary_result=binary_result,
-            future=future,
             reshape=reshape,
             stop=stop,
         )
-        with self._lock:
-            self._requests[request.request_id] = request
-            self._evict()
+        self._requests.add(request, scope=job_id)
         future.add_done_callback(lambda f: self._finish(request, f))
         return request
 
     def get(self, job_id: str, request_id: str) -> AsyncRequest:
-        with self._lock:
-            request = self._requests.get(request_id)
-        if request is None or request.job_id != job_id:
-            raise NotFound(f"request {request_id!r} not found in job {job_id!r}")
-        return request
+        return self._requests.get(request_id, scope=job_id)
 
     def cancel(self, job_id: str, request_id: str) -> dict:
         """Cancel a request: a queued one never runs; a running one stops at its next decode
@@ -129,9 +119,8 @@ class RequestStore:
         ``cancelled``. An op without such points (``step``, ``save``, a weight sync) finishes.
         ``cancelled`` is false only for a request that had already ended."""
         request = self.get(job_id, request_id)
-        future = request.future
-        cancelled = future is not None and future.cancel()
-        if not cancelled and future is not None and not future.done():
+        cancelled = request.future.cancel()
+        if not cancelled and not request.future.done():
             request.stop.cancel(f"request {request_id} was cancelled")
             cancelled = True
         return {"request_id": request_id, "cancelled": cancelled, "status": request.status}
@@ -153,7 +142,7 @@ class RequestStore:
                 request.stream_cursor = end
             more = end < len(request.events)
             status = request.status
-            if status == "pending" and request.future is not None and request.future.running():
+            if status == "pending" and request.future.running():
                 status = "running"
             body = {
                 "request_id": request.request_id,
@@ -177,14 +166,11 @@ class RequestStore:
             status = "cancelled"
         else:
             try:
-                result, events = self._outcome(request, future)
+                result, events = outcome(request.request_id, lambda: self._outcome(request, future))
             except ServiceError as exc:
                 stopped = exc.code == "op_cancelled"
                 status = "cancelled" if stopped and request.stop.cancelled else "failed"
                 error = exc
-            except Exception:
-                log.exception("request %s (%s) failed", request.request_id, request.op)
-                status, error = "failed", internal_error(request.request_id)
         with self._lock:
             request.updated_at = time.time()
             request.status = status
@@ -206,13 +192,6 @@ class RequestStore:
         if request.binary_result:
             return _encode_result(value)
         return value, []
-
-    def _evict(self) -> None:
-        while len(self._requests) > self._capacity:
-            oldest = next(iter(self._requests))
-            if self._requests[oldest].status in UNFINISHED_REQUEST_STATES:
-                break
-            del self._requests[oldest]
 
 
 def _cursor(cursor: str | None, size: int) -> int:

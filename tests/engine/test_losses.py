@@ -323,6 +323,15 @@ def test_nan_on_a_used_token_is_rejected():
 # -- Tinker losses --------------------------------------------------------------------------
 
 
+def test_every_tinker_loss_is_the_registered_engine_loss_of_its_name():
+    """The Tinker API implements no loss of its own: it asks the registry for the same name."""
+    from arctic_platform.server.tinker import losses as tinker_losses
+
+    assert set(tinker_losses.LOSSES) <= set(LOSSES)
+    for name in tinker_losses.LOSSES:
+        assert tinker_losses.processing_for(name, {})["loss_fn"] == name
+
+
 def tinker_reference(kind, batch, outputs, low, high, mode, dp=1):
     mask = batch["response_mask"].tolist()
     lp = outputs["logprobs"].detach().tolist()

@@ -1,32 +1,39 @@
 """Tinker futures: every op answers ``{request_id}`` at once and is polled with ``retrieve_future``.
 
-An op's work is a :class:`concurrent.futures.Future` (usually one a Service sub-job queue returned).
-``retrieve_future`` long-polls: it waits up to :data:`LONG_POLL_S` for the result and otherwise
-answers HTTP 408 with a ``try_again`` body, which the SDK re-polls at once. The SDK's own
-retrieve timeout is 45 s, so the long poll stays well inside it.
+An op's work is a :class:`concurrent.futures.Future` (usually one a Service sub-job queue
+returned), kept in the server's request registry (:mod:`arctic_platform.server.request_registry`,
+as Cortex requests are: ids, owner scoping, bounded retention of finished ones and the mapping of
+unanticipated errors live there). This module holds only Tinker's wire form of a poll:
 
-A failed op answers 200 ``{"error", "category"}``: ``user`` when the request was at fault (a
-:class:`ServiceError` with a 4xx status), ``server`` otherwise; the SDK raises
-``RequestFailedError`` with that category. Results stay retrievable after they were read (a client
-whose poll response was lost polls again); past :data:`MAX_FINISHED` finished ones, the one that
-finished first is dropped (kept in finishing order, so no op scans the store).
+* ``retrieve_future`` long-polls: it waits up to :data:`LONG_POLL_S` for the result and
+  otherwise answers HTTP 408 with a ``try_again`` body, which the SDK re-polls at once. The
+  SDK's own retrieve timeout is 45 s, so the long poll stays well inside it.
+* A result is protobuf for the types the SDK reads as protobuf (forward/backward outputs and
+  samples), JSON otherwise (:class:`OpResult`).
+* A failed op answers 200 ``{"error", "category"}``: ``user`` when the request was at fault (a
+  :class:`ServiceError` with a 4xx status), ``server`` otherwise; the SDK raises
+  ``RequestFailedError`` with that category.
 """
 
 from __future__ import annotations
 
-import asyncio
-import logging
-import threading
-import uuid
-from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass
 
-from arctic_platform.server.errors import NotFound, ServiceError, internal_error
+from fastapi.responses import JSONResponse, Response
+
+from arctic_platform.server.errors import ServiceError
+from arctic_platform.server.request_registry import (
+    RequestRegistry,
+    TrackedRequest,
+    finished_within,
+    outcome,
+)
+from arctic_platform.server.tinker import codec, proto
 
 LONG_POLL_S = 30.0
+# Finished ops kept for retrieval (the one that finished first is dropped past this).
 MAX_FINISHED = 10_000
-log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -38,56 +45,30 @@ class OpResult:
     protobuf: bytes | None = None
 
 
-@dataclass(frozen=True)
-class _Entry:
-    owner: str | None
-    future: Future
-
-
 class FutureStore:
-    """Request ids -> futures of :class:`OpResult`, scoped by owner; thread-safe."""
+    """The Tinker ops' futures of :class:`OpResult`, each retrievable by its owner only."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._entries: dict[str, _Entry] = {}
-        self._finished: deque[str] = deque()
+        self._requests: RequestRegistry[TrackedRequest] = RequestRegistry(MAX_FINISHED)
 
     def add(self, owner: str | None, future: Future) -> str:
-        """Register ``future``; returns its new request id."""
-        request_id = uuid.uuid4().hex
-        with self._lock:
-            self._entries[request_id] = _Entry(owner, future)
-        future.add_done_callback(lambda _: self._finish(request_id))
-        return request_id
+        """Register ``future`` as an op of ``owner``; returns its new request id."""
+        return self._requests.add(TrackedRequest(future=future), scope=owner).request_id
 
-    def completed(self, owner: str | None, result: OpResult) -> str:
-        """Register an op that finished on the spot (answered without a queue)."""
-        future: Future = Future()
-        future.set_result(result)
-        return self.add(owner, future)
-
-    async def retrieve(self, request_id: str, owner: str | None) -> dict | OpResult | None:
-        """The op's result, its ``{"error", "category"}`` body, or None if still running after
-        the long poll. Unknown ids (or another owner's) are a 404."""
-        with self._lock:
-            entry = self._entries.get(request_id)
-        if entry is None or entry.owner != owner:
-            raise NotFound(f"request_id {request_id!r} not found")
-        try:
-            return await asyncio.wait_for(
-                asyncio.shield(asyncio.wrap_future(entry.future)), LONG_POLL_S
+    async def retrieve(self, request_id: str, owner: str | None) -> Response:
+        """The ``retrieve_future`` answer (module doc). An unknown id, or another owner's, is a
+        404."""
+        future = self._requests.get(request_id, scope=owner).future
+        if not await finished_within(future, LONG_POLL_S):
+            return JSONResponse(
+                status_code=408,
+                content={"type": "try_again", "request_id": request_id, "queue_state": "active"},
             )
-        except asyncio.TimeoutError:
-            return None
+        try:
+            result: OpResult = outcome(request_id, future.result)
         except ServiceError as exc:
             category = "user" if 400 <= exc.status < 500 else "server"
-            return {"error": exc.message, "category": category}
-        except Exception:  # an engine bug must reach the client, not kill the poll
-            log.exception("Tinker request %s failed", request_id)
-            return {"error": internal_error(request_id).message, "category": "server"}
-
-    def _finish(self, request_id: str) -> None:
-        with self._lock:
-            self._finished.append(request_id)
-            while len(self._finished) > MAX_FINISHED:
-                del self._entries[self._finished.popleft()]
+            return JSONResponse({"error": exc.message, "category": category})
+        if result.protobuf is not None:
+            return Response(content=result.protobuf, media_type=proto.CONTENT_TYPE)
+        return JSONResponse(codec.json_value(result.json))

@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 
 from fastapi import APIRouter, Request
 from fastapi.concurrency import run_in_threadpool
-from fastapi.responses import FileResponse, JSONResponse, Response
+from fastapi.responses import FileResponse, Response
 from pydantic import BaseModel, ValidationError
 
 from arctic_platform.engine.builtin import BUILTIN_MODELS, BUILTIN_PREFIX, BuiltinSpec
@@ -29,7 +29,6 @@ from arctic_platform.server.http_common import caller_of, decode_json, off_loop,
 from arctic_platform.server.op_bodies import describe
 from arctic_platform.server.tinker import bodies, codec, proto
 from arctic_platform.server.tinker.checkpoints import TinkerPath
-from arctic_platform.server.tinker.futures import OpResult
 from arctic_platform.server.tinker.operations import TinkerOps
 
 LINK_LIFETIME_S = 3600  # how long a get_external_weights_urls link opens its file
@@ -268,17 +267,7 @@ async def asample(request: Request) -> dict:
 async def retrieve_future(request: Request) -> Response:
     owner = _owner(request)
     body = await _parse(request, bodies.RetrieveBody, "retrieve_future")
-    outcome = await _ops(request).futures.retrieve(body.request_id, owner)
-    if outcome is None:
-        return JSONResponse(
-            status_code=408,
-            content={"type": "try_again", "request_id": body.request_id, "queue_state": "active"},
-        )
-    if isinstance(outcome, OpResult):
-        if outcome.protobuf is not None:
-            return Response(content=outcome.protobuf, media_type=proto.CONTENT_TYPE)
-        return JSONResponse(codec.json_value(outcome.json))
-    return JSONResponse(outcome)
+    return await _ops(request).futures.retrieve(body.request_id, owner)
 
 
 # -- checkpoints and runs (RestClient) ------------------------------------------------------

@@ -237,6 +237,21 @@ def first_answer(http: httpx.Client, answer: httpx.Response) -> httpx.Response:
     return got
 
 
+def test_another_tenants_future_is_not_found(http, run):
+    """Bob holding Alice's request id learns nothing from it: the same 404 as an unknown id,
+    and Alice still gets her result."""
+    request_id = fwd_bwd(http, run, [datum()], forward_only=True).json()["request_id"]
+    stolen = http.post(
+        "/retrieve_future", json={"request_id": request_id}, headers={"X-API-Key": BOB}
+    )
+    unknown = http.post("/retrieve_future", json={"request_id": "0" * 32})
+    assert stolen.status_code == unknown.status_code == 404
+    assert stolen.json()["message"] == unknown.json()["message"].replace("0" * 32, request_id)
+    answer = first_answer(http, httpx.Response(200, json={"request_id": request_id}))
+    output = response_conv.deserialize_forward_backward_output(answer.content)
+    assert output.loss_fn_outputs[0]["logprobs"].tolist() == run.before
+
+
 @pytest.mark.parametrize(
     ("route", "body", "field_name"),
     [

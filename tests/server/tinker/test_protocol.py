@@ -118,25 +118,32 @@ def test_sequencer_starts_in_seq_id_order_and_refuses_reuse():
 
 def test_finished_futures_past_the_limit_drop_the_first_finished(monkeypatch):
     import asyncio
+    import json
     from concurrent.futures import Future
 
     from arctic_platform.server.errors import NotFound
     from arctic_platform.server.tinker import futures
 
+    def done(i: int) -> Future:
+        future: Future = Future()
+        future.set_result(futures.OpResult(json={"i": i}))
+        return future
+
+    def retrieved(request_id: str) -> dict:
+        return json.loads(asyncio.run(store.retrieve(request_id, "alice")).body)
+
     monkeypatch.setattr(futures, "MAX_FINISHED", 2)
     store = futures.FutureStore()
     running: Future = Future()
     late = store.add("alice", running)
-    first, second, third = (
-        store.completed("alice", futures.OpResult(json={"i": i})) for i in (1, 2, 3)
-    )
+    first, second, third = (store.add("alice", done(i)) for i in (1, 2, 3))
     with pytest.raises(NotFound):
-        asyncio.run(store.retrieve(first, "alice"))
-    assert asyncio.run(store.retrieve(third, "alice")).json == {"i": 3}
+        retrieved(first)
+    assert retrieved(third) == {"i": 3}
     running.set_result(futures.OpResult(json={"i": 0}))  # finishes last: second goes
-    assert asyncio.run(store.retrieve(late, "alice")).json == {"i": 0}
+    assert retrieved(late) == {"i": 0}
     with pytest.raises(NotFound):
-        asyncio.run(store.retrieve(second, "alice"))
+        retrieved(second)
     with pytest.raises(NotFound):  # another owner's request id is unknown to bob
         asyncio.run(store.retrieve(late, "bob"))
 

@@ -1,0 +1,110 @@
+"""The request store every submit-then-poll API keeps: request ids -> submitted ops.
+
+The Cortex API (:mod:`arctic_platform.server.async_requests`) and the Tinker API
+(:mod:`arctic_platform.server.tinker.futures`) both answer a submitted op with a request id at
+once and hand its outcome over later. What they share is here, so that the two differ only in
+the form of their answers:
+
+* a new request id per op, and its lookup, which answers 404 for an id outside the caller's
+  scope (another tenant's or another job's) exactly as for an unknown one, so an id never tells
+  a stranger that it exists;
+* bounded retention: finished requests stay retrievable (a client whose poll response was lost
+  polls again) until more than ``max_finished`` have finished, then the one that finished first
+  is dropped; requests still running are always kept (they are kept in finishing order, so no
+  call scans the store);
+* the one mapping of an exception nobody anticipated onto ``internal_error(request_id)``, whose
+  traceback is logged under that id (:func:`outcome`);
+* waiting for an op's end with a timeout, for long polls (:func:`finished_within`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import uuid
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Generic, TypeVar
+
+from arctic_platform.server.errors import NotFound, ServiceError, internal_error
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+def new_request_id() -> str:
+    """A fresh request id (32 hex digits)."""
+    return uuid.uuid4().hex
+
+
+@dataclass(kw_only=True)
+class TrackedRequest:
+    """A submitted op: its request id and the future of its work. A surface that records more
+    about its requests (Cortex's status, result and events) extends it."""
+
+    future: Future = field(repr=False)
+    request_id: str = field(default_factory=new_request_id)
+
+
+R = TypeVar("R", bound=TrackedRequest)
+
+
+class RequestRegistry(Generic[R]):
+    """Requests by id, each visible to one scope; thread-safe (see module doc)."""
+
+    def __init__(self, max_finished: int) -> None:
+        self._lock = threading.Lock()
+        self._requests: dict[str, tuple[str | None, R]] = {}
+        self._finished: deque[str] = deque()
+        self._max_finished = max_finished
+
+    def add(self, request: R, *, scope: str | None) -> R:
+        """Register ``request``, which only ``scope`` may look up (a tenant, or a job whose
+        owner the caller checked); ``request`` itself is returned."""
+        request_id = request.request_id
+        with self._lock:
+            self._requests[request_id] = (scope, request)
+        request.future.add_done_callback(lambda _: self._finish(request_id))
+        return request
+
+    def get(self, request_id: str, *, scope: str | None) -> R:
+        """The request ``request_id`` of ``scope``; ``NotFound`` for any other id."""
+        with self._lock:
+            scope_and_request = self._requests.get(request_id)
+        if scope_and_request is None or scope_and_request[0] != scope:
+            raise NotFound(f"request {request_id!r} not found")
+        return scope_and_request[1]
+
+    def _finish(self, request_id: str) -> None:
+        with self._lock:
+            self._finished.append(request_id)
+            while len(self._finished) > self._max_finished:
+                del self._requests[self._finished.popleft()]
+
+
+def outcome(request_id: str, compute: Callable[[], T]) -> T:
+    """``compute()``, which reads the op's outcome of request ``request_id``: its value, or its
+    ``ServiceError``; any other exception is logged with its traceback under the request id and
+    raised as ``internal_error(request_id)``, so that its class and text never reach the wire."""
+    try:
+        return compute()
+    except ServiceError:
+        raise
+    except Exception:
+        log.exception("request %s failed", request_id)
+        raise internal_error(request_id) from None
+
+
+async def finished_within(future: Future, timeout: float) -> bool:
+    """Whether ``future`` finished (with a result or an error) within ``timeout`` seconds. The
+    op goes on when the wait gives up: a long poll that times out is polled again."""
+    try:
+        await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), timeout)
+    except asyncio.TimeoutError:
+        return False
+    except Exception:  # the op failed: its outcome (read with ``outcome``) says how
+        pass
+    return True
