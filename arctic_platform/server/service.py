@@ -91,7 +91,8 @@ class ServiceSettings:
 
 
 class Service:
-    """Owns jobs and engines; every public method is thread-safe."""
+    """Owns jobs and engines through its parts (see the module doc); every public method is
+    thread-safe."""
 
     def __reduce__(self):
         """Refuse to be pickled, naming the fix: the engines live in this process's memory.
@@ -129,6 +130,7 @@ class Service:
         self.checkpoints = CheckpointCatalogue(self.store, self.paths, self.jobs, settings.data_dir)
         self.builder = JobBuilder(settings, self.paths, self.jobs, self.checkpoints, self)
         self.executor = OpExecutor(self.jobs, self.slots, self.metrics, self.paths, self.requests)
+        # Set by the first close once its drain is done; a later close waits for it.
         self._closing: threading.Event | None = None
         self.jobs.restore()
         self.checkpoints.adopt_legacy()
