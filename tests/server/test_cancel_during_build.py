@@ -13,7 +13,7 @@ import threading
 import pytest
 
 from arctic_platform.server import engines
-from arctic_platform.server.service import SubJob
+from arctic_platform.server.job_registry import SubJob
 from tests.server.conftest import sub_job
 
 WAIT_S = 120

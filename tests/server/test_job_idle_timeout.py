@@ -90,7 +90,7 @@ def test_an_idle_job_is_cancelled_and_its_engines_released(idle_service):
     idle_service.tail_logs(job_id)
     assert job_id not in idle_service.expire_idle_jobs(cutoff=time.time() - 60)
     assert job_id in idle_service.idle_reaper.reap(now=later(LONG_S + 1))
-    job = idle_service._job(job_id, None)
+    job = idle_service.jobs.get(job_id, None)
     assert job.status == "cancelled" and all(s.engine is None for s in job.sub_jobs)
     assert [s.status for s in job.sub_jobs] == ["cancelled", "cancelled"]
     # expired once: a later sweep or the owner's cancel leave it as it is

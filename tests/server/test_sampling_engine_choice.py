@@ -94,12 +94,12 @@ def test_the_servers_default_engine_is_recorded_in_the_job(vllm_server):
     info = vllm_server.create_job(
         {"sub_job_configs": [sub_job("sampling"), sub_job("sampling", inference_config={})]}
     )
-    job = vllm_server._job(info["job_id"], None)
+    job = vllm_server.jobs.get(info["job_id"], None)
     assert [s.spec.inference_config.engine for s in job.sub_jobs] == ["vllm", "vllm"]
     chosen = vllm_server.create_job(
         {"sub_job_configs": [sub_job("sampling", inference_config={"engine": "torch"})]}
     )
-    job = vllm_server._job(chosen["job_id"], None)
+    job = vllm_server.jobs.get(chosen["job_id"], None)
     assert job.sub_jobs[0].spec.inference_config.engine == "torch"
 
 

@@ -25,7 +25,8 @@ from dataclasses import dataclass
 from arctic_platform.engine.builtin import BUILTIN_MODELS, BUILTIN_PREFIX
 from arctic_platform.server.engines import weights_dir
 from arctic_platform.server.errors import BadRequest, NotFound
-from arctic_platform.server.service import Service, SubJob
+from arctic_platform.server.job_registry import SubJob
+from arctic_platform.server.service import Service
 from arctic_platform.server.tinker.checkpoints import SCHEME as TINKER_SCHEME
 from arctic_platform.server.tinker.checkpoints import TinkerPath
 from arctic_platform.server.tinker.operations import STARTUP_TIMEOUT_S, TinkerOps

@@ -1,0 +1,159 @@
+"""The one checkpoint catalogue: which checkpoints each job saved, and where.
+
+Records live in the metadata store (``store.py``), so a restarted server still lists them and
+can start a new job from one; a record is served only while its folder exists and only to its
+job's owner (``PathPolicy``). At start the catalogue also tidies what earlier servers left:
+checkpoints of the layout before tenant folders, and saves a killed process did not finish.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+from arctic_platform.contract.job_config import SubJobConfig
+from arctic_platform.engine.checkpoint_layout import is_loadable
+from arctic_platform.engine.checkpoint_staging import recover, remove_published
+from arctic_platform.server.errors import BadRequest, NotFound
+from arctic_platform.server.job_registry import JobRegistry, SubJob
+from arctic_platform.server.paths import CHECKPOINTS_DIR, PathPolicy
+from arctic_platform.server.store import MetadataStore
+
+log = logging.getLogger(__name__)
+
+
+class CheckpointCatalogue:
+    """Checkpoint records by job: record, list, look up, list files, delete, resolve a job's
+    source checkpoint; at start, adopt legacy folders and recover interrupted saves."""
+
+    def __init__(
+        self, store: MetadataStore, paths: PathPolicy, jobs: JobRegistry, data_dir: Path
+    ) -> None:
+        self.store = store
+        self.paths = paths
+        self.jobs = jobs
+        self.data_dir = data_dir
+
+    def record(self, sub: SubJob, saved: dict, checkpoint_type: str, avg_loss) -> dict:
+        """Catalogue what ``sub``'s engine just saved (``saved``: its id, path and step)."""
+        record = {
+            "job_id": sub.job_id,
+            "checkpoint_id": saved["checkpoint_id"],
+            "sub_job_id": sub.sub_job_id,
+            "path": saved["path"],
+            "global_steps": saved["global_step"],
+            "avg_loss": avg_loss,
+            "checkpoint_type": checkpoint_type,
+            "created_at": time.time(),
+        }
+        self.store.put_checkpoint(record)
+        return record
+
+    def summaries(self, job_id: str, *, owner: str | None) -> list[dict]:
+        """The job's checkpoints whose folders exist, without their paths."""
+        self.jobs.get(job_id, owner)
+        return [
+            {k: c[k] for k in ("checkpoint_id", "global_steps", "avg_loss", "checkpoint_type")}
+            | {"created_at": c["created_at"]}
+            for c in self.store.checkpoints(job_id)
+            if Path(c["path"]).exists()
+        ]
+
+    def get(self, job_id: str, checkpoint_id: str, *, owner: str | None) -> dict:
+        """The record of ``checkpoint_id`` in ``owner``'s job ``job_id`` (NotFound unless its
+        folder exists)."""
+        self.jobs.get(job_id, owner)
+        for record in self.store.checkpoints(job_id):
+            if record["checkpoint_id"] == checkpoint_id and Path(record["path"]).exists():
+                return record
+        raise NotFound(f"checkpoint {checkpoint_id!r} not found in job {job_id}")
+
+    def files(self, job_id: str, checkpoint_id: str, *, owner: str | None) -> list[dict]:
+        """Files of a checkpoint: ``filename`` (relative), absolute ``path``, ``size_bytes``."""
+        root = Path(self.get(job_id, checkpoint_id, owner=owner)["path"])
+        job_owner = self.jobs.get(job_id, None, check_owner=False).owner
+        self.paths.readable(job_owner, str(root), field="checkpoint")
+        return [
+            {"filename": str(p.relative_to(root)), "path": str(p), "size_bytes": p.stat().st_size}
+            for p in self.paths.within(root, sorted(root.rglob("*")))
+            if p.is_file()
+        ]
+
+    def delete(self, job_id: str, checkpoint_id: str, *, owner: str | None) -> None:
+        """Unlist the checkpoint, then remove its folder (renamed out of sight first, so a crash
+        part-way leaves nothing half-deleted under its name)."""
+        record = self.get(job_id, checkpoint_id, owner=owner)
+        path = self.paths.writable(owner, record["path"], field="checkpoint")
+        self.store.delete_checkpoint(job_id, checkpoint_id)
+        remove_published(path)
+
+    def source(self, spec: SubJobConfig, owner: str | None, *, field: str) -> dict:
+        """The record of the checkpoint a sub-job starts from (its ``source_checkpoint_info``),
+        among ``owner``'s jobs: a 400 if it names several, a 404 if none that loads."""
+        info = spec.source_checkpoint_info
+        assert info is not None
+        candidates = [
+            j.job_id
+            for j in self.jobs.all()
+            if j.owner == owner and (info.source_job_id in (None, j.job_id))
+        ]
+        found = [
+            c
+            for job_id in candidates
+            for c in self.store.checkpoints(job_id)
+            if c["checkpoint_id"] == info.checkpoint_id and Path(c["path"]).exists()
+        ]
+        where = f"{field}.source_checkpoint_info"
+        named = f"checkpoint {info.checkpoint_id!r} in " + (
+            f"job {info.source_job_id}" if info.source_job_id else "your jobs"
+        )
+        if len(found) > 1:
+            raise BadRequest(f"{where}: {named} is ambiguous; set source_job_id", field=where)
+        if found:
+            self.paths.readable(owner, found[0]["path"], field=where)
+        if not found or not is_loadable(found[0]["path"]):
+            raise NotFound(f"{where}: {named} is not found", field=where)
+        return found[0]
+
+    def adopt_legacy(self) -> None:
+        """Move checkpoints of the layout before tenant folders (``<data-dir>/checkpoints/<sub-job
+        folder>``) into their job owner's space, where that owner (and only they) can load and
+        export them. A folder whose job this server does not know stays where it is, served to
+        no one, and the log names it for the operator."""
+        legacy = self.data_dir.resolve() / CHECKPOINTS_DIR
+        if not legacy.is_dir() or legacy.is_symlink():
+            return
+        for folder in sorted(legacy.iterdir()):
+            job = self.jobs.find(folder.name.split("-", 1)[0])
+            target = None if job is None else self.paths.checkpoint_root(job.owner) / folder.name
+            if job is None or folder.is_symlink() or not folder.is_dir() or target.exists():
+                log.warning(
+                    "%s: checkpoints of the layout before tenant folders whose owner is not "
+                    "known; not served to any tenant (move it into %s/<tenant>/%s/ to give it "
+                    "to one)",
+                    folder,
+                    self.paths.root,
+                    CHECKPOINTS_DIR,
+                )
+                continue
+            target.parent.mkdir(parents=True, exist_ok=True)
+            folder.rename(target)
+            for record in self.store.checkpoints(job.job_id):
+                old = Path(record["path"]).resolve()
+                if old.is_relative_to(folder):
+                    self.store.put_checkpoint(
+                        record
+                        | {"job_id": job.job_id, "path": str(target / old.relative_to(folder))}
+                    )
+            log.info("moved %s into its owner's space: %s", folder, target)
+
+    def recover_folders(self) -> None:
+        """Undo what saves killed with an earlier server process left (otherwise only undone by
+        a later save into the same folder): a checkpoint being replaced is back under its name,
+        half-written ones are gone (``engine/checkpoint_staging.py``)."""
+        folders = set(self.paths.root.glob(f"*/{CHECKPOINTS_DIR}/*"))
+        for job in self.jobs.all():
+            folders.update(Path(c["path"]).parent for c in self.store.checkpoints(job.job_id))
+        for path in recover(folders):
+            log.info("recovered %s, left by a save that did not finish", path)
