@@ -10,7 +10,8 @@ Values that every edge checks are ruled on here once: :func:`learning_rate_probl
 the engine knows) say what is wrong with a value (or None), and each edge raises that in its
 own kind: the body models as a validation error (a 400 naming the field), the client as a
 ``TypeError``/``ValueError`` before anything is sent, the engines (called in process, e.g. by the
-Tinker API) as an ``EngineInputError``. Nothing else keeps a copy of these rules.
+Tinker API) as a :class:`~arctic_platform.contract.problems.FieldError`. Nothing else keeps a copy
+of these rules.
 """
 
 from __future__ import annotations

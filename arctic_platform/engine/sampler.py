@@ -3,7 +3,8 @@
 How a call runs:
 
 1. Everything is validated first (prompts, every sampling parameter, context lengths, the cache
-   budget); a bad request raises :class:`EngineInputError` naming the field and changes nothing.
+   budget); a bad request raises a :class:`~arctic_platform.contract.problems.FieldError` naming
+   the field (the engines' own checks as its :class:`EngineInputError`) and changes nothing.
 2. Requests are sorted by prompt length and packed into *waves* of at most ``max_batch_size``
    sequences whose key/value cache fits ``max_kv_cache_bytes`` (a request whose ``n`` does not
    fit one wave is split, and each part prefills its prompt again).

@@ -8,6 +8,7 @@ comes from bad input says which field is wrong, and is raised before any state c
 from __future__ import annotations
 
 import errno
+from concurrent.futures import CancelledError, Future
 
 
 class ServiceError(Exception):
@@ -64,6 +65,25 @@ class Conflict(ServiceError):
 
     status = 409
     code = "conflict"
+
+
+def failure_of(future: Future) -> BaseException | None:
+    """The exception a finished op's ``future`` ended with, or None. An op still queued when its
+    job ended (cancelled, expired idle, or the server closing) has its future cancelled; that is
+    the 409 ``job_cancelled`` every surface answers for it, never a ``CancelledError`` (which
+    escapes the handlers of ``Exception`` as an internal error, or leaves a Tinker future
+    unfinished for ever)."""
+    if future.cancelled():
+        return Conflict("the op did not run: its job ended first", code="job_cancelled")
+    return future.exception()
+
+
+def result_of(future: Future):
+    """Wait for ``future`` and return its result, raising what :func:`failure_of` says."""
+    try:
+        return future.result()
+    except CancelledError:
+        raise failure_of(future) from None
 
 
 class RequestTimeout(ServiceError):

@@ -29,6 +29,7 @@ from arctic_platform.server.errors import (
     NotFound,
     ServiceError,
     checkpoint_write_failure,
+    result_of,
 )
 from arctic_platform.server.job_registry import Job, JobRegistry, SubJob
 from arctic_platform.server.metrics import ServiceMetrics
@@ -134,7 +135,7 @@ class OpExecutor:
         target = self.jobs.get(sub.job_id, None, check_owner=False)
         future = self._enqueue(target, sub, fn, *args)
         try:
-            return future.result()
+            return result_of(future)
         finally:
             target.last_active_at = time.time()
 

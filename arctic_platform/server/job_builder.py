@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 from pydantic import ValidationError
 
 from arctic_platform.contract.job_config import CreateJobRequest, SubJobConfig
+from arctic_platform.contract.problems import FieldError
 from arctic_platform.engine import cancellation
 from arctic_platform.server.checkpoint_catalogue import CheckpointCatalogue
 from arctic_platform.server.errors import BadRequest
@@ -222,7 +223,6 @@ class JobBuilder:
             return
         if self.settings.engine_backend == "ray":
             return
-        from arctic_platform.engine.errors import EngineInputError
         from arctic_platform.engine.sampling_backends import check_before_start
         from arctic_platform.server.job_config import sampling_engine_config
 
@@ -234,6 +234,6 @@ class JobBuilder:
         )
         try:
             check_before_start(config)
-        except EngineInputError as exc:
+        except FieldError as exc:
             where = f"{field}.inference_config.vllm_config"
             raise BadRequest(f"{where} ({exc.field}): {exc.message}", field=where) from None

@@ -13,6 +13,7 @@ from typing import Any
 from pydantic import BaseModel, ValidationError
 
 from arctic_platform.contract.bodies import SNOWAPI_ENVELOPE_KEYS, TRAIN_ENVELOPE_KEYS
+from arctic_platform.contract.problems import FieldError
 from arctic_platform.server.errors import BadRequest
 from arctic_platform.server.limits import ServerLimits
 
@@ -114,7 +115,6 @@ def train_envelope(
 
 def _check_processing_names(processing: Mapping, *, op: str) -> None:
     """An unknown post-processor or loss name is a 400 now, not a failed request later."""
-    from arctic_platform.engine.errors import EngineInputError
     from arctic_platform.engine.losses import get_loss
     from arctic_platform.engine.meta import parse_processing
 
@@ -122,5 +122,5 @@ def _check_processing_names(processing: Mapping, *, op: str) -> None:
         parsed = parse_processing(processing, default_loss=None)
         if parsed.loss_fn is not None:
             get_loss(parsed.loss_fn)
-    except EngineInputError as exc:
+    except FieldError as exc:
         raise BadRequest(f"{op}: {exc}", field=exc.field) from None

@@ -101,10 +101,7 @@ def outcome(request_id: str, compute: Callable[[], T]) -> T:
 async def finished_within(future: Future, timeout: float) -> bool:
     """Whether ``future`` finished (with a result or an error) within ``timeout`` seconds. The
     op goes on when the wait gives up: a long poll that times out is polled again."""
-    try:
-        await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), timeout)
-    except asyncio.TimeoutError:
-        return False
-    except Exception:  # the op failed: its outcome (read with ``outcome``) says how
-        pass
-    return True
+    # ``asyncio.wait`` neither raises the op's exception (nor its cancellation, a BaseException
+    # here) nor cancels the op when it gives up.
+    done, _ = await asyncio.wait({asyncio.wrap_future(future)}, timeout=timeout)
+    return bool(done)

@@ -30,7 +30,7 @@ from arctic_platform.contract.states import TERMINAL_JOB_STATES
 from arctic_platform.engine.cancellation import CancelToken
 from arctic_platform.server.async_requests import ChunkGroups, RequestStore
 from arctic_platform.server.checkpoint_catalogue import CheckpointCatalogue
-from arctic_platform.server.errors import Conflict
+from arctic_platform.server.errors import Conflict, result_of
 from arctic_platform.server.executor import OpExecutor
 from arctic_platform.server.idle_reaper import IdleReaper
 from arctic_platform.server.job_builder import JobBuilder
@@ -337,7 +337,7 @@ class Service:
 
     def call(self, sub: SubJob, op: str, body: Any) -> Any:
         """Run ``op`` and wait for its result (the in-process and on-prem paths)."""
-        return self.submit(sub, op, body).result()
+        return result_of(self.submit(sub, op, body))
 
     def run_on(self, sub: SubJob, fn, *args) -> Any:
         """Run ``fn`` on another sub-job's queue and wait (weight sync touches two engines)."""

@@ -8,8 +8,8 @@ the engine: greedy continuations are then varied and some end at an end-of-seque
 import pytest
 import torch
 
+from arctic_platform.contract.problems import FieldError
 from arctic_platform.engine.config import ModelConfig, SamplingEngineConfig
-from arctic_platform.engine.errors import EngineInputError
 from arctic_platform.engine.models import load_causal_lm
 from arctic_platform.engine.sampler import SamplingEngine
 from arctic_platform.engine.weights import export_weights
@@ -297,7 +297,7 @@ def test_max_tokens_none_fills_the_context(small_engine):
     ],
 )
 def test_bad_requests_name_the_field(small_engine, prompts, params, field):
-    with pytest.raises(EngineInputError) as err:
+    with pytest.raises(FieldError) as err:
         small_engine.generate(prompts, params)
     assert err.value.field == field
 
@@ -306,7 +306,7 @@ def test_rejected_request_changes_nothing(small_engine):
     params = {"n": 2, "max_tokens": 8}
     weights = {k: v.clone() for k, v in small_engine.model.state_dict().items()}
     rng = small_engine._shaper._seed_rng.get_state()
-    with pytest.raises(EngineInputError):
+    with pytest.raises(FieldError):
         small_engine.generate(["a", "b"], [params, {"top_p": 5}])
     assert torch.equal(small_engine._shaper._seed_rng.get_state(), rng)  # no seed was drawn
     for k, v in small_engine.model.state_dict().items():
@@ -334,9 +334,9 @@ def test_sleep_and_wake_in_any_order(engine, reference):
     assert [o["token_ids"] for o in engine.generate(PROMPTS[:2], params)] == expected
     assert engine.wake()["asleep"] == []
     assert engine.reset_prefix_cache()["cached_prefixes"] == 0
-    with pytest.raises(EngineInputError) as err:
+    with pytest.raises(FieldError) as err:
         engine.sleep(3)
     assert err.value.field == "level"
-    with pytest.raises(EngineInputError) as err:
+    with pytest.raises(FieldError) as err:
         engine.wake(["weights", "optimizer"])
     assert err.value.field == "tags"

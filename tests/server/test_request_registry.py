@@ -4,12 +4,19 @@ long-poll waits."""
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from concurrent.futures import Future
 
 import pytest
 
-from arctic_platform.server.errors import BadRequest, NotFound, ServiceError
+from arctic_platform.server.errors import (
+    BadRequest,
+    NotFound,
+    ServiceError,
+    failure_of,
+    result_of,
+)
 from arctic_platform.server.request_registry import (
     RequestRegistry,
     TrackedRequest,
@@ -93,3 +100,29 @@ def test_finished_within_waits_up_to_the_timeout_and_leaves_the_op_running():
         assert await finished_within(failed, 5.0) is True  # an error is an end too
 
     asyncio.run(scenario())
+
+
+async def test_an_op_whose_job_ended_before_it_ran_is_a_job_cancelled_conflict():
+    """A job's end cancels the ops still in its queue: every waiter sees the 409, a Tinker poll
+    answers it as the caller's error, and nothing waits for ever or logs an internal error."""
+    from arctic_platform.server.tinker.futures import FutureStore
+    from arctic_platform.server.tinker.operations import _copy_outcome
+
+    queued: Future = Future()
+    assert queued.cancel()
+    assert await finished_within(queued, timeout=5.0)  # not a CancelledError out of the poll
+    with pytest.raises(ServiceError) as raised:
+        result_of(queued)
+    assert (raised.value.status, raised.value.code) == (409, "job_cancelled")
+    assert failure_of(queued).code == "job_cancelled"
+
+    outer: Future = Future()  # a Tinker op's future, fed by the job queue's
+    _copy_outcome(queued, outer)
+    assert outer.done() and outer.exception().code == "job_cancelled"
+    store = FutureStore()
+    answer = await store.retrieve(store.add("alice", queued), "alice")
+    assert answer.status_code == 200
+    assert json.loads(answer.body) == {
+        "error": "the op did not run: its job ended first",
+        "category": "user",
+    }

@@ -14,6 +14,7 @@ import threading
 import pytest
 import torch
 
+from arctic_platform.contract.problems import FieldError
 from arctic_platform.engine import cancellation
 from arctic_platform.engine.cancellation import CancelToken
 from arctic_platform.engine.config import ModelConfig, SamplingEngineConfig
@@ -107,7 +108,7 @@ def test_prompt_logprobs_equal_our_logprob_engine(engine, ours, perturbed_model_
         )
         mine = ours.prompt_logprobs(prompt)
         assert torch.allclose(torch.tensor(got[1:]), torch.tensor(mine[1:]), atol=1e-5)
-    with pytest.raises(EngineInputError) as info:
+    with pytest.raises(FieldError) as info:
         engine.prompt_logprobs([1, 10**6])
     assert info.value.field == "prompts[0]"
 
@@ -143,7 +144,7 @@ def test_logprobs_are_of_the_temperature_scaled_distribution(engine, ours):
 def test_bad_requests_fail_with_our_errors(engine, ours, prompts, params, field):
     errors = []
     for target in (engine, ours):
-        with pytest.raises(EngineInputError) as info:
+        with pytest.raises(FieldError) as info:
             target.generate(prompts, params)
         errors.append((info.value.field, str(info.value)))
     assert errors[0] == errors[1] and errors[0][0] == field

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from fastapi.responses import JSONResponse, Response
 
-from arctic_platform.server.errors import ServiceError
+from arctic_platform.server.errors import ServiceError, result_of
 from arctic_platform.server.request_registry import (
     RequestRegistry,
     TrackedRequest,
@@ -65,7 +65,7 @@ class FutureStore:
                 content={"type": "try_again", "request_id": request_id, "queue_state": "active"},
             )
         try:
-            result: OpResult = outcome(request_id, future.result)
+            result: OpResult = outcome(request_id, lambda: result_of(future))
         except ServiceError as exc:
             category = "user" if 400 <= exc.status < 500 else "server"
             return JSONResponse({"error": exc.message, "category": category})

@@ -21,7 +21,13 @@ from typing import Any
 from arctic_platform.contract.bodies import learning_rate_problem
 from arctic_platform.contract.ops import OpName
 from arctic_platform.engine.builtin import resolve_model_path
-from arctic_platform.server.errors import BadRequest, Conflict, ServiceError
+from arctic_platform.server.errors import (
+    BadRequest,
+    Conflict,
+    ServiceError,
+    failure_of,
+    result_of,
+)
 from arctic_platform.server.ops import check_context, check_generate
 from arctic_platform.server.service import Service
 from arctic_platform.server.tinker import bodies, codec, losses
@@ -404,7 +410,7 @@ class TinkerOps:
             answer = self.service.submit_runner(
                 sub, OpName.LOAD_CHECKPOINT, lambda: load(sub.engine, path, directory)
             )
-            return OpResult(json={**answer.result(), "model_id": model_id})
+            return OpResult(json={**result_of(answer), "model_id": model_id})
 
         return self.futures.add(owner, self._waiters.submit(start_and_load))
 
@@ -554,7 +560,7 @@ def _is_seq_id(value: Any) -> bool:
 def _sample_result(done: Future, outer: Future, count_tokens: Callable[[int], None]) -> None:
     """The ``SampleResponse`` of a finished batched request (or its error); its sampled tokens
     counted as an on-prem ``generate`` counts them."""
-    exc = done.exception()
+    exc = failure_of(done)
     if exc is not None:
         outer.set_exception(exc)
         return
@@ -572,7 +578,7 @@ def _sample_result(done: Future, outer: Future, count_tokens: Callable[[int], No
 
 
 def _copy_outcome(source: Future, target: Future) -> None:
-    exc = source.exception()
+    exc = failure_of(source)
     if exc is not None:
         target.set_exception(exc)
     else:
