@@ -16,6 +16,19 @@ does:
 (d) **short prompts**: prompt 64 / response 192, little to share. Target: >= 0.95x (auto must
     never make it slower).
 
+``--suite real_vocab`` measures the chunked LM head at a real vocabulary: a Qwen3-architecture
+model with Qwen3's 151,936-token vocabulary (4 layers, hidden 1024, tied embeddings, random
+weights, ~0.2 B parameters; built locally by :mod:`benchmarks.local_qwen3`), one GRPO
+``fwd_bwd`` + ``step`` on 8 rows x 384 tokens, each side in its own process, one after the other
+(peak RSS is the child's ``ru_maxrss``; time is the op's wall time, model load excluded, with its
+CPU time beside it, steadier on a loaded machine):
+
+(e) **plain**: the transformers loop a user writes (forward, log-softmax gather,
+    advantage-weighted masked mean, backward, AdamW); **whole**: the engine with
+    ``logits.optimization: none`` (the whole logits, the path before chunking); **chunked**: the
+    engine with its default ``logits`` settings. Targets: chunked peak RSS <= 0.45x plain's,
+    chunked time <= whole's.
+
 Throughput is real (non-padding) tokens per second. For each comparison one process loads both
 sides and alternates them iteration by iteration (``--warmup`` discarded, then ``--a-repeat`` /
 ``--b-repeat`` timed pairs; medians), so a machine whose load drifts slows both sides alike.
@@ -24,10 +37,10 @@ iteration.
 Gradients accumulate across iterations on both sides (no optimizer step), so both do the same
 work every iteration.
 
-Run: ``python -m benchmarks.engine_train [--suite prompt_sharing]`` (``--help`` for sizes;
-``--threads 1`` on a machine shared with other jobs, where idle-waiting OpenMP threads distort
-timings). Writes ``benchmarks/results/engine_train.json`` (or ``engine_train_prompt_sharing.json``)
-and prints it.
+Run: ``python -m benchmarks.engine_train [--suite prompt_sharing|real_vocab]`` (``--help`` for
+sizes; ``--threads 1`` on a machine shared with other jobs, where idle-waiting OpenMP threads
+distort timings). Writes ``benchmarks/results/engine_train.json`` (or
+``engine_train_<suite>.json``) and prints it.
 """
 
 from __future__ import annotations
@@ -49,17 +62,18 @@ COMPARISONS = {
     "c": ("shared", "unshared"),
     "d": ("shared", "unshared"),
 }
-SUITES = {"default": ("a", "b"), "prompt_sharing": ("c", "d")}
+SUITES = {"default": ("a", "b"), "prompt_sharing": ("c", "d"), "real_vocab": ("e",)}
 SAMPLES_PER_PROMPT = 8
+REAL_VOCAB_SIDES = ("plain", "whole", "chunked")
 
 
-def fixed_batch(rows: int, prompt: int, response: int, seed: int) -> dict:
-    """Equal-length rows: prompt then response, no padding."""
+def fixed_batch(rows: int, prompt: int, response: int, seed: int, vocab: int = 100) -> dict:
+    """Equal-length rows: prompt then response, no padding; token ids in ``[5, vocab)``."""
     import torch
 
     g = torch.Generator().manual_seed(seed)
     width = prompt + response
-    input_ids = torch.randint(5, 100, (rows, width), generator=g)
+    input_ids = torch.randint(5, vocab, (rows, width), generator=g)
     response_mask = torch.zeros(rows, width)
     response_mask[:, prompt:] = 1
     return _rl_fields(input_ids, torch.ones(rows, width, dtype=torch.long), response_mask, g)
@@ -123,6 +137,105 @@ def _rl_fields(input_ids, attention_mask, response_mask, g) -> dict:
         "advantages": torch.randn(rows, 1, generator=g) * response_mask,
         "old_log_probs": torch.full(input_ids.shape, -4.6) * response_mask,
     }
+
+
+def real_vocab_worker(side: str, args) -> dict:
+    """One side of (e) in this process: load, then ``--rv-steps`` timed ``fwd_bwd`` + ``step``."""
+    import torch
+
+    from benchmarks.local_qwen3 import QWEN3_VOCAB
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    batch = fixed_batch(args.rv_rows, args.rv_prompt, args.rv_response, seed=5, vocab=QWEN3_VOCAB)
+    if side == "plain":
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(args.rv_model, dtype=torch.float32).train()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
+
+        def step() -> None:
+            hand_loop_step(model, batch)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+    else:
+        from arctic_platform.engine.config import LogitsSettings, ModelConfig, TrainingEngineConfig
+        from arctic_platform.engine.trainer import TrainingEngine
+
+        logits = LogitsSettings(optimization="none") if side == "whole" else LogitsSettings()
+        engine = TrainingEngine(
+            TrainingEngineConfig(
+                model=ModelConfig(name=args.rv_model),
+                optimizer={"lr": 1e-6},
+                seed=0,
+                logits=logits,
+            )
+        )
+
+        def step() -> None:
+            engine.forward_backward(batch)
+            engine.step()
+
+    def cpu_seconds() -> float:
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        return usage.ru_utime + usage.ru_stime
+
+    seconds, cpu = [], []
+    for _ in range(args.rv_steps):
+        start, start_cpu = time.perf_counter(), cpu_seconds()
+        step()
+        seconds.append(time.perf_counter() - start)
+        cpu.append(cpu_seconds() - start_cpu)
+    return {
+        "median_seconds": statistics.median(seconds),
+        "all_seconds": seconds,
+        "median_cpu_seconds": statistics.median(cpu),
+        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "load_average_1m_after": os.getloadavg()[0],
+        "torch_threads": torch.get_num_threads(),
+    }
+
+
+def real_vocab_suite(args, argv: list[str], settings: dict) -> None:
+    """(e): build the model once, then each side alone in its own process, one after the other."""
+    from benchmarks.local_qwen3 import Qwen3Shape, qwen3_model_path
+
+    shape = Qwen3Shape(layers=args.rv_layers, hidden=args.rv_hidden)
+    path = qwen3_model_path(shape)
+    report = {}
+    for side in REAL_VOCAB_SIDES:
+        before = os.getloadavg()[0]
+        report[side] = run_in_subprocess(f"real_vocab:{side}", [*argv, f"--rv-model={path}"])
+        report[side]["load_average_1m_before"] = before
+    from benchmarks._common import write_result
+
+    plain, whole, chunked = (report[side] for side in REAL_VOCAB_SIDES)
+    write_result(
+        "engine_train_real_vocab",
+        {
+            "model": {**vars(shape), "path": "qwen3 (benchmarks/local_qwen3.py)"},
+            "note": (
+                "one GRPO fwd_bwd + step per side, each side alone in its own process, one "
+                "after the other; peak RSS is the child's ru_maxrss; time excludes model load; "
+                "whole = logits.optimization none, chunked = the default logits settings"
+            ),
+            "settings": settings,
+            "rows": args.rv_rows,
+            "tokens_per_row": args.rv_prompt + args.rv_response,
+            "rss_ratio_chunked_vs_plain": chunked["peak_rss_mib"] / plain["peak_rss_mib"],
+            "target_rss_ratio": 0.45,
+            "time_ratio_chunked_vs_whole": chunked["median_seconds"] / whole["median_seconds"],
+            "target_time_ratio": 1.0,
+            "cpu_time_ratio_chunked_vs_whole": (
+                chunked["median_cpu_seconds"] / whole["median_cpu_seconds"]
+            ),
+            "rss_ratio_chunked_vs_whole": chunked["peak_rss_mib"] / whole["peak_rss_mib"],
+            "time_ratio_chunked_vs_plain": chunked["median_seconds"] / plain["median_seconds"],
+            **report,
+        },
+    )
 
 
 def hand_loop_step(model, batch: dict) -> None:
@@ -243,19 +356,30 @@ def main() -> None:
     parser.add_argument(
         "--threads", type=int, default=0, help="torch threads per process (0: torch's default)"
     )
+    parser.add_argument("--rv-layers", type=int, default=4, help="real_vocab model depth")
+    parser.add_argument("--rv-hidden", type=int, default=1024, help="real_vocab model width")
+    parser.add_argument("--rv-rows", type=int, default=8)
+    parser.add_argument("--rv-prompt", type=int, default=128)
+    parser.add_argument("--rv-response", type=int, default=256)
+    parser.add_argument("--rv-steps", type=int, default=1, help="timed fwd_bwd + step per side")
+    parser.add_argument("--rv-model", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         kind, comparison, *side = args.worker.split(":")
-        result = (
-            time_worker(comparison, args)
-            if kind == "time"
-            else rss_worker(comparison, side[0], args)
-        )
+        if kind == "real_vocab":
+            result = real_vocab_worker(comparison, args)
+        elif kind == "time":
+            result = time_worker(comparison, args)
+        else:
+            result = rss_worker(comparison, side[0], args)
         print(json.dumps(result))
         return
 
-    settings = {k: v for k, v in vars(args).items() if k != "worker"}
+    settings = {k: v for k, v in vars(args).items() if k not in ("worker", "rv_model")}
     argv = [f"--{k.replace('_', '-')}={v}" for k, v in settings.items()]
+    if args.suite == "real_vocab":
+        real_vocab_suite(args, argv, settings)
+        return
     report = {}
     for comparison in SUITES[args.suite]:
         fast, base = COMPARISONS[comparison]

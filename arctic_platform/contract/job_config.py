@@ -30,6 +30,7 @@ from pydantic import (
 
 from arctic_platform.contract.ops import Role
 from arctic_platform.contract.settings import (
+    LogitsSettings,
     LoraConfig,
     OptimizerConfig,
     PromptSharing,
@@ -124,6 +125,7 @@ class TrainingSettings(_WithPassthrough):
     max_tokens_per_microbatch: PositiveInt = 16384
     packing: bool = True
     prompt_sharing: PromptSharing = "auto"
+    logits: LogitsSettings = LogitsSettings()
     gradient_checkpointing: bool = Field(
         False, **_cortex_name("gradient_checkpointing", "activation_checkpointing")
     )
@@ -177,6 +179,8 @@ class InferenceSettings(_WithPassthrough):
     max_batch_size: PositiveInt = 256
     max_tokens_per_microbatch: PositiveInt = 16384
     prompt_sharing: PromptSharing = "auto"
+    # How a log-prob sub-job scores through the LM head (a sampling sub-job does not score).
+    logits: LogitsSettings = LogitsSettings()
     # Which sampling engine: ours or vLLM (None: the server's default, fixed at job creation).
     engine: SamplingEngineName | None = None
     # The vLLM settings (:class:`VllmSettings`: ours, then vLLM engine arguments); the Cortex API

@@ -12,7 +12,9 @@ reads a reference ``JobConfig`` body; both fold them here, into the ``training``
 * ``vllm_config`` (top level, or in a job's section) becomes that job's ``vllm`` settings.
 * DeepSpeed and trainer dicts contribute what our engines have: the optimizer, gradient clipping,
   batch size, LR schedule, gradient checkpointing, attention implementation, the token budget
-  (``max_token_len``); ``checkpoint_path`` is the trainer's ``checkpoint_dir``.
+  (``max_token_len``), the chunked LM head (``logits_optimization`` and its
+  ``logits_optimization_peak_mem_size_in_gib``, into ``training.logits``); ``checkpoint_path`` is
+  the trainer's ``checkpoint_dir``.
 * Settings for GPU stacks we do not run (ZeRO stages, liger, arctic inference, CUDA IPC weight
   sync, ...) are accepted and recorded in ``ignored_settings``, so a user can see what had no
   effect. Nested values given explicitly always win over folded ones.
@@ -81,6 +83,11 @@ REFERENCE_SAMPLING_KEYS = {
     "arctic_inference_config": "arctic_inference_config",
     "log_prob_engine": "log_prob_engine",
     "log_prob_ds_config": "log_prob_ds_config",
+}
+# SkyRL's ds_worker_config names of the logits settings -> training.logits keys.
+WORKER_LOGITS_KEYS = {
+    "logits_optimization": "optimization",
+    "logits_optimization_peak_mem_size_in_gib": "peak_mem_size_in_gib",
 }
 DS_SCHEDULES = {"WarmupLR": "constant", "WarmupCosineLR": "cosine", "WarmupDecayLR": "linear"}
 
@@ -327,6 +334,19 @@ class JobFolder:
             self._put(
                 training, "max_tokens_per_microbatch", value, "ds_worker_config.max_token_len"
             )
+        logits = {
+            ours: worker.pop(theirs)
+            for theirs, ours in WORKER_LOGITS_KEYS.items()
+            if theirs in worker
+        }
+        if logits:
+            if training is None:
+                self.ignored.update({f"ds_worker_config.{k}": v for k, v in logits.items()})
+            else:
+                merged = dict(training.get("logits") or {})
+                for key, value in logits.items():
+                    merged.setdefault(key, value)
+                training["logits"] = merged
         for key, value in worker.items():
             self.ignored[f"ds_worker_config.{key}"] = value
 

@@ -23,6 +23,7 @@ from pydantic import (
     Field,
     PositiveFloat,
     PositiveInt,
+    field_validator,
     model_validator,
 )
 
@@ -131,6 +132,48 @@ class SchedulerConfig(Settings):
 SamplingEngineName = Literal["torch", "vllm"]
 # Whether rows that share a prompt compute it once (arctic_platform.engine.prompt_sharing).
 PromptSharing = Literal["auto", "off"]
+# Whether the LM head scores tokens in chunks (arctic_platform.engine.chunked_head).
+LogitsOptimization = Literal["memory", "none"]
+# Other clients' spellings of LogitsOptimization: SkyRL's None (whole logits) and the reference
+# server's "compute" (rows chunked by the same budget).
+_LOGITS_OPTIMIZATION_SPELLINGS = {None: "none", "compute": "memory"}
+
+
+class LogitsSettings(Settings):
+    """How log-probs, entropies and losses go through the LM head (``training.logits``; verl's
+    ``arctic_rl.train.logits``, and SkyRL's ``ds_worker_config.logits_optimization*`` fold in here).
+
+    ``optimization: memory`` (the default) never materialises a microbatch's whole
+    ``[tokens x vocabulary]`` float32 logits when they would not fit ``peak_mem_size_in_gib``: the
+    head then runs over chunks of token rows sized from that budget and the vocabulary, in forward
+    and backward (:mod:`arctic_platform.engine.chunked_head`); when they fit (small vocabularies,
+    small microbatches) the whole logits are computed, which is faster. ``none`` always computes
+    the whole logits. Results agree to float rounding either way. SkyRL's ``None`` is ``none``
+    and the reference server's ``compute`` is ``memory``.
+
+    The 0.5 GiB default keeps the head's peak well under the weights' and optimizer's memory
+    from ~0.2 B parameters up (16 bytes a parameter in float32: 3.5 GB at 0.2 B), while chunks
+    stay hundreds of rows long at a 152 k vocabulary (441 rows), so the head's matrix products
+    stay efficient; SkyRL sends 4.
+    """
+
+    optimization: LogitsOptimization = "memory"
+    peak_mem_size_in_gib: PositiveFloat = Field(
+        0.5,
+        validation_alias=AliasChoices("peak_mem_size_in_gib", "optimization_peak_mem_size_in_gib"),
+    )
+
+    @field_validator("optimization", mode="before")
+    @classmethod
+    def _fold_spellings(cls, value: Any) -> Any:
+        if value is None or isinstance(value, str):
+            return _LOGITS_OPTIMIZATION_SPELLINGS.get(value, value)
+        return value
+
+    @property
+    def peak_bytes(self) -> int:
+        """The budget in bytes."""
+        return int(self.peak_mem_size_in_gib * 2**30)
 
 
 class VllmSettings(BaseModel):

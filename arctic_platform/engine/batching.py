@@ -246,8 +246,9 @@ class MicroBatch:
         """Tokens the model processes (padding included)."""
         return int(self.input_ids.numel())
 
-    def logits(self, model: torch.nn.Module) -> torch.Tensor:
-        """One model call; ``[r, T, V]`` logits."""
+    def model_outputs(self, model: torch.nn.Module) -> torch.Tensor:
+        """One model call; its ``logits`` output ``[r, T, V]`` (``[r, T, H]``, the head's input,
+        while :meth:`~arctic_platform.engine.chunked_head.LMHead.bypassed`)."""
         return model(
             input_ids=self.input_ids,
             attention_mask=self.attention_mask,

@@ -19,6 +19,7 @@ import os
 import shutil
 import string
 import tempfile
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -83,16 +84,25 @@ def builtin_model_path(name: str) -> str:
     spec = BUILTIN_MODELS.get(size)
     if spec is None:
         raise ValueError(f"unknown built-in model {name!r}; known: {_known()}")
-    key = hashlib.sha256(
-        json.dumps({"spec": asdict(spec), "v": _BUILDER_VERSION}, sort_keys=True).encode()
-    ).hexdigest()[:16]
-    target = cache_root() / "models" / f"{size}-{key}"
+    return cached_model_folder(
+        size, {"spec": asdict(spec), "v": _BUILDER_VERSION}, lambda d: _write_model(spec, d)
+    )
+
+
+def cached_model_folder(stem: str, identity: dict, write: Callable[[Path], None]) -> str:
+    """The folder ``<cache>/models/<stem>-<hash of identity>``, filled by ``write(folder)`` once.
+
+    ``write`` fills a staging folder that is then renamed into place, so a half-written model is
+    never found and concurrent builders of the same identity (whose files are identical) are safe.
+    """
+    key = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
+    target = cache_root() / "models" / f"{stem}-{key}"
     if (target / "config.json").is_file():
         return str(target)
     target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{size}-", dir=target.parent))
+    staging = Path(tempfile.mkdtemp(prefix=f".{stem}-", dir=target.parent))
     try:
-        _write_model(spec, staging)
+        write(staging)
         try:
             staging.rename(target)
         except OSError:

@@ -14,6 +14,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt
 
 from arctic_platform.contract.settings import (
+    LogitsSettings,
     LoraConfig,
     OptimizerConfig,
     PromptSharing,
@@ -23,6 +24,7 @@ from arctic_platform.contract.settings import (
 )
 
 __all__ = [
+    "LogitsSettings",
     "LoraConfig",
     "ModelConfig",
     "OptimizerConfig",
@@ -61,7 +63,8 @@ class TrainingEngineConfig(_Strict):
     default) sequences of varying length are packed, padding-free, into rows no longer than the
     longest sequence, and rows are stacked into microbatches within that budget.
     ``prompt_sharing`` (``auto``: when it saves work) runs a prompt shared by several rows once
-    (:mod:`arctic_platform.engine.prompt_sharing`); ``off`` scores every row whole.
+    (:mod:`arctic_platform.engine.prompt_sharing`); ``off`` scores every row whole. ``logits``
+    decides when the LM head runs in chunks (:class:`LogitsSettings`).
     Checkpoints go to ``<checkpoint_dir>/<job_name>/checkpoint-<step>/``.
     """
 
@@ -71,6 +74,7 @@ class TrainingEngineConfig(_Strict):
     max_tokens_per_microbatch: PositiveInt = 16384
     packing: bool = True
     prompt_sharing: PromptSharing = "auto"
+    logits: LogitsSettings = LogitsSettings()
     gradient_checkpointing: bool = False
     seed: int = 42
     checkpoint_dir: str | None = None
@@ -89,8 +93,8 @@ class SamplingEngineConfig(_Strict):
     than exhausting memory. ``max_logprobs`` caps the ``logprobs`` a request may ask for, and
     ``seed`` seeds the draws of requests that do not bring their own. ``engine`` picks the
     engine: ours (``torch``, the default) or vLLM in its own process (``vllm``, set up by
-    ``vllm``). ``prompt_sharing`` is the training engine's knob, for a log-prob (reference) job's
-    scoring.
+    ``vllm``). ``prompt_sharing`` and ``logits`` are the training engine's knobs, for a log-prob
+    (reference) job's scoring.
     """
 
     model: ModelConfig
@@ -100,6 +104,7 @@ class SamplingEngineConfig(_Strict):
     max_kv_cache_bytes: PositiveInt = 4 * 1024**3
     max_logprobs: PositiveInt = 20
     prompt_sharing: PromptSharing = "auto"
+    logits: LogitsSettings = LogitsSettings()
     seed: int = 42
     engine: SamplingEngineName = "torch"
     vllm: VllmSettings = VllmSettings()

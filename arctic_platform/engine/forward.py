@@ -6,6 +6,9 @@ microbatch through the model and the post-processors and returns ``[b, S]`` tens
 position-indexed layout: column ``i`` holds the log-prob of ``input_ids[:, i]`` given the tokens
 before it; a sequence's first token and padding hold 0. :func:`forward_no_grad` assembles those
 into ``[B, S]`` outputs; the training engine instead back-propagates each microbatch's loss.
+With an :class:`~arctic_platform.engine.chunked_head.LMHead` (the engines build one from their
+``logits`` settings), a microbatch whose whole logits would not fit its budget is scored through
+the head in chunks, forward and backward.
 """
 
 from __future__ import annotations
@@ -19,9 +22,9 @@ import torch
 from arctic_platform.contract.results import loss_fields
 from arctic_platform.engine import cancellation
 from arctic_platform.engine.batching import Batch, MicroBatch, validate_batch
+from arctic_platform.engine.chunked_head import LMHead, model_logits
 from arctic_platform.engine.config import PromptSharing, TrainingEngineConfig
 from arctic_platform.engine.errors import EngineInputError
-from arctic_platform.engine.logprobs import top_logprobs
 from arctic_platform.engine.losses import PreparedLoss, get_loss
 from arctic_platform.engine.meta import Meta, Processing, parse_request
 from arctic_platform.engine.metrics import MetricSums
@@ -161,14 +164,22 @@ def score(
     temperature: float,
     want_entropy: bool,
     top_k: int = 0,
+    head: LMHead | None = None,
+    reads: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
     """One model call; ``logprobs`` (and ``entropy``, ``top_logprobs``/``top_ids``) as ``[b, S]``.
 
-    ``mb`` must already be on the model's device.
+    ``mb`` must already be on the model's device; ``head`` (None: whole logits) chunks the LM
+    head when the microbatch needs it, and then computes only the positions ``reads`` (``[b, S]``
+    bool, None: all) marks; the others hold 0.
     """
-    logits = mb.logits(model)
+    wanted = None if reads is None else reads[mb.token_rows, mb.token_cols]
     state = ScoringState(
-        logits=logits, targets=mb.targets, temperature=temperature, want_entropy=want_entropy
+        logits=model_logits(model, mb, head, wanted),
+        targets=mb.targets,
+        temperature=temperature,
+        want_entropy=want_entropy,
+        top_k=top_k,
     )
     run_post_processors(post, state)
     rows = mb.rows.numel()
@@ -176,24 +187,35 @@ def score(
     if state.entropy is not None:
         out["entropy"] = _to_rows(state.entropy, mb, rows, seq_len)
     if top_k:
-        values, ids = top_logprobs(state.logits, top_k)
+        values, ids = state.top
         out["top_logprobs"] = _to_rows(values, mb, rows, seq_len)
         out["top_ids"] = _to_rows(ids, mb, rows, seq_len)
     return out
 
 
 def scored_microbatches(
-    model: torch.nn.Module, request: Request, device: torch.device, *, top_k: int = 0
+    model: torch.nn.Module,
+    request: Request,
+    device: torch.device,
+    *,
+    top_k: int = 0,
+    head: LMHead | None = None,
+    loss_positions_only: bool = False,
 ) -> Iterator[
     tuple[MicroBatch | SharedMicroBatch, dict[str, torch.Tensor], dict[str, torch.Tensor]]
 ]:
     """Yield ``(microbatch, outputs, loss rows)`` for each microbatch of ``request``, in order.
 
     ``loss rows`` are the microbatch's rows of the prepared loss's tensors, on ``device`` (empty
-    when the request has no loss). Gradients flow if the caller enables them.
+    when the request has no loss). Gradients flow if the caller enables them. With
+    ``loss_positions_only`` (a backward pass whose outputs only the loss sees), a chunked head
+    scores only the positions the loss reads (:attr:`PreparedLoss.reads`).
     """
     for mb in request.plan:
         cancellation.check()  # between microbatches: a cancelled op stops here
+        reads = None
+        if loss_positions_only and request.loss is not None:
+            reads = request.loss.reads.index_select(0, mb.rows).to(device)
         outputs = score(
             model,
             mb.to(device),
@@ -202,6 +224,8 @@ def scored_microbatches(
             temperature=request.meta.temperature,
             want_entropy=request.want_entropy,
             top_k=top_k,
+            head=head,
+            reads=reads,
         )
         rows = {}
         if request.loss is not None:
@@ -214,7 +238,12 @@ def scored_microbatches(
 
 @torch.no_grad()
 def forward_no_grad(
-    model: torch.nn.Module, request: Request, device: torch.device, *, top_k: int = 0
+    model: torch.nn.Module,
+    request: Request,
+    device: torch.device,
+    *,
+    top_k: int = 0,
+    head: LMHead | None = None,
 ) -> dict:
     """``fwd_no_grad``: ``[B, S]`` float32 ``logprobs`` (+ ``entropy``), on CPU, and metrics.
 
@@ -228,7 +257,8 @@ def forward_no_grad(
         result: dict[str, torch.Tensor] = {}
         sums = MetricSums()
         sums.add(request.sharing_metrics())
-        for mb, outputs, rows in scored_microbatches(model, request, device, top_k=top_k):
+        scored = scored_microbatches(model, request, device, top_k=top_k, head=head)
+        for mb, outputs, rows in scored:
             for name, value in outputs.items():
                 if name not in result:
                     result[name] = torch.zeros((size, seq_len, *value.shape[2:]), dtype=value.dtype)

@@ -13,7 +13,8 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from arctic_platform.contract.bodies import context_problem, prompts_problem
-from arctic_platform.engine.config import ModelConfig, SamplingEngineConfig
+from arctic_platform.engine.chunked_head import LMHead
+from arctic_platform.engine.config import LogitsSettings, ModelConfig, SamplingEngineConfig
 from arctic_platform.engine.errors import EngineInputError
 from arctic_platform.engine.forward import Request, check_top_k, forward_no_grad, prepare_request
 from arctic_platform.engine.models import load_causal_lm, load_tokenizer, resolve_device
@@ -26,7 +27,8 @@ class LogProbEngine:
     """A frozen causal LM that scores tokens (see module doc).
 
     Built from a :class:`SamplingEngineConfig` (its ``max_tokens_per_microbatch``,
-    ``max_model_len``, ``prompt_sharing`` and ``seed`` apply) or a bare :class:`ModelConfig`.
+    ``max_model_len``, ``prompt_sharing``, ``logits`` and ``seed`` apply) or a bare
+    :class:`ModelConfig`.
     """
 
     def __init__(self, config: SamplingEngineConfig | ModelConfig) -> None:
@@ -35,17 +37,20 @@ class LogProbEngine:
             self.max_tokens = config.max_tokens_per_microbatch
             self.prompt_sharing = config.prompt_sharing
             max_model_len = config.max_model_len
+            logits = config.logits
         else:
             model_config, seed = config, 0
             self.max_tokens = _DEFAULT_MAX_TOKENS
             self.prompt_sharing = "auto"
             max_model_len = None
+            logits = LogitsSettings()
         self.model_config = model_config
         self.device = resolve_device(model_config.device)
         seed_everything(seed)
         self.model = load_causal_lm(model_config, self.device).eval()
         self.model.requires_grad_(False)
         self.vocab_size = int(self.model.get_input_embeddings().num_embeddings)
+        self._head = LMHead.of(self.model, logits)
         self.max_model_len = max_model_len or int(
             getattr(self.model.config, "max_position_embeddings", 0) or 2**31 - 1
         )
@@ -62,7 +67,8 @@ class LogProbEngine:
         self, batch: Mapping, meta: Mapping | None = None, processing: Mapping | None = None
     ) -> dict:
         """Same contract as :meth:`TrainingEngine.forward`: position-indexed ``[B, S]`` outputs."""
-        return forward_no_grad(self.model, self._prepare(batch, meta, processing), self.device)
+        request = self._prepare(batch, meta, processing)
+        return forward_no_grad(self.model, request, self.device, head=self._head)
 
     def log_probs(
         self,
@@ -89,7 +95,7 @@ class LogProbEngine:
             input_ids[i, : len(row)] = torch.tensor(row, dtype=torch.long)
             attention_mask[i, : len(row)] = 1
         request = self._prepare({"input_ids": input_ids, "attention_mask": attention_mask})
-        out = forward_no_grad(self.model, request, self.device, top_k=top_k)
+        out = forward_no_grad(self.model, request, self.device, top_k=top_k, head=self._head)
         results = []
         for i, (prompt, completion) in enumerate(zip(prompt_ids, completion_ids, strict=True)):
             start = len(prompt) if completions is not None else 0

@@ -5,7 +5,9 @@ values (verl sends ``batch_num_tokens`` as ``response_mask.sum()``). They are pa
 with errors that name the field, so the forward and loss code reads typed values.
 
 ``meta`` keys the engine does not use (verl sends ``rollout_n``, ``zorro_train_enable``,
-``max_token_len_per_gpu``, ...) are accepted and ignored; the keys below are type-checked.
+``max_token_len_per_gpu``, ...) are accepted and ignored; the keys below are type-checked. So is
+the per-call ``logits_optimization`` (SkyRL always sends ``none``): whether the LM head runs in
+chunks is the job's ``logits`` setting, and the numbers are the same either way.
 
 **One knob for entropy**: ``meta.calculate_entropy``. Two older spellings are still accepted on
 the wire and folded into it by :func:`parse_request`, the one place that knows them:

@@ -6,7 +6,10 @@ log-probs; the Cortex ``grpo`` contract sends ``["compute_logprobs"]``). They ru
 given on a :class:`ScoringState` that holds the logits in the model's layout;
 :mod:`arctic_platform.engine.forward` maps the results back to the batch's position-indexed
 ``[B, S]`` layout. If no step produced log-probs, they are computed at the end, because every loss
-and every ``forward`` needs them.
+and every ``forward`` needs them. The logits are a
+:class:`~arctic_platform.engine.logprobs.Logits`: the whole tensor, or the LM head applied in
+chunks (:mod:`arctic_platform.engine.chunked_head`); the steps read them only through it, so
+every step works on both.
 
 When ``processing.post`` is absent the default is :data:`DEFAULT_POST` (temperature, then
 log-probs), so ``forward`` and ``forward_backward`` score tokens the same way unless a client says
@@ -20,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from arctic_platform.engine.logprobs import token_logprobs, token_logprobs_and_entropy
+from arctic_platform.engine.logprobs import Logits
 
 
 @dataclass
@@ -28,15 +31,18 @@ class ScoringState:
     """One model call's outputs while post-processors run (model layout ``[r, T]``).
 
     ``targets[r, t]`` is the token that the output at ``(r, t)`` must score; ``logprobs`` and
-    ``entropy`` are filled in the same layout.
+    ``entropy`` are filled in the same layout, and ``top`` (the ``top_k`` likeliest tokens'
+    ``(logprobs, token_ids)`` under the final logits) when ``top_k`` asks for it.
     """
 
-    logits: torch.Tensor
+    logits: Logits
     targets: torch.Tensor
     temperature: float
     want_entropy: bool
+    top_k: int = 0
     logprobs: torch.Tensor | None = None
     entropy: torch.Tensor | None = None
+    top: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 PostProcessor = Callable[[ScoringState], None]
@@ -66,7 +72,8 @@ def apply_temperature(state: ScoringState) -> None:
     log-softmax and bias the PPO ratios.
     """
     if state.temperature != 1.0:
-        state.logits = state.logits.float() / state.temperature
+        state.logits = state.logits.divided(state.temperature)
+        state.top = None  # taken from the logits before the division
 
 
 # The step verl names for log-probs and entropies; naming it in ``processing.post`` is also one of
@@ -76,11 +83,10 @@ ENTROPY_AND_LOGPROBS = "compute_entropy_and_logprobs"
 
 @register_post_processor(ENTROPY_AND_LOGPROBS)
 def compute_entropy_and_logprobs(state: ScoringState) -> None:
-    """Target log-probs, and entropies when they were asked for or a loss needs them."""
-    if state.want_entropy:
-        state.logprobs, state.entropy = token_logprobs_and_entropy(state.logits, state.targets)
-    else:
-        state.logprobs = token_logprobs(state.logits, state.targets)
+    """Target log-probs, and entropies when they were asked for or a loss needs them (and the
+    top-k tokens when asked, from the same pass over the logits)."""
+    scores = state.logits.scores(state.targets, want_entropy=state.want_entropy, top_k=state.top_k)
+    state.logprobs, state.entropy, state.top = scores.logprobs, scores.entropy, scores.top
 
 
 # The Cortex contract's name for the same step: log-probs of the logits as they are (no
@@ -92,8 +98,11 @@ DEFAULT_POST: tuple[str, ...] = ("apply_temperature", ENTROPY_AND_LOGPROBS)
 
 
 def run_post_processors(names: tuple[str, ...], state: ScoringState) -> None:
-    """Run ``names`` in order, then compute log-probs if no step did."""
+    """Run ``names`` in order, then compute log-probs if no step did (and the top-k tokens of
+    the final logits when asked and not computed with them)."""
     for name in names:
         POST_PROCESSORS[name](state)
     if state.logprobs is None:
         compute_entropy_and_logprobs(state)
+    if state.top_k and state.top is None:
+        state.top = state.logits.top(state.top_k)

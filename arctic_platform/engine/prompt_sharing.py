@@ -156,8 +156,9 @@ class SharedMicroBatch:
         }
         return replace(self, **moved)
 
-    def logits(self, model: torch.nn.Module) -> torch.Tensor:
-        """Both passes; ``[1, N, V]`` logits in the virtual layout."""
+    def model_outputs(self, model: torch.nn.Module) -> torch.Tensor:
+        """Both passes; their ``logits`` outputs ``[1, N, V]`` in the virtual layout (``[1, N, H]``,
+        the head's input, while :meth:`~arctic_platform.engine.chunked_head.LMHead.bypassed`)."""
         prefix = model(
             input_ids=self.prefix_ids,
             attention_mask=self.prefix_mask,
@@ -173,8 +174,8 @@ class SharedMicroBatch:
             past_key_values=cache,
             use_cache=True,
         )
-        vocab = prefix.logits.shape[-1]
-        flat = torch.cat([prefix.logits.reshape(-1, vocab), suffix.logits.reshape(-1, vocab)])
+        width = prefix.logits.shape[-1]
+        flat = torch.cat([prefix.logits.reshape(-1, width), suffix.logits.reshape(-1, width)])
         return flat.unsqueeze(0)
 
 

@@ -52,6 +52,47 @@ def test_client_and_server_fold_a_reference_config_alike():
     }
 
 
+@pytest.mark.parametrize(
+    ("sent", "optimization"), [("memory", "memory"), ("compute", "memory"), (None, "none")]
+)
+def test_skyrl_logits_optimization_is_honoured_not_ignored(sent, optimization):
+    """SkyRL puts its chunked-logits knobs in ds_worker_config (None: whole logits; the
+    reference server's "compute" chunks by the same budget)."""
+    worker = {
+        **REFERENCE["ds_worker_config"],
+        "logits_optimization": sent,
+        "logits_optimization_peak_mem_size_in_gib": 4.0,
+    }
+    for config in (
+        JobsConfig.model_validate({**REFERENCE, "ds_worker_config": worker}),
+        ArcticRLClientConfig.model_validate({**REFERENCE, "ds_worker_config": worker}),
+    ):
+        logits = config.training.logits
+        assert (logits.optimization, logits.peak_mem_size_in_gib) == (optimization, 4.0)
+        assert not any("logits" in key for key in config.ignored_settings)
+        body = next(s for s in config.sub_job_configs() if s["job_type"] == "training")
+        assert body["training_config"]["logits"] == {
+            "optimization": optimization,
+            "peak_mem_size_in_gib": 4.0,
+        }
+
+
+def test_the_nested_logits_setting_wins_and_bad_values_are_named():
+    worker = {"logits_optimization": "none", "logits_optimization_peak_mem_size_in_gib": 2}
+    nested = {"logits": {"optimization": "memory"}}
+    config = JobsConfig.model_validate(
+        {**REFERENCE, "ds_worker_config": worker, "training": nested}
+    )
+    assert config.training.logits.optimization == "memory"
+    assert config.training.logits.peak_mem_size_in_gib == 2
+    with pytest.raises(ValidationError, match="training.logits.optimization"):
+        JobsConfig.model_validate({**REFERENCE, "training": {"logits": {"optimization": "fast"}}})
+    with pytest.raises(ValidationError, match="peak_mem_size_in_gib"):
+        JobsConfig.model_validate(
+            {**REFERENCE, "ds_worker_config": {"logits_optimization_peak_mem_size_in_gib": 0}}
+        )
+
+
 def test_bad_and_unknown_fields_are_named():
     with pytest.raises(ValidationError, match="training_gpus: expected an integer >= 0"):
         JobsConfig.model_validate({**REFERENCE, "training_gpus": -1})

@@ -5,6 +5,10 @@ clients with 2 workers (DDP; FSDP2 colocated with a sampler): gradient accumulat
 global normalisation computed by the proxy or sent by the client, a batch with fewer rows than
 workers, and small microbatches so the workers run different numbers of model calls.
 
+The workers score through the chunked LM head (chunks of a few rows, forward and backward), the
+reference through whole logits, so the same comparison covers the head's hooks and its tied
+weight's gradient under DDP and FSDP2.
+
 All-reduce sums in a different order than one engine does, so results agree to fp32 rounding,
 not bit for bit: metrics and grad norms to 1e-5 relative; weights after three AdamW steps at lr
 1e-3 to 5e-5 absolute at worst and 1e-6 for 99.9% of them (AdamW divides by the gradient's
@@ -33,14 +37,19 @@ WEIGHT_P999 = 1e-6
 REL = 1e-5
 
 
-def client_config(backend: dict, **sections) -> dict:
+# A budget of ~12 rows of the tiny model's logits per chunk.
+CHUNKED_LOGITS = {"optimization": "memory", "peak_mem_size_in_gib": 1e-5}
+
+
+def client_config(backend: dict, *, logits: dict | None = None, **sections) -> dict:
+    # A small token budget: several microbatches per call, different counts per worker.
+    training = {"optimizer": {"lr": 1e-3}, "max_tokens_per_microbatch": 40}
     return {
         "model": TINY,
         "seed": 3,
         "tensor_type": "numpy",
         "backend": backend,
-        # A small token budget: several microbatches per call, different counts per worker.
-        "training": {"optimizer": {"lr": 1e-3}, "max_tokens_per_microbatch": 40},
+        "training": training if logits is None else {**training, "logits": logits},
         **sections,
     }
 
@@ -110,7 +119,9 @@ def reference(batches, tmp_path_factory):
 @pytest.fixture(scope="module")
 def ddp(ray_cluster, tmp_path_factory):
     backend = ray_backend(tmp_path_factory.mktemp("ddp"), num_training_workers=2)
-    client = create_arctic_rl_client(client_config(backend), blocking_calls=True)
+    client = create_arctic_rl_client(
+        client_config(backend, logits=CHUNKED_LOGITS), blocking_calls=True
+    )
     yield client
     client.shutdown()
 
@@ -120,7 +131,9 @@ def fsdp(ray_cluster, tmp_path_factory):
     backend = ray_backend(
         tmp_path_factory.mktemp("fsdp"), num_training_workers=2, data_parallel="fsdp", colocate=True
     )
-    client = create_arctic_rl_client(client_config(backend, sampling={}), blocking_calls=True)
+    client = create_arctic_rl_client(
+        client_config(backend, logits=CHUNKED_LOGITS, sampling={}), blocking_calls=True
+    )
     yield client
     client.shutdown()
 

@@ -199,7 +199,12 @@ REFERENCE_TRAINING_INIT = {  # what the reference client's /initialize sends for
         },
     },
     "training_config": None,
-    "ds_worker_config": {"use_liger": True, "attn_implementation": "eager"},
+    "ds_worker_config": {
+        "use_liger": True,
+        "attn_implementation": "eager",
+        "logits_optimization": "memory",  # SkyRL's default chunked-logits knobs
+        "logits_optimization_peak_mem_size_in_gib": 4.0,
+    },
     "checkpoint_path": "runs/reference",  # relative: inside the caller's space
     "cuda_ipc": False,
     "low_memory": False,
@@ -219,6 +224,8 @@ def test_initialize_honours_the_reference_ds_config_and_reports_the_rest(http, s
     assert (config.scheduler.name, config.scheduler.warmup_steps) == ("cosine", 2)
     assert (config.scheduler.total_steps, config.scheduler.min_lr_ratio) == (20, 0.1)
     assert config.model.attn_implementation == "eager"
+    assert (config.logits.optimization, config.logits.peak_mem_size_in_gib) == ("memory", 4.0)
+    assert trainer._head.budget_bytes == 4 * 2**30
     assert trainer.optimizer.param_groups[0]["betas"] == (0.8, 0.95)
     assert set(answer["ignored_settings"]) == {
         "ds_config.bf16",

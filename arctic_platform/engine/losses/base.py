@@ -45,6 +45,9 @@ class PreparedLoss(Protocol):
     targets: torch.Tensor | None
     #: ``[B, ...]`` tensors the loss reads; the engine passes each microbatch's rows of them.
     tensors: dict[str, torch.Tensor]
+    #: ``[B, S]`` bool: the positions whose outputs the loss reads. Outputs elsewhere may hold
+    #: anything (:func:`masked`); the chunked LM head does not compute them for a backward pass.
+    reads: torch.Tensor
 
     def __call__(
         self, outputs: Mapping[str, torch.Tensor], rows: Mapping[str, torch.Tensor]

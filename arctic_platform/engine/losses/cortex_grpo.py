@@ -191,6 +191,7 @@ class CortexGrpoLoss:
         for name in needed:
             batch.check_finite(name, mask)
         self.tensors = {"mask": mask, **{name: batch.get(name) for name in needed}}
+        self.reads = mask
         self.agg = make_aggregation(
             self.cfg.loss_agg_mode,
             field=f"{FIELD}.loss_agg_mode",

@@ -131,6 +131,7 @@ class CortexGrpoEchoLoss:
             )
         self.dp = self.policy.agg.dp_size
         self.tensors = {**self.policy.tensors, "sft_mask": sft, "observation_mask": obs}
+        self.reads = self.policy.reads | sft
 
     def __call__(
         self, outputs: Mapping[str, torch.Tensor], rows: Mapping[str, torch.Tensor]

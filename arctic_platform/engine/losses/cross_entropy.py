@@ -50,6 +50,7 @@ class CrossEntropyLoss:
             batch.check_loss_mask(name, mask)
             self.targets = None
         self.tensors = {"mask": mask}
+        self.reads = mask
         if batch.has("loss_weights"):
             batch.check_finite("loss_weights", mask)
             self.tensors["weights"] = batch.get("loss_weights")

@@ -58,6 +58,7 @@ class RatioLoss:
         for name in needed:
             batch.check_finite(name, mask)
         self.tensors = {"mask": mask, **{name: batch.get(name) for name in needed}}
+        self.reads = mask
         self.targets = None
         if batch.has("labels"):
             labels = batch.get("labels")

@@ -134,6 +134,7 @@ class VerlGrpoLoss:
         for name in needed:
             batch.check_finite(name, mask)
         self.tensors = {"mask": mask, **{name: batch.get(name) for name in needed}}
+        self.reads = mask
         self.needs_entropy = self.cfg.entropy_coeff != 0.0
         self.agg = make_aggregation(
             self.cfg.loss_agg_mode,
