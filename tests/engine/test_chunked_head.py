@@ -134,7 +134,7 @@ def assert_grads_close(got: dict, want: dict) -> None:
 
 def kinds(engine: TrainingEngine, batch) -> set[str]:
     request = prepare_training_request(
-        batch, None, None, engine.config, vocab_size=engine.vocab_size, backward=False
+        batch, None, None, engine.config, model=engine, backward=False
     )
     return {type(mb).__name__ for mb in request.plan}
 
