@@ -40,8 +40,8 @@ SHORT = [
 
 
 def test_a_shortened_default_run_learns(tmp_path):
-    """CI-sized default recipe: SFT teaches the format, GRPO then raises its reward (see
-    :mod:`tests.recipes.learning` for the bars)."""
+    """CI-sized default recipe: the warm-up teaches the format and most sums, and GRPO's
+    updates keep the policy working (the bars and why: :mod:`tests.recipes.learning`)."""
     recipe = load_recipe(None, ["grpo.steps=60", "eval.every=30", "checkpoint.every=0"])
     summary = run_recipe(recipe, tmp_path / "run", show_progress=False)
     assert_the_run_learns(summary)
