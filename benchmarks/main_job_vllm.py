@@ -9,7 +9,7 @@ warm-up and at the end, and the run's wall time; plus the vLLM step's ratio to o
 <= 1.3) and the load average around each run (other work on the machine distorts the times).
 
 Needs ``$ARCTIC_VLLM_PYTHON`` (README, 'vLLM sampling engine'). Run:
-``python -m benchmarks.main_job_vllm [--grpo-steps 200] [--sft-steps 450]``; writes
+``python -m benchmarks.main_job_vllm [--grpo-steps 200] [--sft-steps N]``; writes
 ``benchmarks/results/main_job_vllm.json``.
 """
 
