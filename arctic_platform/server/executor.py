@@ -121,8 +121,9 @@ class OpExecutor:
         stop: CancelToken | None = None,
     ) -> Future:
         """Queue ``runner`` (already validated) on ``sub`` under the name ``op``: queue order,
-        the concurrency slots and failure handling (``_guarded``). ``stop`` cancels this op
-        alone, as ``job.stop`` cancels every op of the job."""
+        the concurrency slots and failure handling (``_guarded``), as for the Service's
+        ``submit``; the Tinker API queues the runners it builds over the engines this way.
+        ``stop`` cancels this op alone, as ``job.stop`` cancels every op of the job."""
         job = self.jobs.get(sub.job_id, None, check_owner=False)
         stops = (job.stop,) if stop is None else (job.stop, stop)
         return self._enqueue(job, sub, self._guarded, job, sub, op, runner, stops)

@@ -20,7 +20,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -130,7 +129,7 @@ class Service:
         self.checkpoints = CheckpointCatalogue(self.store, self.paths, self.jobs, settings.data_dir)
         self.builder = JobBuilder(settings, self.paths, self.jobs, self.checkpoints, self)
         self.executor = OpExecutor(self.jobs, self.slots, self.metrics, self.paths, self.requests)
-        # Set by the first close once its drain is done; a later close waits for it.
+        # Made by the first close and set once its drain is done; a later close waits on it.
         self._closing: threading.Event | None = None
         self.jobs.restore()
         self.checkpoints.adopt_legacy()
@@ -320,20 +319,7 @@ class Service:
         from arctic_platform.server.ops import prepare_op
 
         self.require_running(sub)
-        return self.submit_runner(sub, op, prepare_op(self, sub, op, body), stop=stop)
-
-    def submit_runner(
-        self,
-        sub: SubJob,
-        op: str,
-        runner: Callable[[], Any],
-        *,
-        stop: CancelToken | None = None,
-    ) -> Future:
-        """Queue ``runner`` (already validated) on ``sub`` under the name ``op``, with the same
-        guards as :meth:`submit`: queue order, the concurrency slots and failure handling. Other
-        APIs (Tinker) build their own runners over the engines this way."""
-        return self.executor.submit_runner(sub, op, runner, stop=stop)
+        return self.executor.submit_runner(sub, op, prepare_op(self, sub, op, body), stop=stop)
 
     def call(self, sub: SubJob, op: str, body: Any) -> Any:
         """Run ``op`` and wait for its result (the in-process and on-prem paths)."""

@@ -102,7 +102,7 @@ def test_a_job_with_an_op_running_or_queued_is_not_expired(idle_service):
     job_id = start(idle_service, "training")
     sub = idle_service.resolve(job_id, owner=None, kind="training")
     release = threading.Event()
-    running = idle_service.submit_runner(sub, "held", lambda: release.wait(60))
+    running = idle_service.executor.submit_runner(sub, "held", lambda: release.wait(60))
     queued = idle_service.submit(sub, "step", {})
     try:
         assert job_id not in idle_service.idle_reaper.reap(now=later(10 * LONG_S))

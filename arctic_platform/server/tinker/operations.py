@@ -407,7 +407,7 @@ class TinkerOps:
         def start_and_load() -> OpResult:
             self.service.wait_until_running(run.job_id, owner=owner, timeout=STARTUP_TIMEOUT_S)
             sub = self.service.resolve(run.training_sub_job, owner=owner)
-            answer = self.service.submit_runner(
+            answer = self.service.executor.submit_runner(
                 sub, OpName.LOAD_CHECKPOINT, lambda: load(sub.engine, path, directory)
             )
             return OpResult(json={**result_of(answer), "model_id": model_id})
@@ -477,7 +477,7 @@ class TinkerOps:
         def attach() -> None:
             sub = self.service.resolve(sub_job_id, owner=owner)
             check_generate(self.service, sub.engine, SAMPLE_OP, [prompt], params)
-            submit = partial(self.service.submit_runner, sub, OpName.GENERATE)
+            submit = partial(self.service.executor.submit_runner, sub, OpName.GENERATE)
             done = self._batcher.add(
                 sub, prompt, params, want_prompt_logprobs, submit, key=key, before=load
             )
@@ -537,7 +537,7 @@ class TinkerOps:
         def start() -> None:
             try:
                 sub = self.service.resolve(run.training_sub_job, owner=owner)
-                inner = self.service.submit_runner(sub, op, lambda: runner(sub.engine))
+                inner = self.service.executor.submit_runner(sub, op, lambda: runner(sub.engine))
             except Exception as exc:
                 outer.set_exception(exc)
                 return
