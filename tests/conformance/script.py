@@ -104,3 +104,14 @@ def run_script(client) -> dict[str, Any]:
     out["load"] = {k: loaded[k] for k in ("checkpoint_id", "global_step")}
     out["load!"] = refusal(lambda: client.load_checkpoint(checkpoint_id="checkpoint-999"))
     return out
+
+
+def same(a, b) -> bool:
+    """Equal answers, numpy arrays included (bitwise)."""
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        return isinstance(a, np.ndarray) and isinstance(b, np.ndarray) and np.array_equal(a, b)
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b, strict=True))
+    return a == b

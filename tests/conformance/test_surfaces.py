@@ -12,11 +12,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from arctic_platform.client import ConflictError, create_arctic_rl_client
+from arctic_platform.client import ConflictError
 from arctic_platform.server.service import Service, ServiceSettings
-from tests.client.conftest import backend_config
-from tests.conformance.script import NAMED, run_script
-from tests.conformance.surfaces import FAKE_SURFACES, client_config, fake_surfaces
+from tests.conformance.script import NAMED, run_script, same
+from tests.conformance.surfaces import FAKE_SURFACES, fake_surfaces
 from tests.fake_engine import build_fake_engine
 from tests.live_server import serve_app
 from tests.server.conftest import make_app
@@ -55,26 +54,6 @@ def answers(fake) -> dict[str, dict]:
         with surfaces[surface]() as client:
             out[surface] = run_script(client)
     return out
-
-
-@pytest.fixture(scope="module")
-def torch_answers(tmp_path_factory) -> dict:
-    """The script's answers in-process on the real engine (the built-in tiny model)."""
-    data_dir = tmp_path_factory.mktemp("torch")
-    config = client_config(backend_config("inprocess", None, data_dir))
-    with create_arctic_rl_client(config, blocking_calls=True) as client:
-        return run_script(client)
-
-
-def same(a, b) -> bool:
-    """Equal values, numpy arrays included (bitwise)."""
-    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
-        return isinstance(a, np.ndarray) and isinstance(b, np.ndarray) and np.array_equal(a, b)
-    if isinstance(a, dict) and isinstance(b, dict):
-        return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b, strict=True))
-    return a == b
 
 
 def shape(value):
