@@ -66,7 +66,7 @@ from arctic_platform.engine.models import (
 )
 from arctic_platform.engine.sampling_requests import model_context
 from arctic_platform.engine.schedule import build_scheduler, lr_factor
-from arctic_platform.engine.weights import DEFAULT_CHUNK_BYTES, stream_weights, sync_in_process
+from arctic_platform.engine.weights import DEFAULT_CHUNK_BYTES, stream_weights
 
 SLEEP_MODES = ("all",)
 
@@ -331,7 +331,9 @@ class TrainingEngine:
         """Make ``target`` (a sampling engine in this process) hold this trainer's current
         weights, copied tensor by tensor (:func:`~arctic_platform.engine.weights.sync_in_process`);
         the load's report. A Ray trainer streams them to its replica instead."""
-        return sync_in_process(self.model, target)
+        from arctic_platform.engine import weights  # read at call time: tests hold the sync
+
+        return weights.sync_in_process(self.model, target)
 
     # -- colocation -----------------------------------------------------------------------
 
