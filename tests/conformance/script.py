@@ -14,6 +14,7 @@ import numpy as np
 
 from arctic_platform.client import ServerError
 from arctic_platform.client.transport import Request
+from arctic_platform.contract.engine_protocols import ENGINE_PROTOCOLS
 from arctic_platform.contract.ops import OpName
 from arctic_platform.layout import training_batch
 
@@ -115,3 +116,14 @@ def same(a, b) -> bool:
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
         return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b, strict=True))
     return a == b
+
+
+def protocols_met(service, client) -> dict[str, bool]:
+    """For each of ``client``'s sub-jobs on ``service``: whether its engine has every member of
+    its kind's Protocol (``contract/engine_protocols.py``)."""
+    met = {}
+    for kind in ENGINE_PROTOCOLS:
+        sub_job_id = getattr(client.transport.jobs, kind)
+        engine = service.resolve(sub_job_id, owner=None).engine
+        met[kind] = isinstance(engine, ENGINE_PROTOCOLS[kind])
+    return met

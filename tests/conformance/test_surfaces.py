@@ -14,7 +14,7 @@ import pytest
 
 from arctic_platform.client import ConflictError
 from arctic_platform.server.service import Service, ServiceSettings
-from tests.conformance.script import NAMED, run_script, same
+from tests.conformance.script import NAMED, protocols_met, run_script, same
 from tests.conformance.surfaces import FAKE_SURFACES, fake_surfaces
 from tests.fake_engine import build_fake_engine
 from tests.live_server import serve_app
@@ -103,6 +103,15 @@ def test_the_fake_engine_changes_with_the_ops(answers):
     assert not same(run["forward after step"], run["forward"])
     assert run["step"]["global_steps"] == 1 == run["load"]["global_step"]
     assert run["generate"][0]["token_ids"] != run["generate"][1]["token_ids"]
+
+
+def test_the_real_and_the_fake_engines_implement_the_engine_protocols(fake, torch_answers):
+    service, surfaces = fake
+    with surfaces["inprocess"]() as client:
+        fake_met = protocols_met(service, client)
+    expected = {"training": True, "sampling": True, "log_prob": True}
+    assert fake_met == expected
+    assert torch_answers["protocols"] == expected
 
 
 @pytest.mark.parametrize("surface", FAKE_SURFACES)
