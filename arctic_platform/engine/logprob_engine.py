@@ -114,6 +114,9 @@ class LogProbEngine:
             )
         return results
 
+    def close(self) -> None:
+        """Nothing to release outside this process: the model goes with the engine."""
+
     def _prepare(self, batch: Mapping, meta=None, processing=None) -> Request:
         """A scoring request (a loss only when ``processing`` names one), packed by token budget."""
         return prepare_request(

@@ -502,6 +502,9 @@ class SamplingEngine:
         so there is nothing to drop; the result says so."""
         return {"cached_prefixes": 0, "note": "no prefix cache is kept across generate calls"}
 
+    def close(self) -> None:
+        """Nothing to release outside this process: the model goes with the engine."""
+
     # ------------------------------------------------------------------------------------------
 
     def _eos_ids(self) -> tuple[int, ...]:

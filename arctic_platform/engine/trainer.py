@@ -327,6 +327,14 @@ class TrainingEngine:
         model = self.parallel.export_model(self.model)
         return None if model is None else stream_weights(model, chunk_bytes)
 
+    def sync_weights_to(self, target) -> dict:
+        """Make ``target`` (a sampling engine in this process) hold this trainer's current
+        weights, copied tensor by tensor (:func:`~arctic_platform.engine.weights.sync_in_process`);
+        the load's report. A Ray trainer streams them to its replica instead."""
+        from arctic_platform.engine import weights  # read at call time: tests hold the sync
+
+        return weights.sync_in_process(self.model, target)
+
     # -- colocation -----------------------------------------------------------------------
 
     def sleep(self, mode: str = "all") -> dict:
@@ -364,6 +372,9 @@ class TrainingEngine:
             return {"emptied": False, "reason": f"no allocator cache on {self.device.type}"}
         torch.cuda.empty_cache()
         return {"emptied": True}
+
+    def close(self) -> None:
+        """Nothing to release outside this process: the model goes with the engine."""
 
     # -- internals ------------------------------------------------------------------------
 

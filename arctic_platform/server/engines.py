@@ -6,15 +6,26 @@ and HTTP layer load fast, and torch is only imported when the first engine is bu
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, TypeAlias
 
+from arctic_platform.contract.engine_protocols import AnyEngine
 from arctic_platform.engine.config import SamplingEngineConfig, TrainingEngineConfig
 from arctic_platform.server.errors import BadRequest
 from arctic_platform.server.job_config import sampling_engine_config, training_engine_config
 
+if TYPE_CHECKING:
+    from arctic_platform.server.job_registry import SubJob
+    from arctic_platform.server.service import Service
 
-def build_engine(service, sub, source: dict | None) -> Any:
+# What builds a sub-job's engine: ``(service, sub_job, source checkpoint record or None)`` to an
+# engine of the sub-job's kind. The Service's is :func:`build_engine`; a test hands its Service a
+# builder of fakes (``Service(settings, engine_builder=...)``, ``tests/fake_engine.py``).
+EngineBuilder: TypeAlias = "Callable[[Service, SubJob, dict | None], AnyEngine]"
+
+
+def build_engine(service, sub, source: dict | None) -> AnyEngine:
     """A TrainingEngine, SamplingEngine or LogProbEngine for ``sub``, on the server's device (or,
     with ``engine_backend="ray"``, the Ray engine standing in for it)."""
     settings = service.settings

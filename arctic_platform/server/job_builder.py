@@ -32,6 +32,7 @@ from arctic_platform.server.paths import PathPolicy
 from arctic_platform.server.tenant_quota import weight_bytes
 
 if TYPE_CHECKING:
+    from arctic_platform.server.engines import EngineBuilder
     from arctic_platform.server.service import Service, ServiceSettings
 
 
@@ -45,6 +46,7 @@ class JobBuilder:
         jobs: JobRegistry,
         checkpoints: CheckpointCatalogue,
         engine_host: Service,
+        engine_builder: EngineBuilder | None = None,
     ) -> None:
         self.settings = settings
         self.paths = paths
@@ -53,6 +55,8 @@ class JobBuilder:
         # What engines are built against (``engines.build_engine``): the Ray engines log
         # through it and read its settings, paths and owners.
         self.engine_host = engine_host
+        # None: ``engines.build_engine``, looked up when a job is built (see EngineBuilder).
+        self.engine_builder = engine_builder
         # Build threads under way, guarded by the registry's lock (a shutdown joins them).
         self._threads: set[threading.Thread] = set()
 
@@ -120,8 +124,9 @@ class JobBuilder:
                 self._threads.discard(threading.current_thread())
 
     def _build_engines(self, job: Job) -> None:
-        from arctic_platform.server.engines import build_engine
+        from arctic_platform.server import engines
 
+        build_engine = self.engine_builder or engines.build_engine
         if job.cancelled.is_set():
             return
         self.jobs.set_status(job, "initializing", None)
@@ -141,7 +146,8 @@ class JobBuilder:
                     max_workers=1, thread_name_prefix=sub.sub_job_id.replace(":", "-")
                 )
                 sub.engine = engine
-                sub.fallbacks = dict(getattr(engine, "setting_fallbacks", {}))
+                if sub.kind == "training":  # only a trainer has GPU-stack settings to fall back
+                    sub.fallbacks = dict(engine.setting_fallbacks)
                 for setting, fallback in sub.fallbacks.items():
                     self.jobs.log(job, f"{sub.sub_job_id}: {setting}: {fallback}")
                 sub.status = "running"

@@ -18,6 +18,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from arctic_platform.contract.engine_protocols import AnyEngine
 from arctic_platform.contract.job_config import (
     API_JOB_TYPE,
     SHORT_JOB_TYPE,
@@ -43,7 +44,9 @@ class SubJob:
     kind: str
     spec: SubJobConfig
     status: JobState = "pending"
-    engine: Any = None
+    # The engine of ``kind``'s Protocol (contract/engine_protocols.py); None until it is built
+    # and once it is released.
+    engine: AnyEngine | None = None
     queue: ThreadPoolExecutor | None = None
     # What the engine loads: ``spec.model_name`` checked against the owner's space (see paths.py).
     model_path: str | None = None
@@ -334,11 +337,11 @@ class JobRegistry:
                     sub.status = "terminated"
 
 
-def _close_engine(engine: Any) -> None:
-    """Release what an engine holds outside this process (Ray actors and placements)."""
-    close = getattr(engine, "close", None)
-    if close is not None:
-        close()
+def _close_engine(engine: AnyEngine | None) -> None:
+    """Release what an engine holds outside this process (Ray actors and placements, a vLLM
+    process); None: the sub-job had no engine (never built, or already released)."""
+    if engine is not None:
+        engine.close()
 
 
 def _int(value: Any, name: str) -> int:

@@ -14,6 +14,12 @@ from typing import Any
 from arctic_platform.contract import ops as contract
 from arctic_platform.contract import results
 from arctic_platform.contract.bodies import longest_row_problem
+from arctic_platform.contract.engine_protocols import (
+    AnyEngine,
+    LogProbEngineProtocol,
+    SamplingEngineProtocol,
+    TrainingEngineProtocol,
+)
 from arctic_platform.contract.ops import OpName
 from arctic_platform.server.errors import BadRequest, NotFound
 from arctic_platform.server.op_bodies import parse, train_envelope, wake_tags
@@ -40,20 +46,25 @@ def prepare_op(service, sub, op: str, body: Any) -> Callable[[], Any]:
 
 
 def check_context(
-    engine, op: str, batch, *, field: str = "batch.input_ids", what: str = "row {row}"
+    engine: AnyEngine | None,
+    op: str,
+    batch,
+    *,
+    field: str = "batch.input_ids",
+    what: str = "row {row}",
 ) -> None:
     """A row longer than the engine's model context is a 400 here, on the caller's thread, so
     nothing is queued (the engine refuses it too, for callers that reach it directly); ``field``
-    and ``what`` name the row as the caller's API does (``{row}``: its index)."""
-    context = getattr(engine, "max_model_len", None)
+    and ``what`` name the row as the caller's API does (``{row}``: its index). An engine
+    released meanwhile (None) checks nothing: the op is refused when it is queued."""
     problem = None
-    if context is not None:
-        problem = longest_row_problem(batch, context, field=field, what=what)
+    if engine is not None:
+        problem = longest_row_problem(batch, engine.max_model_len, field=field, what=what)
     if problem is not None:
         raise BadRequest(f"{op}: {problem.field}: {problem.message}", field=problem.field)
 
 
-def _forward_backward(service, sub, engine, job_id, body):
+def _forward_backward(service, sub, engine: TrainingEngineProtocol, job_id, body):
     batch, meta, processing, _ = train_envelope(
         body, op=OpName.FORWARD_BACKWARD, limits=service.limits
     )
@@ -68,7 +79,7 @@ def _forward_backward(service, sub, engine, job_id, body):
     return run
 
 
-def _forward(service, sub, engine, job_id, body):
+def _forward(service, sub, engine: TrainingEngineProtocol | LogProbEngineProtocol, job_id, body):
     batch, meta, processing, _ = train_envelope(body, op=OpName.FORWARD, limits=service.limits)
     tokens = service.limits.check_batch(OpName.FORWARD, batch)
     check_context(engine, OpName.FORWARD, batch)
@@ -81,7 +92,7 @@ def _forward(service, sub, engine, job_id, body):
     return run
 
 
-def _step(service, sub, engine, job_id, body):
+def _step(service, sub, engine: TrainingEngineProtocol, job_id, body):
 
     def run():
         return results.step_result(job_id, engine.step(body.learning_rate))
@@ -89,7 +100,7 @@ def _step(service, sub, engine, job_id, body):
     return run
 
 
-def _save(service, sub, engine, job_id, body):
+def _save(service, sub, engine: TrainingEngineProtocol, job_id, body):
     owner = service.owner_of(sub.job_id)
     path = None
     if body.path is not None:
@@ -119,7 +130,7 @@ def _save(service, sub, engine, job_id, body):
     return run
 
 
-def _load(service, sub, engine, job_id, body):
+def _load(service, sub, engine: TrainingEngineProtocol, job_id, body):
     owner = service.owner_of(sub.job_id)
     path = None
     if body.path is not None:
@@ -150,7 +161,7 @@ def _empty_training_cache(service, sub, engine, job_id, body):
     return lambda: {"job_id": job_id, "workers": [engine.empty_cache()]}
 
 
-def _weight_sync(service, sub, engine, job_id, body):
+def _weight_sync(service, sub, engine: TrainingEngineProtocol, job_id, body):
     if body.source_sub_job_id not in (None, job_id):
         raise BadRequest(
             f"weight-sync: source_sub_job_id {body.source_sub_job_id} is not this training "
@@ -167,24 +178,18 @@ def _weight_sync(service, sub, engine, job_id, body):
         targets.append(target)
 
     def run():
-        from arctic_platform.engine.weights import sync_in_process
-
         synced = []
         for target in targets:
             service.require_running(target)
-            # An engine whose weights live elsewhere (Ray workers) moves them itself.
-            remote = getattr(engine, "sync_weights_to", None)
-            if remote is not None:
-                result = service.run_on(target, remote, target.engine)
-            else:
-                result = service.run_on(target, sync_in_process, engine.model, target.engine)
+            # on the target's queue: the trainer writes into the sampler it names
+            result = service.run_on(target, engine.sync_weights_to, target.engine)
             synced.append({"sub_job_id": target.sub_job_id, **result})
         return {"job_id": job_id, "status": "ok", "targets": synced}
 
     return run
 
 
-def _generate(service, sub, engine, job_id, body):
+def _generate(service, sub, engine: SamplingEngineProtocol, job_id, body):
     check_generate(service, engine, OpName.GENERATE, body.prompts, body.sampling_params)
 
     def run():
@@ -195,20 +200,22 @@ def _generate(service, sub, engine, job_id, body):
     return run
 
 
-def _generate_stream(service, sub, engine, job_id, body):
+def _generate_stream(service, sub, engine: SamplingEngineProtocol, job_id, body):
     check_generate(service, engine, OpName.GENERATE_STREAM, body.prompts, body.sampling_params)
     return lambda: engine.generate(body.prompts, body.sampling_params)
 
 
-def check_generate(service, engine, op: str, prompts: list, sampling_params: Any) -> None:
+def check_generate(
+    service, engine: SamplingEngineProtocol | None, op: str, prompts: list, sampling_params: Any
+) -> None:
     """The work limits of a generate on ``engine``, for every API that samples (on-prem
     ``generate``, Tinker ``asample``). Without max_tokens a sample may run to the end of the
     engine's context; an engine not loaded yet (None) counts one token, a lower bound."""
-    context = getattr(engine, "max_model_len", 1)
+    context = 1 if engine is None else engine.max_model_len
     service.limits.check_generate(op, prompts, sampling_params, context)
 
 
-def _log_probs(service, sub, engine, job_id, body):
+def _log_probs(service, sub, engine: LogProbEngineProtocol, job_id, body):
     service.limits.check_rows(OpName.LOG_PROBS, len(body.prompts))
 
     def run():

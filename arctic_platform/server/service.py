@@ -23,7 +23,7 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from arctic_platform.contract.states import TERMINAL_JOB_STATES
 from arctic_platform.engine.cancellation import CancelToken
@@ -43,6 +43,9 @@ from arctic_platform.server.shutdown import drain
 from arctic_platform.server.signed_links import LinkSigner
 from arctic_platform.server.store import MetadataStore
 from arctic_platform.server.tenant_quota import TenantQuota
+
+if TYPE_CHECKING:
+    from arctic_platform.server.engines import EngineBuilder
 
 log = logging.getLogger(__name__)
 
@@ -109,7 +112,11 @@ class Service:
             "reconnect_config() alone attaches from any process"
         )
 
-    def __init__(self, settings: ServiceSettings) -> None:
+    def __init__(
+        self, settings: ServiceSettings, *, engine_builder: EngineBuilder | None = None
+    ) -> None:
+        """``engine_builder``: who builds each sub-job's engine (default: the engines of
+        ``settings.engine_backend``, ``engines.build_engine``); tests pass a builder of fakes."""
         self.settings = settings
         settings.data_dir.mkdir(parents=True, exist_ok=True)
         self.limits = settings.limits
@@ -127,7 +134,9 @@ class Service:
         self.slots = FairSlots(settings.max_concurrent_ops, settings.max_ops_per_tenant)
         self.jobs = JobRegistry(self.store, self.paths, settings.quota)
         self.checkpoints = CheckpointCatalogue(self.store, self.paths, self.jobs, settings.data_dir)
-        self.builder = JobBuilder(settings, self.paths, self.jobs, self.checkpoints, self)
+        self.builder = JobBuilder(
+            settings, self.paths, self.jobs, self.checkpoints, self, engine_builder
+        )
         self.executor = OpExecutor(self.jobs, self.slots, self.metrics, self.paths, self.requests)
         # Made by the first close and set once its drain is done; a later close waits on it.
         self._closing: threading.Event | None = None

@@ -20,13 +20,20 @@ SAMPLES, TOKENS = 2048, 4096
 
 
 class RolloutReplay:
-    """Stands in for a GPU sampler: ``generate`` returns a prepared rollout."""
+    """Stands in for a GPU sampler: ``generate`` returns a prepared rollout (its other members
+    are the sampling Protocol's, ``contract/engine_protocols.py``, as the server reads them)."""
+
+    vocab_size = 150_000
+    max_model_len = 5 + TOKENS
 
     def __init__(self, outputs: list[dict]) -> None:
         self.outputs = outputs
 
     def generate(self, prompts, sampling_params=None) -> list[dict]:
         return self.outputs
+
+    def close(self) -> None:
+        """Nothing held."""
 
 
 @pytest.fixture(scope="module")

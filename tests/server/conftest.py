@@ -8,6 +8,7 @@ import pytest
 from arctic_platform.server.app import create_app
 from arctic_platform.server.auth import TokenAuth
 from arctic_platform.server.service import Service, ServiceSettings
+from tests.fake_engine import build_fake_engine
 from tests.live_server import serve_app
 
 TINY = "builtin:tiny"
@@ -31,6 +32,19 @@ def job_request(*kinds: str) -> dict:
 @pytest.fixture
 def service(tmp_path):
     svc = Service(ServiceSettings(data_dir=tmp_path / "data", device="cpu"))
+    yield svc
+    svc.close()
+
+
+@pytest.fixture
+def fake_service(tmp_path):
+    """A real Service whose jobs run on FakeEngine (``tests/fake_engine.py``), for tests whose
+    subject is not the engine. A module whose tests are all such overrides ``service`` with it
+    (``def service(fake_service): return fake_service``), so ``http`` and ``running_job`` use it
+    too."""
+    svc = Service(
+        ServiceSettings(data_dir=tmp_path / "data", device="cpu"), engine_builder=build_fake_engine
+    )
     yield svc
     svc.close()
 

@@ -15,6 +15,12 @@ from tests.server.conftest import CORTEX, OCTET, job_request, make_app
 ALICE, BOB = "alice-token", "bob-token"
 
 
+@pytest.fixture
+def service(fake_service):
+    """These tests are about the server's edges, not its engines: their jobs run on FakeEngine."""
+    return fake_service
+
+
 def bearer(token: str) -> dict:
     return {"authorization": f"Bearer {token}"}
 

@@ -16,6 +16,7 @@ from arctic_platform import cli
 from arctic_platform.client import create_arctic_rl_client
 from arctic_platform.client.errors import ConflictError
 from arctic_platform.server.service import Service, ServiceSettings
+from tests.fake_engine import build_fake_engine
 from tests.live_server import serve_app, serve_process
 from tests.server.conftest import CORTEX, TINY, job_request, make_app
 from tests.waiting import wait_until
@@ -26,12 +27,14 @@ LONG_S = 3600.0
 
 @pytest.fixture(scope="module")
 def idle_service(tmp_path_factory):
+    """The idle expiry's subject is the jobs' use, not their engines: FakeEngine serves them."""
     svc = Service(
         ServiceSettings(
             data_dir=tmp_path_factory.mktemp("idle") / "data",
             device="cpu",
             job_idle_timeout_s=LONG_S,
-        )
+        ),
+        engine_builder=build_fake_engine,
     )
     yield svc
     svc.close()
@@ -131,18 +134,17 @@ def test_a_job_used_periodically_stays(idle_service):
 def test_a_weight_sync_into_another_job_is_use_of_that_job(idle_service, monkeypatch):
     """Clients keep their sampler in its own job; a training phase longer than the timeout
     syncs into it. The sync is an op on the sampler's job: busy while it runs, then used."""
-    from arctic_platform.engine import weights
-
     trainer, sampler = start(idle_service, "training"), start(idle_service, "sampling")
     syncing, release = threading.Event(), threading.Event()
-    original = weights.sync_in_process
+    engine = idle_service.resolve(trainer, owner=None, kind="training").engine
+    original = engine.sync_weights_to
 
-    def held_sync(*args):
+    def held_sync(target):
         syncing.set()
         release.wait(60)
-        return original(*args)
+        return original(target)
 
-    monkeypatch.setattr(weights, "sync_in_process", held_sync)
+    monkeypatch.setattr(engine, "sync_weights_to", held_sync)
     body = {"target_sub_job_ids": [f"{sampler}:sampling:0"]}
     results: list = []
     sync = threading.Thread(

@@ -17,6 +17,12 @@ from tests.live_server import serve_app
 from tests.server.conftest import CORTEX, OCTET, job_request
 
 
+@pytest.fixture
+def service(fake_service):
+    """These tests are about the server's edges, not its engines: their jobs run on FakeEngine."""
+    return fake_service
+
+
 def scrape(http) -> dict[tuple[str, tuple], float]:
     response = http.get("/metrics")
     assert response.status_code == 200

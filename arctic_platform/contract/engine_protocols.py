@@ -1,0 +1,155 @@
+"""What the server calls on each kind of engine: one ``typing.Protocol`` per sub-job kind.
+
+A sub-job holds one engine: the torch engines of :mod:`arctic_platform.engine` (``TrainingEngine``,
+``SamplingEngine`` or vLLM's ``VllmSamplingEngine``, ``LogProbEngine``), the Ray proxies of
+``server/ray_engines.py`` standing in for them, or a test's fake (``tests/fake_engine.py``). The
+server's op runners (``server/ops.py``), the Tinker runners and the job lifecycle call only the
+members below, so any object with them can serve a sub-job, and a generic forwarder (a proxy that
+relays each member to where the engine lives) can be written over these classes alone.
+
+They live in the contract, which imports no torch, so the server types its engines without
+loading any. Arguments are what the ops hand over: batches are mappings of numpy arrays or torch
+tensors (the engine takes either per field), results are the dictionaries that
+:mod:`arctic_platform.contract.results` and the op runners shape into answers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol, TypeAlias, runtime_checkable
+
+# A token-id prompt or a text one; sampling parameters as the contract validates them
+# (:mod:`arctic_platform.contract.sampling_params`), one mapping for all prompts or one each.
+Prompt: TypeAlias = str | Sequence[int]
+SamplingParamsArg: TypeAlias = Mapping[str, Any] | Sequence[Mapping[str, Any] | None] | None
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """What every engine has: its model's vocabulary and context (the server's edges check
+    token ids and row lengths against them before queueing), and ``close``, which releases what
+    it holds outside this process (a vLLM process, Ray actors; nothing for an engine that lives
+    only here). ``close`` is called once, when the job ends."""
+
+    vocab_size: int
+    max_model_len: int
+
+    def close(self) -> None: ...
+
+
+@runtime_checkable
+class TrainingEngineProtocol(Engine, Protocol):
+    """A training sub-job's engine (``forward-backward``, ``forward``, ``step``, checkpoints,
+    weight sync, colocation; Tinker's training ops)."""
+
+    # GPU-stack settings the engine could not honour where it runs, and what it ran instead
+    # (reported in the sub-job's ``ignored_settings``).
+    setting_fallbacks: Mapping[str, str]
+
+    def forward_backward(
+        self,
+        batch: Mapping[str, Any] | None,
+        meta: Mapping[str, Any] | None = None,
+        processing: Mapping[str, Any] | None = None,
+        *,
+        with_logprobs: bool = False,
+    ) -> dict:
+        """``{avg_loss, loss, metrics, metric_sums}`` (+ ``logprobs`` ``[B, S]``)."""
+        ...
+
+    def forward(
+        self,
+        batch: Mapping[str, Any] | None,
+        meta: Mapping[str, Any] | None = None,
+        processing: Mapping[str, Any] | None = None,
+    ) -> dict | None:
+        """Position-indexed ``logprobs`` ``[B, S]`` (+ ``entropy``, ``metrics``), no gradient."""
+        ...
+
+    def step(self, learning_rate: float | None = None, *, adam: Any = None) -> dict:
+        """``{grad_norm, last_lr, global_steps, metrics}``."""
+        ...
+
+    def save_checkpoint(
+        self,
+        path: Any = None,
+        *,
+        step: int | None = None,
+        export_hf: bool = False,
+        save_total_limit: int | None = None,
+    ) -> dict | None:
+        """``{path, global_step, checkpoint_id, hf_path}`` of a loadable checkpoint folder."""
+        ...
+
+    def load_checkpoint(
+        self, path: Any = None, *, step: int | None = None, optimizer: bool = True
+    ) -> dict:
+        """``{path, global_step, checkpoint_id}`` of the checkpoint restored."""
+        ...
+
+    def sync_weights_to(self, target: Any) -> dict:
+        """Make sampling engine ``target`` (the kind this trainer pairs with: in this process,
+        or a Ray replica) hold this trainer's current weights; the load's report."""
+        ...
+
+    def sleep(self, mode: str = "all") -> dict: ...
+
+    def wake(self) -> dict: ...
+
+    def empty_cache(self) -> dict: ...
+
+
+@runtime_checkable
+class SamplingEngineProtocol(Engine, Protocol):
+    """A sampling sub-job's engine (``generate``, ``generate-stream``, colocation; Tinker's
+    ``asample``)."""
+
+    def generate(
+        self, prompts: Sequence[Prompt], sampling_params: SamplingParamsArg = None
+    ) -> list[dict]:
+        """One dict per prompt and sample, in order: ``token_ids``, ``text``, ``logprobs``,
+        ``finish_reason``, ..."""
+        ...
+
+    def prompt_logprobs(self, token_ids: Sequence[int]) -> list[float | None]:
+        """The log-prob of each prompt token given those before it (None for the first)."""
+        ...
+
+    def sleep(self, level: int = 1) -> dict: ...
+
+    def wake(self, tags: Sequence[str] | None = None) -> dict: ...
+
+    def reset_prefix_cache(self) -> dict: ...
+
+
+@runtime_checkable
+class LogProbEngineProtocol(Engine, Protocol):
+    """A log-prob sub-job's engine (``log-probs``, and ``forward`` on a reference model)."""
+
+    def forward(
+        self,
+        batch: Mapping[str, Any],
+        meta: Mapping[str, Any] | None = None,
+        processing: Mapping[str, Any] | None = None,
+    ) -> dict:
+        """Position-indexed ``logprobs`` ``[B, S]`` (+ ``entropy``), no gradient."""
+        ...
+
+    def log_probs(
+        self,
+        prompts: Sequence[Prompt],
+        completions: Sequence[Prompt] | None = None,
+        top_k: int = 1,
+    ) -> list[dict]:
+        """Per prompt: ``prompt_token_ids``, ``completion_token_ids``, ``logprobs``,
+        ``top_logprobs``."""
+        ...
+
+
+# What a sub-job's ``engine`` holds, by its kind.
+AnyEngine: TypeAlias = "TrainingEngineProtocol | SamplingEngineProtocol | LogProbEngineProtocol"
+ENGINE_PROTOCOLS: dict[str, type[Engine]] = {
+    "training": TrainingEngineProtocol,
+    "sampling": SamplingEngineProtocol,
+    "log_prob": LogProbEngineProtocol,
+}
