@@ -36,7 +36,7 @@ def counting_sub(engine, sub_job_id: str) -> tuple[SimpleNamespace, list[int]]:
 def holding_submit(held: list):
     """A sub-job queue that only records each drain's runner; the test runs it when it wants."""
 
-    def submit(runner) -> Future:
+    def submit(runner, alone=False) -> Future:
         held.append(runner)
         return Future()
 
@@ -48,7 +48,7 @@ def test_requests_queued_together_run_in_one_generate_call(engine):
     sub, calls = counting_sub(engine, "j:sampling:0")
     held: list = []
 
-    def submit(runner) -> Future:  # the sub-job queue, held until every request is in
+    def submit(runner, alone=False) -> Future:  # the sub-job queue, held until every request is in
         future: Future = Future()
         held.append((runner, future))
         return future
@@ -82,7 +82,7 @@ def test_a_failed_drain_fails_the_requests_it_held(engine):
     sub = SimpleNamespace(sub_job_id="j:sampling:1", engine=engine)
     held: list = []
 
-    def submit(runner) -> Future:
+    def submit(runner, alone=False) -> Future:
         future: Future = Future()
         held.append(future)
         return future
@@ -104,7 +104,7 @@ def test_requests_arriving_while_a_drain_starts_join_it(engine):
 
     sub, calls = counting_sub(engine, "j:sampling:2")
 
-    def submit(runner) -> Future:  # an idle sub-job queue: the drain starts at once
+    def submit(runner, alone=False) -> Future:  # an idle sub-job queue: the drain starts at once
         future: Future = Future()
         started = threading.Event()
 
