@@ -169,3 +169,37 @@ def test_a_drained_queue_is_dropped_and_its_key_batches_again(engine):
     held.pop()()
     assert again.result(timeout=60)[0][0]["token_ids"]
     assert calls == [2, 2, 2, 1]
+
+
+def test_on_a_running_batch_each_drain_starts_at_once_and_only_weight_loads_run_alone(engine):
+    """``joins``: the sampler's running batch takes late requests mid-decode, so a drain does not
+    linger (with an hour's gap it would never end) and runs beside others; a drain that loads a
+    snapshot's weights first still runs alone."""
+    import threading
+
+    sub, calls = counting_sub(engine, "j:sampling:4")
+    alone_flags: list[bool] = []
+
+    def submit(runner, alone=False) -> Future:  # an idle sub-job queue: the drain starts at once
+        alone_flags.append(alone)
+        future: Future = Future()
+
+        def run():
+            runner()
+            future.set_result(None)
+
+        threading.Thread(target=run, daemon=True).start()
+        return future
+
+    batcher = SampleBatcher(linger_gap_s=3600, linger_max_s=3600)
+    params = {"n": 1, "max_tokens": 2, "seed": 0}
+    first = batcher.add(sub, [10], params, False, submit, joins=True)
+    assert first.result(timeout=60)[0][0]["token_ids"]
+    loaded = []
+    batcher = SampleBatcher()
+    second = batcher.add(
+        sub, [11], params, False, submit, joins=True, key="snapshot", before=loaded.append
+    )
+    assert second.result(timeout=60)[0][0]["token_ids"]
+    assert alone_flags == [False, True] and loaded == [sub.engine]
+    assert calls == [1, 1]
