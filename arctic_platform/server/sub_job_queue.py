@@ -75,9 +75,9 @@ class SubJobQueue:
             if not head.future.set_running_or_notify_cancel():
                 continue
             self._running_exclusive = not head.shared
-            thread = threading.Thread(
-                target=self._run, args=(head,), name=f"{self.name}-op", daemon=True
-            )
+            # Not a daemon (as ThreadPoolExecutor's workers): the interpreter waits for an op
+            # to end at its next stop point rather than tearing torch down under it.
+            thread = threading.Thread(target=self._run, args=(head,), name=f"{self.name}-op")
             self._running.add(thread)
             thread.start()
 
