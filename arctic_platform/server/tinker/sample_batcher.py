@@ -2,7 +2,7 @@
 
 The cookbook samples each environment of a group with its own request (``num_samples=1``), so a
 GRPO batch arrives as dozens of small requests at once. Run one by one, each would pay a full
-decode loop; gathered, they decode together (the sampler batches prompts in waves). Requests are
+decode loop; gathered, they decode together (one prefill per distinct prompt). Requests are
 validated before they join a batch, so one bad request cannot fail the others.
 
 The SDK sends a group's requests one after another over several connections, so they reach the
