@@ -13,6 +13,13 @@ Model ``builtin:small`` (~25 M parameters, float32 on CPU), same weights for bot
     and streamed over a pipe to a receiving process that loads them into its own SamplingEngine
     (timed from the first byte sent to the receiver's acknowledgement, after it was ready).
 
+(e) ``concurrent_clients``: 16 clients, each sending one request (a 64-token prompt, 128 sampled
+    tokens) at a random time (seeded, uniform over 3 s); each request's latency from its send to
+    its result. The running batch (``continuous_batching: true``, the default: a request joins
+    the decode under way) against the same engine taking calls one at a time (``false``, the
+    behaviour before the running batch). Ratios are one-at-a-time / running batch, for the mean
+    and the 90th percentile latency, from the better of two alternating runs each.
+
 (d) ``--vllm`` (needs ``$ARCTIC_VLLM_PYTHON``, see README "vLLM sampling engine"): the vLLM engine
     beside ours and ``model.generate`` on the workloads of (a) and (b), startup to the first token
     (engine construction plus a one-token generate) for both engines, and the time of one weight
@@ -27,10 +34,13 @@ Run: ``python -m benchmarks.engine_sample`` (writes ``benchmarks/results/engine_
 from __future__ import annotations
 
 import json
+import os
+import random
 import statistics
 import struct
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -145,6 +155,58 @@ def bench_prefix_sharing(engine: SamplingEngine) -> dict:
         "prompt_len": prompt_len,
         "new_tokens": new_tokens,
         **_speed(times, prompts_n * n * new_tokens, target=1.5),
+    }
+
+
+def _client_latencies(engine: SamplingEngine, arrivals: list[float], prompts: list) -> list[float]:
+    """Each client waits for its arrival time, sends its request, records its latency."""
+    latencies = [0.0] * len(arrivals)
+    start = time.perf_counter()
+
+    def client(i: int) -> None:
+        time.sleep(max(0.0, start + arrivals[i] - time.perf_counter()))
+        sent = time.perf_counter()
+        _ours(engine, [prompts[i]], 1, CLIENT_NEW_TOKENS)
+        latencies[i] = time.perf_counter() - sent
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(len(arrivals))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return latencies
+
+
+CLIENTS, CLIENT_WINDOW_S, CLIENT_NEW_TOKENS = 16, 3.0, 128
+
+
+def bench_concurrent_clients(engine: SamplingEngine) -> dict:
+    one_at_a_time = SamplingEngine(SamplingEngineConfig(model=MODEL, continuous_batching=False))
+    sync_in_process(engine.model, one_at_a_time)
+    draw = random.Random(3)
+    arrivals = sorted(draw.uniform(0, CLIENT_WINDOW_S) for _ in range(CLIENTS))
+    prompts = torch.randint(5, 100, (CLIENTS, 64), generator=_gen(4)).tolist()
+    runs: dict[str, list[dict]] = {"one_at_a_time": [], "running_batch": []}
+    for _ in range(2):
+        for name, which in (("one_at_a_time", one_at_a_time), ("running_batch", engine)):
+            latencies = sorted(_client_latencies(which, arrivals, prompts))
+            runs[name].append(
+                {
+                    "mean_s": statistics.fmean(latencies),
+                    "p90_s": latencies[int(0.9 * (len(latencies) - 1))],
+                }
+            )
+    best = {name: min(r, key=lambda r: r["mean_s"]) for name, r in runs.items()}
+    return {
+        "clients": CLIENTS,
+        "window_s": CLIENT_WINDOW_S,
+        "prompt_len": 64,
+        "new_tokens": CLIENT_NEW_TOKENS,
+        **{name: {**best[name], "runs": runs[name]} for name in runs},
+        "mean_latency_ratio": best["one_at_a_time"]["mean_s"] / best["running_batch"]["mean_s"],
+        "p90_latency_ratio": best["one_at_a_time"]["p90_s"] / best["running_batch"]["p90_s"],
+        "joins": engine.batch_state()["joins"],
+        "target": "mean latency drops (ratio > 1)",
     }
 
 
@@ -298,7 +360,9 @@ def main() -> None:
         "torch_threads": torch.get_num_threads(),
         "throughput": bench_throughput(engine),
         "prefix_sharing": bench_prefix_sharing(engine),
+        "concurrent_clients": bench_concurrent_clients(engine),
         "weight_sync": bench_weight_sync(engine),
+        "load_average": list(os.getloadavg()),
     }
     write_result("engine_sample", result)
 

@@ -262,6 +262,8 @@ class FakeTrainer(_FakeModel):
 class FakeSampler(_FakeModel):
     """A sampling sub-job's fake (``SamplingEngineProtocol``)."""
 
+    concurrent_generate = False  # no running batch: generates run one at a time
+
     def __init__(self, *, seed: int, weight: float = 0.0) -> None:
         super().__init__(weight=weight)
         self.seed = seed

@@ -104,6 +104,11 @@ class SamplingEngineProtocol(Engine, Protocol):
     """A sampling sub-job's engine (``generate``, ``generate-stream``, colocation; Tinker's
     ``asample``)."""
 
+    # Whether calls from several threads decode together in one running batch (our sampler with
+    # ``continuous_batching``): the server then lets the sub-job's generate ops overlap
+    # (``server/sub_job_queue.py``); False runs them one at a time.
+    concurrent_generate: bool
+
     def generate(
         self, prompts: Sequence[Prompt], sampling_params: SamplingParamsArg = None
     ) -> list[dict]:

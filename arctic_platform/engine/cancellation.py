@@ -70,6 +70,17 @@ def requested() -> str | None:
     return _reason(_current.get())
 
 
+def current_tokens() -> tuple[CancelToken, ...]:
+    """The tokens of the op running on this thread, for work done on its behalf by another
+    thread (the sampler's decode loop runs every waiting call's sequences on one thread)."""
+    return _current.get()
+
+
+def reason_of(tokens: tuple[CancelToken, ...]) -> str | None:
+    """Why the op holding ``tokens`` (from :func:`current_tokens`) was cancelled, or None."""
+    return _reason(tokens)
+
+
 def check() -> None:
     """Raise :class:`OpCancelled` if the op running on this thread was cancelled."""
     reason = requested()

@@ -88,9 +88,11 @@ class SamplingEngineConfig(_Strict):
     ``max_batch_size`` bounds how many sequences decode together; ``max_model_len`` bounds prompt
     plus completion (defaults to the model's ``max_position_embeddings``).
     ``max_tokens_per_microbatch`` bounds the padded prompt tokens of one prefill forward;
-    ``max_kv_cache_bytes`` bounds the key/value cache of one decoding wave (rows x (prompt +
-    completion) x bytes per token), so a batch of long sequences decodes in several waves rather
-    than exhausting memory. ``max_logprobs`` caps the ``logprobs`` a request may ask for, and
+    ``max_kv_cache_bytes`` bounds the key/value cache of the running batch (rows x (prompt +
+    completion) x bytes per token): sequences that do not fit wait for running ones to finish
+    rather than exhausting memory. ``continuous_batching`` (default on) lets calls from several
+    threads decode together, a call arriving mid-decode joining at the next step; off, calls run
+    one at a time. ``max_logprobs`` caps the ``logprobs`` a request may ask for, and
     ``seed`` seeds the draws of requests that do not bring their own. ``engine`` picks the
     engine: ours (``torch``, the default) or vLLM in its own process (``vllm``, set up by
     ``vllm``). ``prompt_sharing`` and ``logits`` are the training engine's knobs, for a log-prob
@@ -102,6 +104,7 @@ class SamplingEngineConfig(_Strict):
     max_model_len: PositiveInt | None = None
     max_tokens_per_microbatch: PositiveInt = 16384
     max_kv_cache_bytes: PositiveInt = 4 * 1024**3
+    continuous_batching: bool = True
     max_logprobs: PositiveInt = 20
     prompt_sharing: PromptSharing = "auto"
     logits: LogitsSettings = LogitsSettings()

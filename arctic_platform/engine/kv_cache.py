@@ -11,11 +11,17 @@ It adds what the sampler needs on top of a plain cache:
   and its keys/values are written into all ``n`` rows (``prefill_rows``), so nothing is recomputed;
 - **compaction**: rows of finished sequences are dropped with one gather per layer (``keep_rows``),
   so later steps only compute the sequences still running;
-- **buffer reuse**: buffers come from a :class:`KVBufferPool`, which keeps them across waves and
+- **joining**: sequences that join a running batch (:mod:`arctic_platform.engine.running_batch`)
+  get new rows; ``relayout`` moves the rows still running into the new geometry (dropping the
+  padding columns every one of them has, or left-padding them when a longer prompt joins) and
+  the newcomers' prefill is written right-aligned at the common write index;
+- **buffer reuse**: buffers come from a :class:`KVBufferPool`, which keeps them across batches and
   calls (no re-allocation per step or per call) until the sampler goes to sleep and releases them.
 
 All sequences share one write index (the batch is left-padded to a common prompt width, with
 per-row position ids and an attention mask), which is what keeps every step a single batched call.
+Columns a row never wrote but attention reads (its left padding) hold zeros, never stale memory:
+a masked position weighs exactly 0, and 0 times a stale NaN would still poison the row.
 Only full-attention layers are supported (no sliding-window or linear-attention layers).
 """
 
@@ -100,10 +106,10 @@ class _PreallocatedLayer(CacheLayerMixin):
             self.lazy_initialization(key_states, value_states)
         cache = self._cache
         if cache.prefill_target is not None:
-            rows, source = cache.prefill_target
+            rows, source, at = cache.prefill_target
             width = key_states.shape[-2]
-            self.keys[rows, :, :width] = key_states[source]
-            self.values[rows, :, :width] = value_states[source]
+            self.keys[rows, :, at : at + width] = key_states[source]
+            self.values[rows, :, at : at + width] = value_states[source]
             return key_states, value_states
         start, stop = self.length, self.length + key_states.shape[-2]
         active = cache.active_rows
@@ -135,16 +141,17 @@ class KVCache(Cache):
         self.capacity = capacity
         self.pool = pool
         self.active_rows = rows
-        self.prefill_target: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.prefill_target: tuple[torch.Tensor, torch.Tensor, int] | None = None
         super().__init__(layers=[_PreallocatedLayer(self, i) for i in range(num_layers)])
 
     @contextmanager
-    def prefill_rows(self, rows: torch.Tensor, source: torch.Tensor):
-        """Write the keys/values of the next forward's batch item ``source[i]`` into ``rows[i]``.
+    def prefill_rows(self, rows: torch.Tensor, source: torch.Tensor, at: int = 0):
+        """Write the keys/values of the next forward's batch item ``source[i]`` into ``rows[i]``,
+        from column ``at`` on.
 
         The forward attends only to its own inputs (the cache reads as empty during prefill).
         """
-        self.prefill_target = (rows, source)
+        self.prefill_target = (rows, source, at)
         try:
             yield self
         finally:
@@ -164,3 +171,28 @@ class KVCache(Cache):
             layer.keys[: len(index), :, :length] = layer.keys[index, :, :length]
             layer.values[: len(index), :, :length] = layer.values[index, :, :length]
         self.active_rows = len(index)
+
+    def relayout(
+        self, keep: torch.Tensor, columns: tuple[int, int], rows: int, capacity: int, end: int
+    ) -> None:
+        """Take the geometry ``rows x capacity``: row ``i < len(keep)`` then holds old row
+        ``keep[i]``'s columns ``columns = (lo, hi)`` ending at column ``end``, the next write goes
+        to ``end``, and every other position before ``end`` is zero (see the module doc).
+        The buffers are reused when they are large enough; only the kept data is copied."""
+        lo, hi = columns
+        for layer in self.layers:
+            if not layer.is_initialized:
+                continue
+            kept = [t[:, :, lo:hi].index_select(0, keep) for t in (layer.keys, layer.values)]
+            for kind, data in enumerate(kept):
+                shape = (rows, data.shape[1], capacity, data.shape[3])
+                view = self.pool.view((layer._index, kind), shape, layer.dtype, layer.device)
+                view[:, :, :end].zero_()
+                view[: len(keep), :, end - (hi - lo) : end] = data
+                if kind == 0:
+                    layer.keys = view
+                else:
+                    layer.values = view
+            layer.length = end
+        self.rows = self.active_rows = rows
+        self.capacity = capacity

@@ -55,9 +55,14 @@ def sequence_keys(seeds: torch.Tensor, sample_index: torch.Tensor) -> torch.Tens
     return _mix64(_mix64(seeds) + (sample_index + 1) * _GOLDEN)
 
 
-def step_uniforms(keys: torch.Tensor, step: int) -> torch.Tensor:
-    """One float32 uniform in [0, 1) per sequence for decode step ``step``."""
-    bits = _shift_right(_mix64(keys + _signed((step + 1) * _GOLDEN)), 40)  # top 24 bits
+def step_uniforms(keys: torch.Tensor, step: int | torch.Tensor) -> torch.Tensor:
+    """One float32 uniform in [0, 1) per sequence for decode step ``step`` (one step for all, or
+    each sequence's own: sequences that joined a running batch later are at earlier steps)."""
+    if isinstance(step, torch.Tensor):
+        offset = (step + 1) * _GOLDEN  # int64 multiplication wraps as the int version's mask does
+    else:
+        offset = _signed((step + 1) * _GOLDEN)
+    bits = _shift_right(_mix64(keys + offset), 40)  # top 24 bits
     return bits.to(torch.float32) * (1.0 / (1 << 24))
 
 

@@ -1,7 +1,10 @@
 """Where and how an op runs: routing it to a sub-job, its queue, and the guard around it.
 
-Every sub-job has a single worker thread, so the ops on one sub-job run one at a time in arrival
-order; a server-wide ``FairSlots`` bounds how many run at once across jobs and tenants. The guard
+The ops on one sub-job run in arrival order, one at a time, except ``generate`` on an engine with a
+running batch (``concurrent_generate``): those run side by side, joining one decode, while every
+other op of the sub-job waits for them and they for it (``sub_job_queue.SubJobQueue``). A
+server-wide ``FairSlots`` bounds how many run at once across jobs and tenants; each generate
+takes its own slot, metrics and error guard, as any op. The guard
 decides what an op's failure costs: bad input, a missing checkpoint, a refused checkpoint write
 and a stop fail only the request, anything else fails the job. What an op *does* is ``ops.py``
 (and Tinker's runners); this module only runs it.
@@ -119,14 +122,25 @@ class OpExecutor:
         runner: Callable[[], Any],
         *,
         stop: CancelToken | None = None,
+        alone: bool = False,
     ) -> Future:
         """Queue ``runner`` (already validated) on ``sub`` under the name ``op``: queue order,
         the concurrency slots and failure handling (``_guarded``), as for the Service's
         ``submit``; the Tinker API queues the runners it builds over the engines this way.
-        ``stop`` cancels this op alone, as ``job.stop`` cancels every op of the job."""
+        ``stop`` cancels this op alone, as ``job.stop`` cancels every op of the job. A generate
+        overlaps others (:meth:`overlaps`) unless ``alone`` (it does more than generate)."""
         job = self.jobs.get(sub.job_id, None, check_owner=False)
         stops = (job.stop,) if stop is None else (job.stop, stop)
-        return self._enqueue(job, sub, self._guarded, job, sub, op, runner, stops)
+        shared = not alone and self.overlaps(sub, op)
+        return self._enqueue(job, sub, self._guarded, job, sub, op, runner, stops, shared=shared)
+
+    @staticmethod
+    def overlaps(sub: SubJob, op: str) -> bool:
+        """Whether ``op`` runs beside the sub-job's other such ops: a generate on an engine whose
+        running batch decodes concurrent calls together (see the module doc)."""
+        if op != OpName.GENERATE or sub.kind != "sampling" or sub.engine is None:
+            return False
+        return sub.engine.concurrent_generate
 
     def run_on(self, sub: SubJob, fn, *args) -> Any:
         """Run ``fn`` on another sub-job's queue and wait (weight sync touches two engines).
@@ -140,7 +154,7 @@ class OpExecutor:
         finally:
             target.last_active_at = time.time()
 
-    def _enqueue(self, job: Job, sub: SubJob, fn, *args) -> Future:
+    def _enqueue(self, job: Job, sub: SubJob, fn, *args, shared: bool = False) -> Future:
         """Queue ``fn(*args)`` on ``sub`` as an op of ``job``: the job must be running, and it is
         busy (``in_flight``) until the op ends. Under the lock, so the idle expiry sees the job
         either idle or busy, never between."""
@@ -149,7 +163,7 @@ class OpExecutor:
             if sub.queue is None:
                 raise Conflict(f"sub-job {sub.sub_job_id} has no engine", code="job_not_running")
             job.last_active_at = time.time()
-            future = sub.queue.submit(fn, *args)
+            future = sub.queue.submit(fn, *args, shared=shared)
             job.in_flight.add(future)
         future.add_done_callback(lambda f: self._op_done(job, f))
         return future

@@ -15,7 +15,6 @@ import threading
 import time
 import traceback
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -29,6 +28,7 @@ from arctic_platform.server.errors import BadRequest
 from arctic_platform.server.job_registry import Job, JobRegistry, SubJob
 from arctic_platform.server.op_bodies import describe
 from arctic_platform.server.paths import PathPolicy
+from arctic_platform.server.sub_job_queue import SubJobQueue
 from arctic_platform.server.tenant_quota import weight_bytes
 
 if TYPE_CHECKING:
@@ -142,9 +142,7 @@ class JobBuilder:
                 # A cancel stops a build that waits (for Ray resources) and releases what it holds.
                 with cancellation.scope(job.stop):
                     engine = build_engine(self.engine_host, sub, source)
-                sub.queue = ThreadPoolExecutor(
-                    max_workers=1, thread_name_prefix=sub.sub_job_id.replace(":", "-")
-                )
+                sub.queue = SubJobQueue(sub.sub_job_id.replace(":", "-"))
                 sub.engine = engine
                 if sub.kind == "training":  # only a trainer has GPU-stack settings to fall back
                     sub.fallbacks = dict(engine.setting_fallbacks)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import collections
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,6 +29,7 @@ from arctic_platform.engine.cancellation import CancelToken
 from arctic_platform.server.errors import BadRequest, Conflict, NotFound
 from arctic_platform.server.paths import PathPolicy
 from arctic_platform.server.store import MetadataStore
+from arctic_platform.server.sub_job_queue import SubJobQueue
 from arctic_platform.server.tenant_quota import TenantQuota
 
 LOG_LINES_PER_JOB = 2000
@@ -47,7 +47,7 @@ class SubJob:
     # The engine of ``kind``'s Protocol (contract/engine_protocols.py); None until it is built
     # and once it is released.
     engine: AnyEngine | None = None
-    queue: ThreadPoolExecutor | None = None
+    queue: SubJobQueue | None = None
     # What the engine loads: ``spec.model_name`` checked against the owner's space (see paths.py).
     model_path: str | None = None
     # GPU-stack settings the engine could not honour here, and what it ran instead (the

@@ -477,6 +477,9 @@ class RayTrainingEngine:
 class RayInferenceEngine:
     """A sampling or log-prob sub-job served by one replica actor."""
 
+    # The replica actor runs one call at a time, so generates on it do not overlap.
+    concurrent_generate = False
+
     def __init__(
         self,
         *,

@@ -12,10 +12,11 @@ So on CPU the sampling engine passes ``kv_cache_memory_bytes`` sized from what t
 ``max_num_seqs`` sequences of ``max_model_len`` tokens (rounded up to vLLM's CPU KV block of 128
 tokens), at the model's KV bytes per token (:func:`~arctic_platform.engine.models.
 kv_bytes_per_token`) in the served dtype, capped at ``max_kv_cache_bytes`` (the bound our own
-sampler keeps one decoding wave within: vLLM schedules more sequences than fit in turns, as ours
-decodes in waves) but never below one whole ``max_model_len`` sequence (vLLM refuses to start
-without room for one). An explicit ``kv_cache_memory_bytes``, ``VLLM_CPU_KVCACHE_SPACE`` or
-``gpu_memory_utilization`` in ``sampling.vllm`` is the user's sizing and is kept.
+sampler keeps its running batch within: vLLM schedules more sequences than fit in turns, as ours
+lets them wait for rows to free up) but never below one whole ``max_model_len`` sequence (vLLM
+refuses to start without room for one). An explicit ``kv_cache_memory_bytes``,
+``VLLM_CPU_KVCACHE_SPACE`` or ``gpu_memory_utilization`` in ``sampling.vllm`` is the user's sizing
+and is kept.
 
 Whatever its source, the budget (KV cache plus the served weights) must fit in the memory vLLM
 will find free, counted as vLLM counts it (the node's free memory, file cache and reclaimable

@@ -86,6 +86,9 @@ _SEED_MODULUS = 1 << 63  # vLLM seeds a torch.Generator: a non-negative 63-bit s
 class VllmSamplingEngine:
     """A sampling engine whose generation runs in a vLLM process (see the module docstring)."""
 
+    # One generate call at a time reaches the vLLM process (its own scheduler batches within one).
+    concurrent_generate = False
+
     def __init__(self, config: SamplingEngineConfig) -> None:
         from transformers import AutoConfig
 

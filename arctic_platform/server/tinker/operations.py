@@ -477,9 +477,11 @@ class TinkerOps:
         def attach() -> None:
             sub = self.service.resolve(sub_job_id, owner=owner)
             check_generate(self.service, sub.engine, SAMPLE_OP, [prompt], params)
-            submit = partial(self.service.executor.submit_runner, sub, OpName.GENERATE)
+            executor = self.service.executor
+            submit = partial(executor.submit_runner, sub, OpName.GENERATE)
+            joins = executor.overlaps(sub, OpName.GENERATE)
             done = self._batcher.add(
-                sub, prompt, params, want_prompt_logprobs, submit, key=key, before=load
+                sub, prompt, params, want_prompt_logprobs, submit, joins=joins, key=key, before=load
             )
             count = partial(self.service.metrics.add_tokens, OpName.GENERATE)
             done.add_done_callback(lambda f: _sample_result(f, outer, count))

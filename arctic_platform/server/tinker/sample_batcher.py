@@ -2,7 +2,7 @@
 
 The cookbook samples each environment of a group with its own request (``num_samples=1``), so a
 GRPO batch arrives as dozens of small requests at once. Run one by one, each would pay a full
-decode loop; gathered, they decode together (the sampler batches prompts in waves). Requests are
+decode loop; gathered, they decode together (one prefill per distinct prompt). Requests are
 validated before they join a batch, so one bad request cannot fail the others.
 
 The SDK sends a group's requests one after another over several connections, so they reach the
@@ -18,6 +18,13 @@ largest of the sub-job's last :data:`BURST_HISTORY` drains collected, the drain 
 :data:`LINGER_SETTLE_S` for more (a burst that grew still gathers while its requests keep coming)
 instead of the full gap after the last one. What is sampled does not change, only when the drain
 starts.
+
+On a sampler whose running batch lets calls join mid-decode (the executor's ``overlaps``: our
+torch sampler), none of that waiting is needed: a drain starts at once, its generate runs beside
+the sub-job's other generates, and a request that arrives a few milliseconds later starts its
+own drain, which joins the running decode at its next step. Drains that first load a snapshot's
+weights (``before``) still run alone and linger, as a weight load must not interleave with other
+drains' decodes.
 """
 
 from __future__ import annotations
@@ -55,7 +62,6 @@ class _Queue:
     lock: threading.Lock = field(default_factory=threading.Lock)
     arrived: threading.Condition = field(init=False)
     pending: list[_Pending] = field(default_factory=list)
-    in_flight: list[_Pending] = field(default_factory=list)
     scheduled: bool = False
 
     def __post_init__(self) -> None:
@@ -85,17 +91,19 @@ class SampleBatcher:
         prompt: list[int],
         params: dict[str, Any],
         prompt_logprobs: bool,
-        submit: Callable[[Callable[[], None]], Future],
+        submit: Callable[..., Future],
         *,
+        joins: bool = False,
         key: str | None = None,
         before: Callable[[Any], None] | None = None,
     ) -> Future:
         """Queue a request on sampling sub-job ``sub``; resolves to ``(outputs, prompt_lps)``.
 
-        ``submit(runner)`` queues ``runner`` on the sub-job (the Service's guarded queue); a
-        drain is queued whenever the queue goes from empty to non-empty. Requests batch by
-        ``key`` (default: the sub-job); ``before(engine)`` runs first in the drain, before it
-        lingers (a sampler snapshot loads its weights there while the group still arrives).
+        ``submit(runner, alone=)`` queues ``runner`` on the sub-job (the Service's guarded
+        queue); a drain is queued whenever the queue goes from empty to non-empty. ``joins``:
+        the sub-job's generates join one running decode (module doc). Requests batch by ``key``
+        (default: the sub-job); ``before(engine)`` runs first in the drain, before it lingers (a
+        sampler snapshot loads its weights there while the group still arrives).
         """
         engine = sub.engine
         try:
@@ -116,17 +124,22 @@ class SampleBatcher:
             start = not queue.scheduled
             queue.scheduled = True
         if start:
-            drained = submit(lambda: self._drain(queue, engine, before))
-            drained.add_done_callback(lambda f: self._fail_all(queue, f))
+            linger = before is not None or not joins
+            taken: list[_Pending] = []  # what this drain took, for _fail_all
+            drained = submit(
+                lambda: self._drain(queue, engine, before, linger, taken), alone=before is not None
+            )
+            drained.add_done_callback(lambda f: self._fail_all(queue, f, taken))
         return item.future
 
-    def _drain(self, queue: _Queue, engine, before) -> None:
+    def _drain(self, queue: _Queue, engine, before, linger: bool, taken: list) -> None:
         if before is not None:  # the batch's weights load while its requests still arrive
             before(engine)
         with queue.lock:
-            self._linger(queue)
+            if linger:
+                self._linger(queue)
             batch, queue.pending = queue.pending, []
-            queue.in_flight = batch
+            taken.extend(batch)
             queue.scheduled = False
         with self._lock:
             bursts = self._bursts.setdefault(queue.sub_job_id, deque(maxlen=BURST_HISTORY))
@@ -166,18 +179,18 @@ class SampleBatcher:
             seen = len(queue.pending)
 
     @staticmethod
-    def _fail_all(queue: _Queue, drained: Future) -> None:
-        """A drain that failed (or never ran: a cancelled job) fails the requests it held, with
-        the error the Service mapped (a bad request stays the user's error)."""
+    def _fail_all(queue: _Queue, drained: Future, taken: list[_Pending]) -> None:
+        """A drain that failed (or never ran: a cancelled job) fails the requests it held (or,
+        before it took any, those waiting for it), with the error the Service mapped (a bad
+        request stays the user's error)."""
         if drained.cancelled():
             exc: BaseException = Conflict("the sampler stopped before running the request")
         elif (exc := drained.exception()) is None:
             return
         with queue.lock:
-            batch = [i for i in queue.in_flight if not i.future.done()]
-            if not batch:
+            batch = [i for i in taken if not i.future.done()]
+            if not taken:
                 batch, queue.pending = queue.pending, []
                 queue.scheduled = False
-            queue.in_flight = []
         for item in batch:
             item.future.set_exception(exc)

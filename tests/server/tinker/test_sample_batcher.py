@@ -36,7 +36,7 @@ def counting_sub(engine, sub_job_id: str) -> tuple[SimpleNamespace, list[int]]:
 def holding_submit(held: list):
     """A sub-job queue that only records each drain's runner; the test runs it when it wants."""
 
-    def submit(runner) -> Future:
+    def submit(runner, alone=False) -> Future:
         held.append(runner)
         return Future()
 
@@ -48,7 +48,7 @@ def test_requests_queued_together_run_in_one_generate_call(engine):
     sub, calls = counting_sub(engine, "j:sampling:0")
     held: list = []
 
-    def submit(runner) -> Future:  # the sub-job queue, held until every request is in
+    def submit(runner, alone=False) -> Future:  # the sub-job queue, held until every request is in
         future: Future = Future()
         held.append((runner, future))
         return future
@@ -82,7 +82,7 @@ def test_a_failed_drain_fails_the_requests_it_held(engine):
     sub = SimpleNamespace(sub_job_id="j:sampling:1", engine=engine)
     held: list = []
 
-    def submit(runner) -> Future:
+    def submit(runner, alone=False) -> Future:
         future: Future = Future()
         held.append(future)
         return future
@@ -104,7 +104,7 @@ def test_requests_arriving_while_a_drain_starts_join_it(engine):
 
     sub, calls = counting_sub(engine, "j:sampling:2")
 
-    def submit(runner) -> Future:  # an idle sub-job queue: the drain starts at once
+    def submit(runner, alone=False) -> Future:  # an idle sub-job queue: the drain starts at once
         future: Future = Future()
         started = threading.Event()
 
@@ -169,3 +169,37 @@ def test_a_drained_queue_is_dropped_and_its_key_batches_again(engine):
     held.pop()()
     assert again.result(timeout=60)[0][0]["token_ids"]
     assert calls == [2, 2, 2, 1]
+
+
+def test_on_a_running_batch_each_drain_starts_at_once_and_only_weight_loads_run_alone(engine):
+    """``joins``: the sampler's running batch takes late requests mid-decode, so a drain does not
+    linger (with an hour's gap it would never end) and runs beside others; a drain that loads a
+    snapshot's weights first still runs alone."""
+    import threading
+
+    sub, calls = counting_sub(engine, "j:sampling:4")
+    alone_flags: list[bool] = []
+
+    def submit(runner, alone=False) -> Future:  # an idle sub-job queue: the drain starts at once
+        alone_flags.append(alone)
+        future: Future = Future()
+
+        def run():
+            runner()
+            future.set_result(None)
+
+        threading.Thread(target=run, daemon=True).start()
+        return future
+
+    batcher = SampleBatcher(linger_gap_s=3600, linger_max_s=3600)
+    params = {"n": 1, "max_tokens": 2, "seed": 0}
+    first = batcher.add(sub, [10], params, False, submit, joins=True)
+    assert first.result(timeout=60)[0][0]["token_ids"]
+    loaded = []
+    batcher = SampleBatcher()
+    second = batcher.add(
+        sub, [11], params, False, submit, joins=True, key="snapshot", before=loaded.append
+    )
+    assert second.result(timeout=60)[0][0]["token_ids"]
+    assert alone_flags == [False, True] and loaded == [sub.engine]
+    assert calls == [1, 1]

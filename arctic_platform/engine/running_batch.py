@@ -1,0 +1,448 @@
+"""The sampler's running batch: the sequences decoding now, their KV cache and their outputs.
+
+Sequences join between decode steps and leave when they finish, so a request that arrives while
+others decode does not wait for them (continuous batching). :mod:`.decode_loop` decides what
+joins and when; this module holds the batch and runs its steps:
+
+* :meth:`RunningBatch.plan` — which waiting samples fit now, in arrival order: at most
+  ``max_batch_size`` rows whose cache (rows x columns x bytes per token) fits
+  ``max_kv_cache_bytes``. A request's ``n`` samples may join in parts; each part prefills its
+  prompt again.
+* :meth:`RunningBatch.admit` — each distinct prompt of the joining samples is prefilled **once**
+  (left-padded to the widest of them, in microbatches of at most ``max_tokens_per_microbatch``
+  padded tokens) and its keys/values written into the rows of all its samples. Rows share one
+  write column: the running rows keep their keys but drop the padding columns all of them have,
+  and whichever side is shorter (running rows or newcomers) is left-padded
+  (:meth:`~arctic_platform.engine.kv_cache.KVCache.relayout`); position ids are per row.
+* :meth:`RunningBatch.sample` — one token for every row (each row at its own step, so its random
+  numbers depend only on its seed, its sample index and its step: a seeded request gets the
+  same samples alone or joining any batch), stop checks, and the outputs of the rows that just
+  finished. A finished row keeps its place until an eighth of the rows are finished; then the
+  cache and all row state are compacted, so the work per step tracks the live sequences
+  without paying a compaction for every single finish.
+* :meth:`RunningBatch.advance` — one batched forward over the rows, feeding the tokens sampled.
+
+Only one thread at a time may call these (the loop's driver).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from arctic_platform.contract.sampling_params import SamplingParams
+from arctic_platform.engine.config import SamplingEngineConfig
+from arctic_platform.engine.kv_cache import KVBufferPool, KVCache
+from arctic_platform.engine.sampling_ops import choose_tokens, sequence_keys, step_uniforms
+from arctic_platform.engine.sampling_requests import SampleRequest
+from arctic_platform.engine.stop_strings import stop_string_hits
+
+STOP_ID, STOP_STR, LENGTH = 1, 2, 3
+
+
+@dataclass
+class Slice:
+    """Samples ``first .. first + count - 1`` of ``request``, asked for by ``owner``."""
+
+    owner: Any
+    request: SampleRequest
+    first: int
+    count: int
+
+
+@dataclass
+class Finished:
+    """A sequence that left the batch, as raw values (its caller shapes the output)."""
+
+    owner: Any
+    request: SampleRequest
+    sample: int
+    token_ids: list[int]
+    reason: int  # STOP_ID, STOP_STR or LENGTH
+    stop_string: str | None
+    logprobs: list[float] | None  # of the sampled tokens, when the request asked for log-probs
+    ranks: list[int] | None
+    top: list[list[list]] | None  # per token, ``[[token_id, logprob], ...]`` of the k likeliest
+
+
+@dataclass
+class _Row:
+    owner: Any
+    request: SampleRequest
+    sample: int
+    stops: SamplingParams | None  # the params, when the request has stop strings
+
+
+@dataclass(frozen=True)
+class ModelSide:
+    """What the batch needs of the engine's model."""
+
+    model: Any
+    device: torch.device
+    vocab_size: int
+    pad_token_id: int
+    eos_token_ids: tuple[int, ...]
+    num_layers: int
+    kv_bytes_per_token: int
+    tokenizer: Any
+
+
+class RunningBatch:
+    """The rows decoding together (see the module doc)."""
+
+    def __init__(self, side: ModelSide, config: SamplingEngineConfig, pool: KVBufferPool) -> None:
+        self.side = side
+        self.config = config
+        self.pool = pool
+        self.joins = 0  # admissions into a batch that had rows running: continuous batching
+        self.clear()
+
+    def clear(self) -> None:
+        """Forget every row (the cache buffers stay in the pool)."""
+        self._rows: list[_Row] = []
+        self._state: dict[str, torch.Tensor] = {}
+        self._out: dict[str, torch.Tensor] = {}
+        self._cache: KVCache | None = None
+        self._logits: torch.Tensor | None = None
+        self._tokens: torch.Tensor | None = None
+        self._mask: torch.Tensor | None = None
+        self._padded = False
+        self._length = 0  # the next column every row writes
+
+    @property
+    def empty(self) -> bool:
+        return not self._rows
+
+    @property
+    def live(self) -> int:
+        return 0 if self.empty else int((~self._state["done"]).sum())
+
+    # ------------------------------------------------------------------------------------------
+    # joining
+
+    def _live_extent(self) -> tuple[torch.Tensor, int, int, int]:
+        """``(live row index, first column any live row uses, its width, most new tokens any
+        live row may still need)``."""
+        if self.empty:
+            return torch.zeros(0, dtype=torch.long, device=self.side.device), 0, 0, 0
+        state = self._state
+        keep = (~state["done"]).nonzero().squeeze(1)
+        if len(keep) == 0:
+            return keep, 0, 0, 0
+        trim = int(state["start"][keep].min())
+        left = int((state["max_new"] - state["gen"])[keep].max())
+        return keep, trim, self._length - trim, left
+
+    def plan(self, waiting: Iterable[Slice]) -> list[Slice]:
+        """The longest prefix of ``waiting`` (its last slice maybe in part) that fits now."""
+        per_token = self.side.kv_bytes_per_token
+        keep, _, width, left = self._live_extent()
+        rows = len(keep)
+        chosen: list[Slice] = []
+        for piece in waiting:
+            w = max(width, len(piece.request.token_ids))
+            m = max(left, piece.request.max_new)
+            by_memory = self.config.max_kv_cache_bytes // ((w + m) * per_token)
+            room = min(self.config.max_batch_size, by_memory) - rows
+            if room <= 0:
+                break
+            count = min(room, piece.count)
+            chosen.append(Slice(piece.owner, piece.request, piece.first, count))
+            rows, width, left = rows + count, w, m
+            if count < piece.count:
+                break
+        return chosen
+
+    def admit(self, slices: list[Slice]) -> None:
+        """Prefill ``slices`` (from :meth:`plan`) into new rows; they sample at the next step."""
+        side = self.side
+        keep, trim, width, left = self._live_extent()
+        if len(keep):
+            self.joins += 1
+        counts = torch.tensor([s.count for s in slices])
+        widest = max(len(s.request.token_ids) for s in slices)
+        length = max(width, widest)
+        capacity = length + max(left, *(s.request.max_new for s in slices))
+        rows = len(keep) + int(counts.sum())
+        if self._cache is None:
+            self._cache = KVCache(side.num_layers, rows, capacity, self.pool)
+        self._cache.relayout(keep, (trim, self._length), rows, capacity, length)
+
+        state = {k: v[keep] for k, v in self._state.items()}
+        if state:
+            state["start"] += length - width - trim
+        new = self._new_rows(slices, counts, length)
+        self._state = _concat(state, new)
+        self._rows = [self._rows[i] for i in keep.tolist()] + [
+            _Row(s.owner, s.request, sample, s.request.params if s.request.params.stop else None)
+            for s in slices
+            for sample in range(s.first, s.first + s.count)
+        ]
+        self._out = self._grown_outputs(keep, rows)
+        logits = self._prefill(slices, counts, len(keep), widest, length - widest)
+        old = self._logits[keep] if self._logits is not None else logits[:0]
+        self._logits = torch.cat([old, logits])
+        self._length = length
+        self._cache.start_decoding(length)
+        self._update_mask()
+
+    def _new_rows(self, slices: list[Slice], counts: torch.Tensor, length: int) -> dict:
+        """Per-row tensors of the joining samples."""
+        per_slice = []
+        for piece in slices:
+            p, r = piece.request.params, piece.request
+            stop_ids = () if p.ignore_eos else tuple(self.side.eos_token_ids)
+            stop_ids += tuple(t for t in p.stop_token_ids if t not in stop_ids)
+            per_slice.append((p, r, stop_ids))
+        width = max((len(s) for _, _, s in per_slice), default=0)
+        stop_ids = torch.full((len(slices), width), -1, dtype=torch.long)
+        for i, (_, _, ids) in enumerate(per_slice):
+            stop_ids[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+
+        def column(values, dtype):
+            return torch.tensor(values, dtype=dtype).repeat_interleave(counts)
+
+        sample_index = torch.cat([torch.arange(s.first, s.first + s.count) for s in slices])
+        seeds = column([r.seed for _, r, _ in per_slice], torch.long)
+        prompt = column([len(r.token_ids) for _, r, _ in per_slice], torch.long)
+        rows = int(counts.sum())
+        state = {
+            "position": prompt,
+            "start": length - prompt,
+            "greedy": column([p.greedy for p, _, _ in per_slice], torch.bool),
+            "temperature": column([p.temperature for p, _, _ in per_slice], torch.float32),
+            "top_k": column([p.top_k for p, _, _ in per_slice], torch.long),
+            "top_p": column([p.top_p for p, _, _ in per_slice], torch.float32),
+            "min_p": column([p.min_p for p, _, _ in per_slice], torch.float32),
+            "max_new": column([r.max_new for _, r, _ in per_slice], torch.long),
+            "min_tokens": column([p.min_tokens for p, _, _ in per_slice], torch.long),
+            "keys": sequence_keys(seeds, sample_index),
+            "stop_ids": stop_ids.repeat_interleave(counts, dim=0),
+            "gen": torch.zeros(rows, dtype=torch.long),
+            "done": torch.zeros(rows, dtype=torch.bool),
+            "reason": torch.zeros(rows, dtype=torch.int8),
+        }
+        return {k: v.to(self.side.device) for k, v in state.items()}
+
+    def _grown_outputs(self, keep: torch.Tensor, rows: int) -> dict[str, torch.Tensor]:
+        """Output buffers for ``rows`` rows, the kept rows' tokens so far copied over."""
+        params = [row.request.params for row in self._rows]
+        longest = max(row.request.max_new for row in self._rows)
+        k = max((p.logprobs or 0) for p in params)
+        device = self.side.device
+        out = {"tokens": torch.zeros(rows, longest, dtype=torch.long, device=device)}
+        if any(p.logprobs is not None for p in params):
+            out["logprob"] = torch.zeros(rows, longest, device=device)
+            out["rank"] = torch.zeros(rows, longest, dtype=torch.long, device=device)
+            if k:
+                out["top_ids"] = torch.zeros(rows, longest, k, dtype=torch.long, device=device)
+                out["top_lp"] = torch.zeros(rows, longest, k, device=device)
+        for name, old in self._out.items():
+            kept = old[keep]
+            index = (slice(0, len(keep)), *(slice(0, size) for size in kept.shape[1:]))
+            out[name][index] = kept
+        return out
+
+    def _prefill(self, slices, counts, first_row: int, width: int, at: int) -> torch.Tensor:
+        """Run each distinct prompt of ``slices`` once into rows ``first_row ..`` (columns
+        ``at .. at + width``); return their first-step logits ``[rows, vocab]`` (float32)."""
+        side = self.side
+        device = side.device
+        row_start = first_row + torch.cumsum(counts, 0) - counts
+        logits = torch.empty(int(counts.sum()), side.vocab_size, device=device)
+        per_batch = max(1, self.config.max_tokens_per_microbatch // width)
+        for start in range(0, len(slices), per_batch):
+            pieces = slices[start : start + per_batch]
+            ids = torch.full((len(pieces), width), side.pad_token_id, dtype=torch.long)
+            attention = torch.zeros(len(pieces), width, dtype=torch.bool)
+            positions = torch.zeros(len(pieces), width, dtype=torch.long)
+            for i, piece in enumerate(pieces):
+                prompt = piece.request.token_ids
+                ids[i, width - len(prompt) :] = torch.tensor(prompt)
+                attention[i, width - len(prompt) :] = True
+                positions[i, width - len(prompt) :] = torch.arange(len(prompt))
+            local_counts = counts[start : start + len(pieces)]
+            source = torch.arange(len(pieces)).repeat_interleave(local_counts)
+            rows = torch.cat(
+                [
+                    torch.arange(int(row_start[start + i]), int(row_start[start + i] + c))
+                    for i, c in enumerate(local_counts.tolist())
+                ]
+            )
+            rows, source = rows.to(device), source.to(device)
+            with self._cache.prefill_rows(rows, source, at):
+                out = side.model(
+                    input_ids=ids.to(device),
+                    attention_mask=attention.to(device),
+                    position_ids=positions.to(device),
+                    past_key_values=self._cache,
+                    use_cache=True,
+                    logits_to_keep=1,
+                )
+            logits[rows - first_row] = out.logits[:, -1].float()[source]
+        return logits
+
+    def _update_mask(self) -> None:
+        columns = torch.arange(self._cache.capacity, device=self.side.device)
+        self._mask = columns[None, :] >= self._state["start"][:, None]
+        # Without padding (equal prompt lengths, or n samples of one prompt) every key is
+        # visible: no mask lets attention skip building and applying one at every step.
+        self._padded = bool((self._state["start"] > 0).any())
+
+    # ------------------------------------------------------------------------------------------
+    # stepping
+
+    def drop(self, owner: Any) -> None:
+        """End ``owner``'s rows without outputs (its caller stopped)."""
+        if self.empty:
+            return
+        mine = [i for i, row in enumerate(self._rows) if row.owner is owner]
+        if mine:
+            self._state["done"][torch.tensor(mine, device=self.side.device)] = True
+            self._compact()
+
+    def sample(self) -> list[Finished]:
+        """Choose every live row's next token; return the rows that finished with it."""
+        state, out = self._state, self._out
+        live = ~state["done"]
+        gen = state["gen"]
+        tokens, scaled = choose_tokens(
+            self._logits,
+            greedy=state["greedy"],
+            temperature=state["temperature"],
+            top_k=state["top_k"],
+            top_p=state["top_p"],
+            min_p=state["min_p"],
+            uniforms=step_uniforms(state["keys"], gen),
+            suppress=self._suppression(),
+        )
+        # Finished rows (until compacted) write into a column of theirs that was already read out.
+        rows = torch.arange(len(gen), device=gen.device)
+        column = gen.clamp(max=out["tokens"].shape[1] - 1)
+        out["tokens"][rows, column] = tokens
+        if "logprob" in out:
+            log_probs = torch.log_softmax(scaled, dim=-1)
+            chosen = log_probs.gather(1, tokens[:, None])
+            out["logprob"][rows, column] = chosen.squeeze(1)
+            out["rank"][rows, column] = (log_probs > chosen).sum(1) + 1  # vLLM's 1-based rank
+            if "top_ids" in out:
+                values, ids = log_probs.topk(out["top_ids"].shape[2], dim=-1)
+                out["top_ids"][rows, column] = ids
+                out["top_lp"][rows, column] = values
+        hit_id = (tokens[:, None] == state["stop_ids"]).any(dim=1) & live
+        candidates = live & ~hit_id & (gen + 1 >= state["min_tokens"])
+        params = [row.stops for row in self._rows]
+        hit_str, matched = stop_string_hits(
+            self.side.tokenizer, params, out["tokens"], column, candidates
+        )
+        hit_len = (gen + 1 >= state["max_new"]) & live & ~hit_id & ~hit_str
+        finished = hit_id | hit_str | hit_len
+        state["reason"] = torch.where(
+            hit_id,
+            STOP_ID,
+            torch.where(hit_str, STOP_STR, torch.where(hit_len, LENGTH, state["reason"])),
+        ).to(torch.int8)
+        state["gen"] = gen + live.long()
+        state["done"] |= finished
+        self._tokens = tokens
+        ended = finished.nonzero().squeeze(1)
+        results = self._read_out(ended, matched) if len(ended) else []
+        self._compact()
+        return results
+
+    def advance(self) -> None:
+        """One forward over the rows: the tokens sampled last go into the cache."""
+        if self.empty:
+            return
+        state = self._state
+        out = self.side.model(
+            input_ids=self._tokens[:, None],
+            position_ids=state["position"][:, None],
+            attention_mask=self._mask[:, : self._length + 1] if self._padded else None,
+            past_key_values=self._cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        self._logits = out.logits[:, -1].float()
+        state["position"] += 1
+        self._length += 1
+
+    def _suppression(self) -> torch.Tensor | None:
+        """Stop tokens each row may not pick yet (``min_tokens``), as a ``[rows, vocab]`` mask."""
+        state = self._state
+        stop_ids = state["stop_ids"]
+        need = (state["gen"] < state["min_tokens"])[:, None] & (stop_ids >= 0)
+        if stop_ids.shape[1] == 0 or not bool(need.any()):
+            return None
+        vocab = self.side.vocab_size
+        index = torch.where(need, stop_ids, vocab)
+        mask = torch.zeros(len(stop_ids), vocab + 1, dtype=torch.bool, device=stop_ids.device)
+        return mask.scatter_(1, index, True)[:, :vocab]
+
+    def _read_out(self, ended: torch.Tensor, matched: dict[int, str]) -> list[Finished]:
+        state, out = self._state, self._out
+        counts, reasons = state["gen"][ended].tolist(), state["reason"][ended].tolist()
+        host = {name: t[ended].cpu() for name, t in out.items()}
+        results = []
+        for i, row_index in enumerate(ended.tolist()):
+            row, n = self._rows[row_index], counts[i]
+            k = row.request.params.logprobs
+            wants = k is not None
+            results.append(
+                Finished(
+                    owner=row.owner,
+                    request=row.request,
+                    sample=row.sample,
+                    token_ids=host["tokens"][i, :n].tolist(),
+                    reason=reasons[i],
+                    stop_string=matched.get(row_index),
+                    logprobs=host["logprob"][i, :n].tolist() if wants else None,
+                    ranks=host["rank"][i, :n].tolist() if wants else None,
+                    top=_top(host, i, n, k) if wants else None,
+                )
+            )
+        return results
+
+    def _compact(self) -> None:
+        """Drop the finished rows once they are an eighth of the batch (or all of it)."""
+        done = self._state["done"]
+        finished = int(done.sum())
+        if finished == len(done):
+            self.clear()
+            return
+        if finished < max(1, len(done) // 8):
+            return
+        keep = (~done).nonzero().squeeze(1)
+        self._cache.keep_rows(keep)
+        self._state = {k: v[keep] for k, v in self._state.items()}
+        self._out = {k: v[keep] for k, v in self._out.items()}
+        self._rows = [self._rows[i] for i in keep.tolist()]
+        self._tokens = self._tokens[keep] if self._tokens is not None else None
+        self._logits = self._logits[keep] if self._logits is not None else None
+        self._update_mask()
+
+
+def _concat(old: dict[str, torch.Tensor], new: dict[str, torch.Tensor]) -> dict:
+    """Row state of the kept rows followed by the joining ones (stop-id columns padded)."""
+    if not old:
+        return new
+    width = max(old["stop_ids"].shape[1], new["stop_ids"].shape[1])
+    for part in (old, new):
+        ids = part["stop_ids"]
+        if ids.shape[1] < width:
+            pad = ids.new_full((len(ids), width - ids.shape[1]), -1)
+            part["stop_ids"] = torch.cat([ids, pad], dim=1)
+    return {k: torch.cat([old[k], new[k]]) for k in new}
+
+
+def _top(host: dict, i: int, n: int, k: int) -> list[list[list]]:
+    if not k:
+        return [[] for _ in range(n)]
+    ids, values = host["top_ids"][i, :n, :k].tolist(), host["top_lp"][i, :n, :k].tolist()
+    return [
+        [[t, v] for t, v in zip(ids_t, values_t, strict=True)]
+        for ids_t, values_t in zip(ids, values, strict=True)
+    ]

@@ -1,0 +1,234 @@
+"""The sampler's running batch: calls that arrive mid-decode join it, finished calls leave it.
+
+Every test pins *when* the second call arrives with a hook on the model's forward (it runs on the
+thread driving the batch): at a chosen forward it waits, boundedly, until the engine reports the
+second call (or a weight load) queued, so "it joined mid-decode" is a fact the test arranges and
+checks (``batch_state()["joins"]``), not a race. Outputs are compared with each request run alone
+with the same seed: token ids exactly, log-probs to float tolerance (the joined batch pads
+differently).
+"""
+
+import threading
+import time
+from concurrent.futures import Future
+
+import pytest
+import torch
+
+from arctic_platform.engine import cancellation
+from arctic_platform.engine.config import ModelConfig, SamplingEngineConfig
+from arctic_platform.engine.models import load_causal_lm
+from arctic_platform.engine.sampler import SamplingEngine
+from arctic_platform.engine.weights import export_weights
+
+MODEL = ModelConfig(name="builtin:tiny")
+LONG_PROMPT = "The cat"
+LONG = {"seed": 11, "temperature": 1.0, "max_tokens": 40, "ignore_eos": True, "logprobs": 2}
+SHORT = {"seed": 5, "temperature": 0.8, "max_tokens": 6, "n": 2, "logprobs": 1, "ignore_eos": True}
+WAIT_S = 60
+
+
+def _perturbed(seed: int) -> dict:
+    model = load_causal_lm(MODEL).eval()
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.ndim == 2:
+                param.add_(torch.randn(param.shape, generator=gen) * 0.15)
+    return export_weights(model)
+
+
+@pytest.fixture(scope="module")
+def weights():
+    return _perturbed(0)
+
+
+@pytest.fixture(scope="module")
+def engine(weights):
+    engine = SamplingEngine(SamplingEngineConfig(model=MODEL))
+    engine.load_weights(weights)
+    return engine
+
+
+def _wait_for(predicate, what: str) -> None:
+    deadline = time.monotonic() + WAIT_S
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"waited {WAIT_S} s for {what}")
+        time.sleep(0.005)
+
+
+def _in_thread(fn, *args, token=None) -> Future:
+    """Run ``fn(*args)`` on a new thread (inside ``token``'s cancellation scope when given)."""
+    future: Future = Future()
+
+    def run():
+        try:
+            with cancellation.scope(*(() if token is None else (token,))):
+                future.set_result(fn(*args))
+        except BaseException as exc:
+            future.set_exception(exc)
+
+    threading.Thread(target=run, daemon=True).start()
+    return future
+
+
+class Forwards:
+    """Counts the model's forwards; ``on(n, fn)`` runs ``fn`` on the driving thread at the n-th."""
+
+    def __init__(self, engine):
+        self.count = 0
+        self.actions: dict[int, list] = {}
+        self.reached: dict[int, threading.Event] = {}
+        self._hook = engine.model.register_forward_pre_hook(self._forward)
+
+    def on(self, n: int, fn=None) -> threading.Event:
+        if fn is not None:
+            self.actions.setdefault(n, []).append(fn)
+        return self.reached.setdefault(n, threading.Event())
+
+    def _forward(self, _module, _args):
+        self.count += 1
+        if self.count in self.reached:
+            self.reached[self.count].set()
+        for fn in self.actions.get(self.count, ()):
+            fn()
+
+    def remove(self):
+        self._hook.remove()
+
+
+def _tokens(outputs):
+    return [o["token_ids"] for o in outputs]
+
+
+def _assert_same(joined, alone):
+    assert _tokens(joined) == _tokens(alone)
+    for a, b in zip(joined, alone, strict=True):
+        assert [e["rank"] for e in a["logprobs"]] == [e["rank"] for e in b["logprobs"]]
+        got = torch.tensor([e["logprob"] for e in a["logprobs"]])
+        want = torch.tensor([e["logprob"] for e in b["logprobs"]])
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
+
+
+_hooks: list[Forwards] = []
+
+
+@pytest.fixture(autouse=True)
+def _remove_hooks():
+    yield
+    while _hooks:
+        _hooks.pop().remove()
+
+
+def _hooked(engine) -> Forwards:
+    forwards = Forwards(engine)
+    _hooks.append(forwards)  # removed after the test, once every call of it is over
+    return forwards
+
+
+def _long_then_joining(engine, joining_prompt, *, then=None, token_long=None, token_short=None):
+    """Start the long call; at its 3rd forward (prefill + 2 decode steps) wait until the short
+    call is queued, so it joins at the next step; ``then`` maps later forwards to actions."""
+    forwards = _hooked(engine)
+    waiting = engine.batch_state()["waiting_calls"]
+    forwards.on(
+        3,
+        lambda: _wait_for(
+            lambda: engine.batch_state()["waiting_calls"] > waiting, "the joining call queued"
+        ),
+    )
+    for n, fn in (then or {}).items():
+        forwards.on(n, fn)
+    long = _in_thread(engine.generate, [LONG_PROMPT], LONG, token=token_long)
+    assert forwards.on(3).wait(WAIT_S), "the long call never reached its 2nd decode step"
+    short = _in_thread(engine.generate, [joining_prompt], SHORT, token=token_short)
+    return long, short
+
+
+@pytest.mark.parametrize(
+    "joining_prompt",
+    ["What is the meaning of life?", "a"],
+    ids=["longer-prompt-joins", "shorter-prompt-joins"],
+)
+def test_a_call_arriving_mid_decode_joins_and_matches_running_alone(engine, joining_prompt):
+    long_alone = engine.generate([LONG_PROMPT], LONG)
+    short_alone = engine.generate([joining_prompt], SHORT)
+    joins = engine.batch_state()["joins"]
+    long, short = _long_then_joining(engine, joining_prompt)
+    _assert_same(long.result(WAIT_S), long_alone)
+    _assert_same(short.result(WAIT_S), short_alone)
+    assert engine.batch_state()["joins"] == joins + 1  # it joined the running batch once
+
+
+def test_a_finished_call_leaves_and_returns_before_the_long_one(engine):
+    """The short call (6 tokens) joins at the long call's 3rd forward; by the 12th its rows are
+    done. The hook holds the long call (it drives) there until the short call has returned:
+    without per-call results it would wait in vain."""
+    seen = {}
+
+    def short_is_back():
+        _wait_for(lambda: short.done(), "the short call to return while the long one decodes")
+        seen.update(engine.batch_state(), long_done=long.done())
+
+    long, short = _long_then_joining(engine, "a", then={12: short_is_back})
+    assert len(short.result(WAIT_S)) == 2
+    assert len(long.result(WAIT_S)[0]["token_ids"]) == LONG["max_tokens"]
+    assert seen["long_done"] is False
+    assert (seen["running_rows"], seen["running_calls"]) == (1, 1)  # only the long row is left
+
+
+@pytest.mark.parametrize("cancelled", ["long", "short"])
+def test_cancelling_one_call_leaves_the_other_intact(engine, cancelled):
+    """The long call drives the batch; cancelling it hands the loop to the short call's thread.
+    Cancelling the short one ends only its rows."""
+    long_alone = engine.generate([LONG_PROMPT], LONG)
+    short_alone = engine.generate(["a"], SHORT)
+    tokens = {"long": cancellation.CancelToken(), "short": cancellation.CancelToken()}
+    stop = tokens[cancelled]
+    long, short = _long_then_joining(
+        engine,
+        "a",
+        token_long=tokens["long"],
+        token_short=tokens["short"],
+        then={5: lambda: stop.cancel("test stop")},
+    )
+    stopped, kept, kept_alone = (long, short, short_alone)
+    if cancelled == "short":
+        stopped, kept, kept_alone = short, long, long_alone
+    with pytest.raises(cancellation.OpCancelled, match="test stop"):
+        stopped.result(WAIT_S)
+    _assert_same(kept.result(WAIT_S), kept_alone)
+    assert engine.batch_state()["running_rows"] == 0
+
+
+def test_a_weight_load_waits_for_the_running_call_and_the_next_call_sees_it(engine, weights):
+    """While the long call decodes, a load_weights and then another generate arrive: the long
+    call finishes on the old weights, the load runs after it, the later call sees the new ones."""
+    new_weights = _perturbed(1)
+    prompt = "hello world"
+    params = {"seed": 3, "max_tokens": 12, "temperature": 1.0, "logprobs": 0}
+    long_old = engine.generate([LONG_PROMPT], LONG)
+    later_old = engine.generate([prompt], params)
+    forwards = _hooked(engine)
+    released = threading.Event()
+    forwards.on(3, lambda: released.wait(WAIT_S))
+    try:
+        long = _in_thread(engine.generate, [LONG_PROMPT], LONG)
+        assert forwards.on(3).wait(WAIT_S)
+        load = _in_thread(engine.load_weights, new_weights)
+        _wait_for(lambda: engine.batch_state()["waiting_exclusive"] == 1, "the load queued")
+        later = _in_thread(engine.generate, [prompt], params)
+        _wait_for(lambda: engine.batch_state()["waiting_calls"] == 1, "the later call queued")
+        assert not load.done()  # the load waits for the running call
+        released.set()
+        _assert_same(long.result(WAIT_S), long_old)
+        assert load.result(WAIT_S)["complete"]
+        later_new = later.result(WAIT_S)
+        forwards.actions.clear()
+        alone_new = engine.generate([prompt], params)
+        assert _tokens(later_new) == _tokens(alone_new)
+        assert _tokens(later_new) != _tokens(later_old)  # the new weights change the sample
+    finally:
+        released.set()
+        engine.load_weights(weights)
