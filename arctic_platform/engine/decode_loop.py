@@ -139,12 +139,14 @@ class DecodeLoop:
         """Step the batch until ``call`` is over, or there is nothing this driver may do."""
         with torch.inference_mode(), cancellation.deferred():
             while not call.ended:
-                with self._cond:
-                    self._end_stopped()
-                    joining = self._take()
-                if not joining and self.batch.empty:
-                    return  # exclusive work is next, or this call has ended
+                joining: list[Slice] = []
                 try:
+                    with self._cond:
+                        # Ending a stopped call compacts the batch, which can fail as a step can.
+                        self._end_stopped()
+                        joining = self._take()
+                    if not joining and self.batch.empty:
+                        return  # exclusive work is next, or this call has ended
                     if joining and self.batch.empty:
                         self._ready()
                     if joining:
@@ -217,11 +219,16 @@ class DecodeLoop:
         self._cond.notify_all()
 
     def _fail_batch(self, exc: Exception, joining: list[Slice]) -> None:
-        """A step failed: every call in the batch (and those joining it) ends with ``exc``."""
+        """A step failed: every call in the batch (and those joining it) ends with ``exc``.
+
+        The batch is forgotten first: a step can fail half-way through a join (rows admitted,
+        their tokens not yet written), and ending a call on such a batch would compact rows
+        that are not all there."""
         with self._cond:
-            for owner in {*self._joined, *(piece.owner for piece in joining)}:
-                if not owner.ended:
-                    self._end(owner, exc)
+            owners = {*self._joined, *(piece.owner for piece in joining)}
             self.batch.clear()
             self._rows_now = 0
+            for owner in owners:
+                if not owner.ended:
+                    self._end(owner, exc)
             self._cond.notify_all()

@@ -142,7 +142,10 @@ class JobBuilder:
                 # A cancel stops a build that waits (for Ray resources) and releases what it holds.
                 with cancellation.scope(job.stop):
                     engine = build_engine(self.engine_host, sub, source)
-                sub.queue = SubJobQueue(sub.sub_job_id.replace(":", "-"))
+                sub.queue = SubJobQueue(
+                    sub.sub_job_id.replace(":", "-"),
+                    max_shared=self.engine_host.slots.per_tenant,
+                )
                 sub.engine = engine
                 if sub.kind == "training":  # only a trainer has GPU-stack settings to fall back
                     sub.fallbacks = dict(engine.setting_fallbacks)

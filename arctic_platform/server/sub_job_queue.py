@@ -32,10 +32,15 @@ class _Entry:
 
 
 class SubJobQueue:
-    """See the module doc; ``name`` names its threads."""
+    """See the module doc; ``name`` names its threads. At most ``max_shared`` shared ops run at
+    once (one thread each): the most op slots the job's owner can hold, so more could only wait
+    for a slot, and those that wait here stay cancellable and hold no thread."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, *, max_shared: int = 1) -> None:
+        if max_shared < 1:
+            raise ValueError(f"max_shared must be at least 1, got {max_shared}")
         self.name = name
+        self.max_shared = max_shared
         self._lock = threading.Lock()
         self._waiting: deque[_Entry] = deque()
         self._running: set[threading.Thread] = set()
@@ -53,7 +58,9 @@ class SubJobQueue:
         return future
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
-        """Refuse new ops; ``cancel_futures`` drops the queued ones; ``wait`` joins the running."""
+        """Refuse new ops; ``cancel_futures`` drops the queued ones; ``wait`` joins the ops
+        running now (unlike ThreadPoolExecutor, not the queued ones started after: every caller
+        here cancels those first, or does not wait)."""
         with self._lock:
             self._shut = True
             if cancel_futures:
@@ -69,7 +76,7 @@ class SubJobQueue:
         """Start the ops at the head that may run now (under the lock)."""
         while self._waiting and not self._running_exclusive:
             head = self._waiting[0]
-            if not head.shared and self._running:
+            if self._running and (not head.shared or len(self._running) >= self.max_shared):
                 return
             self._waiting.popleft()
             if not head.future.set_running_or_notify_cancel():
@@ -79,7 +86,12 @@ class SubJobQueue:
             # to end at its next stop point rather than tearing torch down under it.
             thread = threading.Thread(target=self._run, args=(head,), name=f"{self.name}-op")
             self._running.add(thread)
-            thread.start()
+            try:
+                thread.start()
+            except RuntimeError as exc:  # no thread to be had: this op fails, the queue goes on
+                self._running.discard(thread)
+                self._running_exclusive = False
+                head.future.set_exception(exc)
 
     def _run(self, entry: _Entry) -> None:
         try:

@@ -232,3 +232,23 @@ def test_a_weight_load_waits_for_the_running_call_and_the_next_call_sees_it(engi
     finally:
         released.set()
         engine.load_weights(weights)
+
+
+def test_a_failure_while_a_call_joins_fails_both_calls_and_leaves_the_engine_working(engine):
+    """The joining call's prefill (the 4th forward) fails, as a device error would, after the
+    batch took in its rows: both calls get that error (neither a wrong answer nor an error of the
+    clean-up), and the next call runs as it would alone. Which call the clean-up ends first
+    varies between runs (a set), so the scenario runs several times."""
+    long_alone = engine.generate([LONG_PROMPT], LONG)
+
+    def fail():
+        raise RuntimeError("simulated device failure")
+
+    for _ in range(4):
+        long, short = _long_then_joining(engine, "What is the meaning of life?", then={4: fail})
+        for call in (long, short):
+            with pytest.raises(RuntimeError, match="simulated device failure"):
+                call.result(WAIT_S)
+        assert engine.batch_state()["running_rows"] == 0
+        _hooks.pop().remove()
+    _assert_same(engine.generate([LONG_PROMPT], LONG), long_alone)

@@ -30,7 +30,7 @@ def _wait_for(predicate, what: str) -> None:
 
 
 def test_shared_ops_overlap_and_exclusive_ops_keep_arrival_order():
-    queue = SubJobQueue("test")
+    queue = SubJobQueue("test", max_shared=2)
     order: list[str] = []
     gates = {name: threading.Event() for name in ("r1", "r2", "w", "r3")}
 
@@ -66,6 +66,46 @@ def test_shared_ops_overlap_and_exclusive_ops_keep_arrival_order():
     queue.shutdown(wait=True)
     with pytest.raises(RuntimeError):
         queue.submit(op("r1"))
+
+
+def test_at_most_max_shared_ops_run_and_the_rest_stay_cancellable():
+    """Shared ops beyond ``max_shared`` (the owner's op slots) wait in the queue, holding no
+    thread, so a shutdown still cancels them."""
+    queue = SubJobQueue("test", max_shared=2)
+    release = threading.Event()
+    started: list[int] = []
+
+    def op(i):
+        def run():
+            started.append(i)
+            return release.wait(WAIT_S)
+
+        return run
+
+    futures = [queue.submit(op(i), shared=True) for i in range(5)]
+    _wait_for(lambda: len(started) == 2, "two shared ops running")
+    time.sleep(0.05)
+    assert sorted(started) == [0, 1]
+    queue.shutdown(wait=False, cancel_futures=True)
+    assert [f.cancelled() for f in futures] == [False, False, True, True, True]
+    release.set()
+    assert [f.result(WAIT_S) for f in futures[:2]] == [True, True]
+
+
+def test_a_thread_that_cannot_start_fails_its_op_not_the_queue(monkeypatch):
+    queue = SubJobQueue("test")
+    original = threading.Thread.start
+
+    def no_thread(self):
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(threading.Thread, "start", no_thread)
+    failed = queue.submit(lambda: "never")
+    monkeypatch.setattr(threading.Thread, "start", original)
+    with pytest.raises(RuntimeError, match="can't start new thread"):
+        failed.result(WAIT_S)
+    assert queue.submit(lambda: "next").result(WAIT_S) == "next"
+    queue.shutdown(wait=True)
 
 
 def test_shutdown_cancels_queued_ops():
