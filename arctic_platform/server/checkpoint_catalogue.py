@@ -67,7 +67,9 @@ class CheckpointCatalogue:
         for record in self.store.checkpoints(job_id):
             if record["checkpoint_id"] == checkpoint_id and Path(record["path"]).exists():
                 return record
-        raise NotFound(f"checkpoint {checkpoint_id!r} not found in job {job_id}")
+        raise NotFound(
+            f"checkpoint {checkpoint_id!r} not found in job {job_id}", field="checkpoint_id"
+        )
 
     def files(self, job_id: str, checkpoint_id: str, *, owner: str | None) -> list[dict]:
         """Files of a checkpoint: ``filename`` (relative), absolute ``path``, ``size_bytes``."""

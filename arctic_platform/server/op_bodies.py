@@ -27,7 +27,18 @@ def parse(model: type[BaseModel], body: Any, *, what: str) -> Any:
     try:
         return model.model_validate(dict(body))
     except ValidationError as exc:
-        raise BadRequest(f"{what}: {describe(exc)}") from None
+        raise BadRequest(f"{what}: {describe(exc)}", field=field_of(exc)) from None
+
+
+def field_of(exc: ValidationError) -> str | None:
+    """The first failing field's path (``sampling_params.top_p``, ``prompts.0``), as the error's
+    ``field`` detail: a contract rule's own field where one raised it, else pydantic's location;
+    None for a problem with the body as a whole."""
+    error = exc.errors()[0]
+    ruled = error.get("ctx", {}).get("error")
+    if isinstance(ruled, FieldError):
+        return ruled.field
+    return ".".join(str(p) for p in error["loc"]) or None
 
 
 def describe(exc: ValidationError) -> str:

@@ -82,7 +82,7 @@ def test_every_surface_refuses_a_bad_request_alike(answers, torch_answers, op):
     refusals = {surface: answers[surface][op] for surface in FAKE_SURFACES}
     refusals["torch"] = torch_answers[op]
     status, code, field, _ = refusals["inprocess"]
-    assert 400 <= status < 500 and code, refusals
+    assert 400 <= status < 500 and code and field, refusals
     for surface, (*answer, message) in refusals.items():
         assert answer == [status, code, field], (surface, refusals)
         assert NAMED[op] in message, (surface, message)
