@@ -6,11 +6,8 @@ sampling.engine=vllm``, no memory knob): the job starts on a machine with other 
 weight sync run (by ``reload``, what ``auto`` is on CPU), and the idle vLLM process then uses no
 measurable CPU.
 
-Then the same CI-sized default recipe as ``tests/recipes/test_recipe_run.py`` (SFT warm-up, then
-60 GRPO steps) with that one override: rollouts, held-out evaluation and the weight sync after
-every step go through the vLLM engine, and the run must clear the default engine's bars
-(:mod:`tests.recipes.learning`). vLLM's sampler rounds differently, so its samples, and the
-updates they drive, are not the default engine's: the bars hold over such differences.
+That the main job learns with this override is ``tests/recipes/test_learning.py`` (it shares
+the default sampler's warm-up).
 """
 
 from __future__ import annotations
@@ -21,8 +18,6 @@ import pytest
 
 from arctic_platform.client import create_arctic_rl_client
 from arctic_platform.recipes.config import load_recipe
-from arctic_platform.recipes.grpo import run_recipe
-from tests.recipes.learning import assert_the_run_learns
 from tests.vllm.conftest import cpu_seconds, needs_vllm
 from tests.vllm.test_cpu_memory import tiny_kv_bytes_per_token
 
@@ -64,12 +59,3 @@ def test_the_readme_configuration_starts_samples_syncs_and_idles(tmp_path):
         )
     finally:
         client.shutdown()
-
-
-@pytest.mark.timeout(1800)  # the SFT warm-up alone is most of the default run's minutes
-def test_grpo_with_the_vllm_sampler_learns(tmp_path):
-    overrides = ["grpo.steps=60", "eval.every=30", "checkpoint.every=0", README_OVERRIDE]
-    recipe = load_recipe(None, overrides)
-    assert recipe.client.sampling.engine == "vllm"
-    summary = run_recipe(recipe, tmp_path / "run", show_progress=False)
-    assert_the_run_learns(summary)
