@@ -205,14 +205,16 @@ class TailLogsBody(_Body):
 
 
 def texts_problem(texts: Any) -> Problem | None:
-    """``tokenize``'s texts: a list of strings (an empty list tokenizes to an empty list). The
-    body model and the client (before sending) both rule with it."""
+    """``tokenize``'s texts: a non-empty list of strings (as ``generate``'s prompts). The body
+    model and the client (before sending) both rule with it."""
     if isinstance(texts, (str, bytes)) or not isinstance(texts, Sequence):
         return Problem(
             "texts",
             f"must be a list of strings (wrap a single text in a list), got {type(texts).__name__}",
             wrong_type=True,
         )
+    if not texts:
+        return Problem("texts", "is empty")
     for i, text in enumerate(texts):
         if not isinstance(text, str):
             return Problem(

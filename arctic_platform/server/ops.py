@@ -285,7 +285,7 @@ def _not_applicable(what: str) -> dict:
 def _tokenize(service, sub, engine: SamplingEngineProtocol, job_id, body: TokenizeBody):
     # Each text's UTF-8 bytes bound its tokens (a byte-level or character tokenizer emits at most
     # one per byte, before specials), so the batch limits bound the ids this answer carries.
-    longest = max((len(text.encode()) for text in body.texts), default=0)
+    longest = max(len(text.encode()) for text in body.texts)
     service.limits.check_batch_shape(OpName.TOKENIZE, len(body.texts), longest)
     if engine is not None and engine.tokenizer is None:
         raise BadRequest(
