@@ -133,7 +133,7 @@ class ClientOps:
 
     jobs: JobHandles
     config: ArcticRLClientConfig
-    _closed: bool = False
+    _closed: bool
 
     def _check_open(self) -> None:
         if self._closed:
