@@ -263,6 +263,7 @@ class FakeSampler(_FakeModel):
     """A sampling sub-job's fake (``SamplingEngineProtocol``)."""
 
     concurrent_generate = False  # no running batch: generates run one at a time
+    tokenizer = None  # no Hugging Face tokenizer (as the Ray replica): ``tokenize`` is a 400
 
     def __init__(self, *, seed: int, weight: float = 0.0) -> None:
         super().__init__(weight=weight)

@@ -1,9 +1,11 @@
-"""What each client op sends, and how its answer is shaped: shared by the sync and async clients.
+"""The client's ops, each written once for the sync and the async client, and their shapes.
 
-An op becomes a :class:`Call`: the requests to deliver in order (one, or four for
-``sync_weights``) and a function that shapes their results. The two client classes only differ
-in how they deliver requests, so argument checking, legacy-argument folding and response shapes
-cannot drift between them.
+An op is one :class:`op_method` of :class:`ClientOps`, the base of both clients: it checks its
+arguments, and returns a :class:`Call`: the requests to deliver in order (one, or four for
+``sync_weights``) and a function that shapes their results. ``SyncArcticRLClient`` runs the Call
+and returns the answer, ``ArcticRLClient`` awaits it; they differ only in how they deliver
+requests, so argument checking, legacy-argument folding and response shapes cannot drift between
+them, and a new op is one method here.
 
 Arguments are checked here, before anything is sent: a wrong type or an unknown key is a
 ``TypeError``/``ValueError`` naming the argument. Responses get the compatibility aliases
@@ -14,9 +16,12 @@ naming the same outputs; ``generate`` returns the list of results with tensors a
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+import functools
+import inspect
+import types
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, Concatenate, Generic, ParamSpec, TypeVar, overload
 
 from arctic_platform.client.config import ArcticRLClientConfig, did_you_mean
 from arctic_platform.client.errors import ArcticRLError
@@ -30,10 +35,15 @@ from arctic_platform.contract.bodies import (
     prompts_problem,
 )
 from arctic_platform.contract.generate_columns import COLUMNS_KEY, request_columns, results_of
-from arctic_platform.contract.ops import OpName, default_role
+from arctic_platform.contract.ops import OpName, default_role, texts_problem
 from arctic_platform.contract.problems import Problem
 from arctic_platform.contract.results import shape_step_result, shape_train_result
 
+if TYPE_CHECKING:
+    from arctic_platform.client.client import ArcticRLClient
+
+P = ParamSpec("P")
+R = TypeVar("R")
 SYNCHRONOUS_SAVES = {
     "pending_saves": 0,
     "finalized": 0,
@@ -42,35 +52,107 @@ SYNCHRONOUS_SAVES = {
 
 
 @dataclass(frozen=True)
-class Call:
+class Call(Generic[R]):
     """The requests of one client op and how to turn their results into its answer."""
 
     requests: list[Request]
-    shape: Callable[[list[Any]], Any]
+    shape: Callable[[list[Any]], R]
 
 
-def _only(shape: Callable[[Any], Any]) -> Callable[[list[Any]], Any]:
+def _only(shape: Callable[[Any], R]) -> Callable[[list[Any]], R]:
     return lambda results: shape(results[0])
 
 
-class OpCalls:
-    """Builds the :class:`Call` of every op for a client's jobs and config."""
+class op_method(Generic[P, R]):
+    """An op of both clients, written once as the :class:`Call` it makes.
 
-    def __init__(self, jobs: JobHandles, config: ArcticRLClientConfig) -> None:
-        self.jobs = jobs
-        self.config = config
+    The decorated function takes the client and the op's arguments and returns the ``Call``. On
+    :class:`~arctic_platform.client.client.SyncArcticRLClient` the method runs it and returns its
+    result; on :class:`~arctic_platform.client.client.ArcticRLClient` it is a coroutine function
+    that awaits it. Both keep the function's name, docstring and signature (``help()``,
+    ``inspect.signature``), and type checkers see ``(args) -> R`` and ``(args) ->
+    Coroutine[..., R]`` through the overloads of ``__get__``. A closed client refuses the op
+    before its arguments are checked.
+    """
+
+    def __init__(self, build: Callable[Concatenate[Any, P], Call[R]]) -> None:
+        self._build = build
+        self._methods: dict[type, Callable[..., Any]] = {}
+        functools.update_wrapper(self, build)
+
+    @overload
+    def __get__(self, client: None, owner: type) -> Callable[..., Any]: ...
+
+    @overload
+    def __get__(
+        self, client: ArcticRLClient, owner: type
+    ) -> Callable[P, Coroutine[Any, Any, R]]: ...
+
+    @overload
+    def __get__(self, client: ClientOps, owner: type) -> Callable[P, R]: ...
+
+    def __get__(self, client: Any, owner: type) -> Any:
+        if not hasattr(owner, "_run"):
+            return self  # on ClientOps itself: no client class to run it yet
+        method = self._methods.get(owner)
+        if method is None:
+            method = self._methods[owner] = self._method_for(owner)
+        return method if client is None else types.MethodType(method, client)
+
+    def _method_for(self, owner: type) -> Callable[..., Any]:
+        """The plain function of ``owner`` (what its instances bind, and what ``help`` shows):
+        blocking, or a coroutine function when ``owner._run`` is one."""
+        build = self._build
+        if inspect.iscoroutinefunction(owner._run):
+
+            async def method(client, *args, **kwargs):
+                client._check_open()
+                return await client._run(build(client, *args, **kwargs))
+
+        else:
+
+            def method(client, *args, **kwargs):
+                client._check_open()
+                return client._run(build(client, *args, **kwargs))
+
+        functools.update_wrapper(method, build)
+        del method.__wrapped__  # its signature is the op's, with the result in place of the Call
+        signature = inspect.signature(build)
+        returned = signature.return_annotation
+        if isinstance(returned, str) and returned.startswith("Call[") and returned.endswith("]"):
+            returned = returned[len("Call[") : -1]
+        method.__signature__ = signature.replace(return_annotation=returned)
+        return method
+
+
+class ClientOps:
+    """The op surface both clients share: each op is one :class:`op_method` here, which checks
+    its arguments (a wrong type or an unknown key is a ``TypeError``/``ValueError`` naming the
+    argument, before anything is sent), builds its requests for the sub-job the op table runs it
+    on, and says how its results become the answer. ``jobs`` and ``config`` are the client's."""
+
+    jobs: JobHandles
+    config: ArcticRLClientConfig
+    _closed: bool
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ArcticRLError("this client was closed (shut down); create a new one")
 
     # -- training ---------------------------------------------------------------------------
 
+    @op_method
     def fwd_bwd(
         self,
         batch: Mapping,
-        processing: Mapping | None,
-        router_replay: Any,
-        meta: Mapping | None,
-        loss_fn: str | None,
-        loss_fn_config: Mapping | None,
-    ) -> Call:
+        processing: Mapping | None = None,
+        router_replay: Any = None,
+        *,
+        meta: Mapping | None = None,
+        loss_fn: str | None = None,
+        loss_fn_config: Mapping | None = None,
+    ) -> Call[dict]:
+        """Accumulate the gradient of the batch's loss: ``{job_id, loss, avg_loss, metrics}``."""
         body = train_body("fwd_bwd", batch, meta=meta, processing=processing)
         if loss_fn is not None or loss_fn_config is not None:
             folded = dict(body.get("processing") or {})
@@ -85,13 +167,16 @@ class OpCalls:
         request = self._request(OpName.FORWARD_BACKWARD, body)
         return Call([request], _only(shape_train_result))
 
+    @op_method
     def fwd_no_grad(
         self,
         batch: Mapping,
-        reference_model: bool,
-        processing: Mapping | None,
-        meta: Mapping | None,
-    ) -> Call:
+        reference_model: bool = False,
+        *,
+        processing: Mapping | None = None,
+        meta: Mapping | None = None,
+    ) -> Call[dict]:
+        """Log-probs without gradients (the reference model with ``reference_model=True``)."""
         if not isinstance(reference_model, bool):
             raise TypeError(
                 f"fwd_no_grad: reference_model must be True or False, got {reference_model!r}"
@@ -101,7 +186,9 @@ class OpCalls:
         request = self._request(OpName.FORWARD, body, reference_model=reference_model)
         return Call([request], _only(shape_train_result))
 
-    def step(self, learning_rate: float | None) -> Call:
+    @op_method
+    def step(self, learning_rate: float | None = None) -> Call[dict]:
+        """Apply the accumulated gradients: ``{job_id, global_steps, last_lr, grad_norm, ...}``."""
         body = {}
         if learning_rate is not None:
             _raise("step", learning_rate_problem(learning_rate))
@@ -109,16 +196,19 @@ class OpCalls:
         request = self._request(OpName.STEP, body)
         return Call([request], _only(shape_step_result))
 
+    @op_method
     def save_checkpoint(
         self,
-        checkpoint_id: str | None,
-        checkpoint_type: str,
-        path: str | None,
-        step: int | None,
-        export_hf: bool,
-        save_total_limit: int | None,
-        stage_info: Mapping | None,
-    ) -> Call:
+        checkpoint_id: str | None = None,
+        checkpoint_type: str = "resumable",
+        path: str | None = None,
+        *,
+        step: int | None = None,
+        export_hf: bool = False,
+        save_total_limit: int | None = None,
+        stage_info: Mapping | None = None,
+    ) -> Call[dict]:
+        """Save weights, optimizer and schedule: ``{path, checkpoint_id, global_step, hf_path}``."""
         if path is None and self.config.training is not None:
             path = self.config.training.checkpoint_dir
         body: dict[str, Any] = {"checkpoint_type": checkpoint_type, "export_hf": export_hf}
@@ -133,13 +223,16 @@ class OpCalls:
         request = self._request(OpName.SAVE, body)
         return Call([request], _only(dict))
 
+    @op_method
     def load_checkpoint(
         self,
-        path: str | None,
-        step: int | None,
-        checkpoint_id: str | None,
-        source_job_id: str | None,
-    ) -> Call:
+        path: str | None = None,
+        *,
+        step: int | None = None,
+        checkpoint_id: str | None = None,
+        source_job_id: str | None = None,
+    ) -> Call[dict]:
+        """Restore a checkpoint by folder (``path``, ``step``) or by ``checkpoint_id``."""
         _raise("load_checkpoint", load_source_problem(path, checkpoint_id))
         if path is None and checkpoint_id is None and self.config.training is not None:
             path = self.config.training.checkpoint_dir
@@ -153,26 +246,40 @@ class OpCalls:
         request = self._request(OpName.LOAD_CHECKPOINT, body)
         return Call([request], _only(dict))
 
-    def sleep_training(self, mode: str) -> Call:
+    @op_method
+    def finalize_pending_saves(self) -> Call[dict]:
+        """Saves are synchronous here, so nothing is ever pending; says so (sends nothing)."""
+        return Call([], lambda results: dict(SYNCHRONOUS_SAVES))
+
+    @op_method
+    def sleep_training(self, mode: str = "all") -> Call[dict]:
+        """Offload the trainer's state (``mode``: ``all``, ``non_lp`` or ``lp_params``)."""
         body = {"mode": _str("sleep_training", "mode", mode)}
         return self._simple(OpName.SLEEP_TRAINING, body)
 
-    def wake_training(self) -> Call:
+    @op_method
+    def wake_training(self) -> Call[dict]:
+        """Bring back what :meth:`sleep_training` offloaded."""
         return self._simple(OpName.WAKE_TRAINING, {})
 
-    def empty_training_cache(self) -> Call:
+    @op_method
+    def empty_training_cache(self) -> Call[dict]:
+        """Release the trainer's cached, unused device memory."""
         return self._simple(OpName.EMPTY_TRAINING_CACHE, {})
 
     # -- inference --------------------------------------------------------------------------
 
+    @op_method
     def generate(
         self,
-        prompts: Sequence | None,
-        sampling_params: Mapping | Sequence | None,
-        routing_key: Any,
-        strict: bool,
-        prompt_ids: Sequence | None,
-    ) -> Call:
+        prompts: Sequence | None = None,
+        sampling_params: Mapping | Sequence | None = None,
+        routing_key: Any = None,
+        strict: bool = False,
+        *,
+        prompt_ids: Sequence | None = None,
+    ) -> Call[list]:
+        """One result per prompt and sample: ``{text, token_ids, finish_reason, ...}``."""
         if prompt_ids is not None:
             if prompts is not None:
                 raise TypeError("generate: give prompts or prompt_ids, not both")
@@ -190,7 +297,11 @@ class OpCalls:
         request = self._request(OpName.GENERATE, body, frame_metadata=request_columns())
         return Call([request], _only(shape_generate_result))
 
-    def log_probs(self, prompts: Sequence, completions: Sequence | None, top_k: int) -> Call:
+    @op_method
+    def log_probs(
+        self, prompts: Sequence, completions: Sequence | None = None, top_k: int = 1
+    ) -> Call[dict]:
+        """Per-token log-probs of completions under the reference (log-prob) model."""
         body: dict[str, Any] = {"prompts": prompt_list("log_probs", prompts)}
         if completions is not None:
             body["completions"] = prompt_list("log_probs", completions, name="completions")
@@ -205,7 +316,28 @@ class OpCalls:
         request = self._request(OpName.LOG_PROBS, body)
         return Call([request], _only(to_python))
 
-    def sync_weights(self, cuda_ipc: bool | None, low_memory: bool | None) -> Call:
+    @op_method
+    def tokenize(
+        self, texts: Sequence[str], add_special_tokens: bool = False
+    ) -> Call[list[list[int]]]:
+        """The token ids of each text under the sampling model's tokenizer, one list per text
+        (``add_special_tokens``: with the BOS/EOS the tokenizer adds; off, as prompts are
+        tokenized). Runs on the sampling job; a backend whose engine holds no tokenizer in the
+        server (``serve --ray``) refuses it with an :class:`InvalidRequestError` saying so."""
+        _raise(OpName.TOKENIZE, texts_problem(texts))
+        if not isinstance(add_special_tokens, bool):
+            raise TypeError(
+                f"tokenize: add_special_tokens must be True or False, got {add_special_tokens!r}"
+            )
+        body = {"texts": list(texts), "add_special_tokens": add_special_tokens}
+        request = self._request(OpName.TOKENIZE, body)
+        return Call([request], _only(lambda result: to_python(result["token_ids"])))
+
+    @op_method
+    def sync_weights(
+        self, cuda_ipc: bool | None = None, low_memory: bool | None = None
+    ) -> Call[dict]:
+        """Copy the trainer's weights into the sampler (wake, sync, wake KV cache, reset cache)."""
         training = self.jobs.require("training")
         sampling = self.jobs.require("sampling")
         payload: dict[str, Any] = {"source_sub_job_id": training, "target_sub_job_ids": [sampling]}
@@ -228,16 +360,25 @@ class OpCalls:
         ]
         return Call(requests, lambda results: dict(results[1]))
 
-    def reset_prefix_cache(self, drain: bool, timeout_s: float, retry_interval_s: float) -> Call:
+    @op_method
+    def reset_prefix_cache(
+        self, drain: bool = True, timeout_s: float = 60.0, retry_interval_s: float = 0.1
+    ) -> Call[dict]:
+        """Drop the sampler's cached prompt prefixes (``drain``: after the running requests)."""
         request = self._reset_prefix_cache_request(drain, timeout_s, retry_interval_s)
         return Call([request], _only(dict))
 
-    def sleep_inference(self, level: int) -> Call:
+    @op_method
+    def sleep_inference(self, level: int = 1) -> Call[dict]:
+        """Release the sampler's memory (level 1: weights offloaded, 2: discarded)."""
         if isinstance(level, bool) or level not in (1, 2):
             raise ValueError(f"sleep_inference: level must be 1 or 2, got {level!r}")
         return self._simple(OpName.SLEEP_INFERENCE, {"level": level})
 
-    def wake_inference(self, tags: Sequence[str] | None) -> Call:
+    @op_method
+    def wake_inference(self, tags: Sequence[str] | None = None) -> Call[dict]:
+        """Bring back what :meth:`sleep_inference` released (``tags``: ``weights``,
+        ``kv_cache``; all when None)."""
         if tags is not None:
             if isinstance(tags, str) or not all(isinstance(t, str) for t in tags):
                 raise TypeError(f"wake_inference: tags must be a list of strings, got {tags!r}")
@@ -266,7 +407,7 @@ class OpCalls:
         role = default_role(op, reference_model=reference_model)
         return Request(op, self.jobs.require(role), body, frame_metadata=frame_metadata)
 
-    def _simple(self, op: str, body: Any) -> Call:
+    def _simple(self, op: str, body: Any) -> Call[dict]:
         return Call([self._request(op, body)], _only(dict))
 
 

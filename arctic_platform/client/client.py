@@ -1,8 +1,9 @@
 """The op surface frameworks call: ``ArcticRLClient`` (async) and ``SyncArcticRLClient``.
 
 Both create (or attach to) their jobs when constructed and expose the same ops with the same
-arguments and the same response shapes on every backend (see :mod:`arctic_platform.client.calls`
-for the bodies and shapes, :mod:`arctic_platform.client.transport` for delivery).
+arguments and the same response shapes on every backend: each op is written once in
+:mod:`arctic_platform.client.calls` (its arguments, requests and answer's shape); the classes here
+say only how a call is delivered, blocking or awaited (:mod:`arctic_platform.client.transport`).
 
 Event loops: the async client binds nothing to a loop. Its ops hand the blocking transport call
 to a worker thread (``asyncio.to_thread``; the in-process transport awaits the Service's future
@@ -19,17 +20,19 @@ server_state)`` attaches to the same jobs; the attached client never destroys th
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Mapping, Sequence
-from typing import Any
+from collections.abc import Awaitable, Mapping
+from typing import Any, TypeVar
 
-from arctic_platform.client.calls import SYNCHRONOUS_SAVES, Call, OpCalls
+from arctic_platform.client.calls import Call, ClientOps
 from arctic_platform.client.config import ArcticRLClientConfig, load_config
-from arctic_platform.client.errors import ArcticRLError
 from arctic_platform.client.transport import JobHandles, Transport, initialize_or_cleanup
 
+R = TypeVar("R")
 
-class _ClientBase:
-    """Construction, job handles and reconnect support shared by both clients."""
+
+class _ClientBase(ClientOps):
+    """Construction, job handles and reconnect support shared by both clients; their ops are
+    :class:`~arctic_platform.client.calls.ClientOps`'s."""
 
     def __init__(
         self,
@@ -50,7 +53,6 @@ class _ClientBase:
             self.config, server_state, http_transport=http_transport
         )
         self.jobs: JobHandles = initialize_or_cleanup(self.transport)
-        self._calls = OpCalls(self.jobs, self.config)
         self._closed = False
 
     @property
@@ -81,11 +83,6 @@ class _ClientBase:
         """What a reconnecting client needs besides the ids (None when the ids suffice)."""
         return self.transport.get_server_state()
 
-    def _calls_or_raise(self) -> OpCalls:
-        if self._closed:
-            raise ArcticRLError("this client was closed (shut down); create a new one")
-        return self._calls
-
     def _mark_closed(self) -> bool:
         """Refuse new ops from now on; True for the one call that must release the transport."""
         closing, self._closed = not self._closed, True
@@ -100,125 +97,8 @@ class _ClientBase:
 class SyncArcticRLClient(_ClientBase):
     """The blocking client: every op returns its result."""
 
-    def _run(self, call: Call) -> Any:
+    def _run(self, call: Call[R]) -> R:
         return call.shape([self.transport.call(request) for request in call.requests])
-
-    def fwd_bwd(
-        self,
-        batch: Mapping,
-        processing: Mapping | None = None,
-        router_replay: Any = None,
-        *,
-        meta: Mapping | None = None,
-        loss_fn: str | None = None,
-        loss_fn_config: Mapping | None = None,
-    ) -> dict:
-        """Accumulate the gradient of the batch's loss: ``{job_id, loss, avg_loss, metrics}``."""
-        ops = self._calls_or_raise()
-        return self._run(
-            ops.fwd_bwd(batch, processing, router_replay, meta, loss_fn, loss_fn_config)
-        )
-
-    def fwd_no_grad(
-        self,
-        batch: Mapping,
-        reference_model: bool = False,
-        *,
-        processing: Mapping | None = None,
-        meta: Mapping | None = None,
-    ) -> dict:
-        """Log-probs without gradients (the reference model with ``reference_model=True``)."""
-        return self._run(
-            self._calls_or_raise().fwd_no_grad(batch, reference_model, processing, meta)
-        )
-
-    def step(self, learning_rate: float | None = None) -> dict:
-        """Apply the accumulated gradients: ``{job_id, global_steps, last_lr, grad_norm, ...}``."""
-        return self._run(self._calls_or_raise().step(learning_rate))
-
-    def save_checkpoint(
-        self,
-        checkpoint_id: str | None = None,
-        checkpoint_type: str = "resumable",
-        path: str | None = None,
-        *,
-        step: int | None = None,
-        export_hf: bool = False,
-        save_total_limit: int | None = None,
-        stage_info: Mapping | None = None,
-    ) -> dict:
-        """Save weights, optimizer and schedule: ``{path, checkpoint_id, global_step, hf_path}``."""
-        return self._run(
-            self._calls_or_raise().save_checkpoint(
-                checkpoint_id, checkpoint_type, path, step, export_hf, save_total_limit, stage_info
-            )
-        )
-
-    def load_checkpoint(
-        self,
-        path: str | None = None,
-        *,
-        step: int | None = None,
-        checkpoint_id: str | None = None,
-        source_job_id: str | None = None,
-    ) -> dict:
-        """Restore a checkpoint by folder (``path``, ``step``) or by ``checkpoint_id``."""
-        return self._run(
-            self._calls_or_raise().load_checkpoint(path, step, checkpoint_id, source_job_id)
-        )
-
-    def finalize_pending_saves(self) -> dict:
-        """Saves are synchronous here, so nothing is ever pending; says so."""
-        self._calls_or_raise()
-        return dict(SYNCHRONOUS_SAVES)
-
-    def generate(
-        self,
-        prompts: Sequence | None = None,
-        sampling_params: Mapping | Sequence | None = None,
-        routing_key: Any = None,
-        strict: bool = False,
-        *,
-        prompt_ids: Sequence | None = None,
-    ) -> list:
-        """One result per prompt and sample: ``{text, token_ids, finish_reason, ...}``."""
-        return self._run(
-            self._calls_or_raise().generate(
-                prompts, sampling_params, routing_key, strict, prompt_ids
-            )
-        )
-
-    def log_probs(
-        self, prompts: Sequence, completions: Sequence | None = None, top_k: int = 1
-    ) -> dict:
-        """Per-token log-probs of completions under the reference (log-prob) model."""
-        return self._run(self._calls_or_raise().log_probs(prompts, completions, top_k))
-
-    def sync_weights(self, cuda_ipc: bool | None = None, low_memory: bool | None = None) -> dict:
-        """Copy the trainer's weights into the sampler (wake, sync, wake KV cache, reset cache)."""
-        return self._run(self._calls_or_raise().sync_weights(cuda_ipc, low_memory))
-
-    def reset_prefix_cache(
-        self, drain: bool = True, timeout_s: float = 60.0, retry_interval_s: float = 0.1
-    ) -> dict:
-        return self._run(
-            self._calls_or_raise().reset_prefix_cache(drain, timeout_s, retry_interval_s)
-        )
-
-    def sleep_inference(self, level: int = 1) -> dict:
-        return self._run(self._calls_or_raise().sleep_inference(level))
-
-    def wake_inference(self, tags: Sequence[str] | None = None) -> dict:
-        return self._run(self._calls_or_raise().wake_inference(tags))
-
-    def sleep_training(self, mode: str = "all") -> dict:
-        return self._run(self._calls_or_raise().sleep_training(mode))
-
-    def wake_training(self) -> dict:
-        return self._run(self._calls_or_raise().wake_training())
-
-    def empty_training_cache(self) -> dict:
-        return self._run(self._calls_or_raise().empty_training_cache())
 
     def shutdown(self) -> None:
         """The older name of :meth:`close`."""
@@ -241,125 +121,9 @@ class _Done:
 class ArcticRLClient(_ClientBase):
     """The async client: every op is a coroutine, usable from any event loop (module doc)."""
 
-    async def _run(self, call: Call) -> Any:
+    async def _run(self, call: Call[R]) -> R:
         results = [await self.transport.acall(request) for request in call.requests]
         return call.shape(results)
-
-    async def fwd_bwd(
-        self,
-        batch: Mapping,
-        processing: Mapping | None = None,
-        router_replay: Any = None,
-        *,
-        meta: Mapping | None = None,
-        loss_fn: str | None = None,
-        loss_fn_config: Mapping | None = None,
-    ) -> dict:
-        """Accumulate the gradient of the batch's loss: ``{job_id, loss, avg_loss, metrics}``."""
-        ops = self._calls_or_raise()
-        return await self._run(
-            ops.fwd_bwd(batch, processing, router_replay, meta, loss_fn, loss_fn_config)
-        )
-
-    async def fwd_no_grad(
-        self,
-        batch: Mapping,
-        reference_model: bool = False,
-        *,
-        processing: Mapping | None = None,
-        meta: Mapping | None = None,
-    ) -> dict:
-        """Log-probs without gradients (the reference model with ``reference_model=True``)."""
-        ops = self._calls_or_raise()
-        return await self._run(ops.fwd_no_grad(batch, reference_model, processing, meta))
-
-    async def step(self, learning_rate: float | None = None) -> dict:
-        """Apply the accumulated gradients: ``{job_id, global_steps, last_lr, grad_norm, ...}``."""
-        return await self._run(self._calls_or_raise().step(learning_rate))
-
-    async def save_checkpoint(
-        self,
-        checkpoint_id: str | None = None,
-        checkpoint_type: str = "resumable",
-        path: str | None = None,
-        *,
-        step: int | None = None,
-        export_hf: bool = False,
-        save_total_limit: int | None = None,
-        stage_info: Mapping | None = None,
-    ) -> dict:
-        """Save weights, optimizer and schedule: ``{path, checkpoint_id, global_step, hf_path}``."""
-        return await self._run(
-            self._calls_or_raise().save_checkpoint(
-                checkpoint_id, checkpoint_type, path, step, export_hf, save_total_limit, stage_info
-            )
-        )
-
-    async def load_checkpoint(
-        self,
-        path: str | None = None,
-        *,
-        step: int | None = None,
-        checkpoint_id: str | None = None,
-        source_job_id: str | None = None,
-    ) -> dict:
-        """Restore a checkpoint by folder (``path``, ``step``) or by ``checkpoint_id``."""
-        return await self._run(
-            self._calls_or_raise().load_checkpoint(path, step, checkpoint_id, source_job_id)
-        )
-
-    async def finalize_pending_saves(self) -> dict:
-        """Saves are synchronous here, so nothing is ever pending; says so."""
-        self._calls_or_raise()
-        return dict(SYNCHRONOUS_SAVES)
-
-    async def generate(
-        self,
-        prompts: Sequence | None = None,
-        sampling_params: Mapping | Sequence | None = None,
-        routing_key: Any = None,
-        strict: bool = False,
-        *,
-        prompt_ids: Sequence | None = None,
-    ) -> list:
-        """One result per prompt and sample: ``{text, token_ids, finish_reason, ...}``."""
-        ops = self._calls_or_raise()
-        return await self._run(
-            ops.generate(prompts, sampling_params, routing_key, strict, prompt_ids)
-        )
-
-    async def log_probs(
-        self, prompts: Sequence, completions: Sequence | None = None, top_k: int = 1
-    ) -> dict:
-        """Per-token log-probs of completions under the reference (log-prob) model."""
-        return await self._run(self._calls_or_raise().log_probs(prompts, completions, top_k))
-
-    async def sync_weights(
-        self, cuda_ipc: bool | None = None, low_memory: bool | None = None
-    ) -> dict:
-        """Copy the trainer's weights into the sampler (wake, sync, wake KV cache, reset cache)."""
-        return await self._run(self._calls_or_raise().sync_weights(cuda_ipc, low_memory))
-
-    async def reset_prefix_cache(
-        self, drain: bool = True, timeout_s: float = 60.0, retry_interval_s: float = 0.1
-    ) -> dict:
-        ops = self._calls_or_raise()
-        return await self._run(ops.reset_prefix_cache(drain, timeout_s, retry_interval_s))
-
-    async def sleep_inference(self, level: int = 1) -> dict:
-        return await self._run(self._calls_or_raise().sleep_inference(level))
-
-    async def wake_inference(self, tags: Sequence[str] | None = None) -> dict:
-        return await self._run(self._calls_or_raise().wake_inference(tags))
-
-    async def sleep_training(self, mode: str = "all") -> dict:
-        return await self._run(self._calls_or_raise().sleep_training(mode))
-
-    async def wake_training(self) -> dict:
-        return await self._run(self._calls_or_raise().wake_training())
-
-    async def empty_training_cache(self) -> dict:
-        return await self._run(self._calls_or_raise().empty_training_cache())
 
     async def aclose(self) -> None:
         """:meth:`close` in a worker thread, so the event loop keeps running meanwhile."""

@@ -1,8 +1,8 @@
-"""The JSON body of every op, as pydantic models that forbid unknown keys.
+"""The rules on op body values that several edges apply, and the tensor envelopes' keys.
 
-The server validates each body against its model before anything runs (a typo is a 400 naming the
-key); :mod:`arctic_platform.contract.ops` names which model each op takes. Tensor envelopes
-(forward-backward, forward) are described by :data:`TRAIN_ENVELOPE_KEYS` and
+Each op's body model sits beside its row in :mod:`arctic_platform.contract.ops` (one place per
+op); the rules here are the ones that the engines apply too, so they live apart from any one model.
+Tensor envelopes (forward-backward, forward) are described by :data:`TRAIN_ENVELOPE_KEYS` and
 :data:`SNOWAPI_ENVELOPE_KEYS`, which the client checks before sending and the server on receipt.
 
 Values that every edge checks are ruled on here once: :func:`learning_rate_problem`,
@@ -18,21 +18,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
-from typing import Annotated, Any, Literal
+from typing import Any
 
 import numpy as np
-from pydantic import (
-    BaseModel,
-    BeforeValidator,
-    ConfigDict,
-    Field,
-    NonNegativeInt,
-    model_validator,
-)
+from pydantic import BeforeValidator
 from pydantic_core import PydanticCustomError
 
 from arctic_platform.contract.problems import Problem
-from arctic_platform.contract.sampling_params import sampling_params_problem
 
 # The tensor envelope of forward-backward / forward: the on-prem (verl) form and the SnowAPI form.
 TRAIN_ENVELOPE_KEYS = frozenset({"batch", "meta", "processing", "router_replay", "reference_model"})
@@ -120,8 +112,9 @@ def longest_row_problem(
     return context_problem(field.format(row=row), what.format(row=row), int(lengths[row]), context)
 
 
-def _ruled_by(problem_of: Callable[[Any], Problem | None]) -> BeforeValidator:
-    """A field validator that applies one of the rules above (its message, the field's path)."""
+def ruled_by(problem_of: Callable[[Any], Problem | None]) -> BeforeValidator:
+    """A body model's field validator that applies a rule (its message, the field's path): one of
+    the rules above, or an op's own beside its model in :mod:`arctic_platform.contract.ops`."""
 
     def check(value: Any) -> Any:
         problem = problem_of(value)
@@ -130,107 +123,3 @@ def _ruled_by(problem_of: Callable[[Any], Problem | None]) -> BeforeValidator:
         return value
 
     return BeforeValidator(check)
-
-
-def _completions_problem(value: Any) -> Problem | None:
-    return None if value is None else prompts_problem(value, name="completions")
-
-
-Prompts = Annotated[list[str | list[int]], _ruled_by(prompts_problem)]
-
-
-class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class StepBody(_Body):
-    learning_rate: Annotated[float | None, _ruled_by(learning_rate_problem)] = None
-
-
-# A checkpoint's step is an int64, so its folder name (``checkpoint-<step>``) stays a short name.
-Step = Annotated[int, Field(ge=0, le=2**63 - 1)]
-
-
-class SaveBody(_Body):
-    checkpoint_id: str | None = None
-    checkpoint_type: Literal["resumable", "weights-only"] = "resumable"
-    path: str | None = None
-    step: Step | None = None
-    export_hf: bool = False
-    save_total_limit: NonNegativeInt | None = None
-    stage_info: dict[str, Any] | None = None
-
-
-class LoadBody(_Body):
-    """On-prem form ``{path, step}`` or Cortex form ``{checkpoint_id, source_job_id?}``."""
-
-    path: str | None = None
-    step: Step | None = None
-    checkpoint_id: str | None = None
-    source_job_id: str | None = None
-    target_sub_job_id: str | None = None
-
-    @model_validator(mode="after")
-    def _one_source(self) -> LoadBody:
-        problem = load_source_problem(self.path, self.checkpoint_id)
-        if problem is not None:
-            raise PydanticCustomError("invalid_value", "{problem}", {"problem": str(problem)})
-        return self
-
-
-class GenerateBody(_Body):
-    prompts: Prompts
-    # Kept as sent (the engines read it with SamplingParams.from_request), ruled on here.
-    sampling_params: Annotated[
-        dict[str, Any] | list[dict[str, Any] | None] | None, _ruled_by(sampling_params_problem)
-    ] = None
-    routing_key: Any = None
-    strict: bool = False
-
-
-class LogProbsBody(_Body):
-    prompts: Prompts
-    completions: Annotated[list[str | list[int]] | None, _ruled_by(_completions_problem)] = None
-    top_k: NonNegativeInt = 1
-
-
-class WeightSyncBody(_Body):
-    source_sub_job_id: str | int | None = None
-    target_sub_job_ids: list[str | int] = Field(min_length=1)
-    cuda_ipc: bool | None = None
-    low_memory: bool | None = None
-    weight_format: Literal["vllm", "hf", "lora"] | None = None
-
-
-class ResetPrefixCacheBody(_Body):
-    drain: bool = True
-    timeout_s: float = Field(60.0, gt=0.0)
-    retry_interval_s: float = Field(0.1, gt=0.0)
-
-
-class SleepInferenceBody(_Body):
-    level: int = Field(1, ge=1, le=2)
-
-
-class SleepTrainingBody(_Body):
-    mode: Literal["all", "non_lp", "lp_params"] = "all"
-
-
-class EmptyBody(_Body):
-    pass
-
-
-class CancelRequestBody(_Body):
-    request_id: str = Field(min_length=1)
-
-
-class TailLogsBody(_Body):
-    cursor: str | int | None = None
-    max_lines: int = Field(200, ge=1, le=10_000)
-
-
-class OperationBody(_Body):
-    operation_type: str = Field(min_length=1)
-    sub_job_id: str | int | None = None
-    sub_job_type: str | None = None
-    payload: dict[str, Any] = Field(default_factory=dict)

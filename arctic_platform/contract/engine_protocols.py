@@ -99,15 +99,25 @@ class TrainingEngineProtocol(Engine, Protocol):
     def empty_cache(self) -> dict: ...
 
 
+class Tokenizer(Protocol):
+    """What the server calls on a model's tokenizer (a Hugging Face one: ``tokenizer(texts,
+    add_special_tokens=...)["input_ids"]``, one id list per text)."""
+
+    def __call__(self, text: list[str], *, add_special_tokens: bool = ...) -> Mapping[str, Any]: ...
+
+
 @runtime_checkable
 class SamplingEngineProtocol(Engine, Protocol):
-    """A sampling sub-job's engine (``generate``, ``generate-stream``, colocation; Tinker's
-    ``asample``)."""
+    """A sampling sub-job's engine (``generate``, ``generate-stream``, ``tokenize``, colocation;
+    Tinker's ``asample``)."""
 
     # Whether calls from several threads decode together in one running batch (our sampler with
     # ``continuous_batching``): the server then lets the sub-job's generate ops overlap
     # (``server/sub_job_queue.py``); False runs them one at a time.
     concurrent_generate: bool
+    # The model's tokenizer where the engine holds one in this process (ours and vLLM's); None
+    # where the model lives elsewhere (the Ray replica, in an actor): ``tokenize`` is then a 400.
+    tokenizer: Tokenizer | None
 
     def generate(
         self, prompts: Sequence[Prompt], sampling_params: SamplingParamsArg = None

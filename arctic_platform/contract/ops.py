@@ -1,5 +1,11 @@
 """The op table: every op's facts, written once, read by the client, both routers and the Service.
 
+An op is defined here in one place: its :class:`OpName` member, its body model (the pydantic
+model its JSON body validates against, unknown keys are errors; with any rule of its own that the
+client applies too) and its row in the table. The server runs it with one runner in
+``server/ops.py`` and the client sends it from one method in ``client/calls.py``
+(``docs/architecture.md``, "Where to add things").
+
 Each :class:`Op` says what an op is on every side of the wire:
 
 * ``name``: its canonical name (the on-prem route segment, the ``operation_type``, the name the
@@ -27,13 +33,22 @@ Nothing here imports torch, FastAPI or the server: the client-only install reads
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, model_validator
+from pydantic_core import PydanticCustomError
 
-from arctic_platform.contract import bodies
+from arctic_platform.contract.bodies import (
+    learning_rate_problem,
+    load_source_problem,
+    prompts_problem,
+    ruled_by,
+)
+from arctic_platform.contract.problems import Problem
+from arctic_platform.contract.sampling_params import sampling_params_problem
 
 Role = Literal["training", "sampling", "log_prob"]
 ROLES: tuple[Role, ...] = ("training", "sampling", "log_prob")
@@ -65,6 +80,7 @@ class OpName(StrEnum):
     EMPTY_TRAINING_CACHE = "empty-training-cache"
     CANCEL_REQUEST = "cancel-request"
     TAIL_LOGS = "tail-logs"
+    TOKENIZE = "tokenize"
 
     def __repr__(self) -> str:
         # Messages show an op with ``!r`` (``op 'step' does not run on ...``) or list the table
@@ -88,6 +104,144 @@ class Op:
     client_op: bool = True
 
 
+# -- the op bodies (in the table's order) ------------------------------------------------------
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StepBody(_Body):
+    learning_rate: Annotated[float | None, ruled_by(learning_rate_problem)] = None
+
+
+# A checkpoint's step is an int64, so its folder name (``checkpoint-<step>``) stays a short name.
+Step = Annotated[int, Field(ge=0, le=2**63 - 1)]
+
+
+class SaveBody(_Body):
+    checkpoint_id: str | None = None
+    checkpoint_type: Literal["resumable", "weights-only"] = "resumable"
+    path: str | None = None
+    step: Step | None = None
+    export_hf: bool = False
+    save_total_limit: NonNegativeInt | None = None
+    stage_info: dict[str, Any] | None = None
+
+
+class LoadBody(_Body):
+    """On-prem form ``{path, step}`` or Cortex form ``{checkpoint_id, source_job_id?}``."""
+
+    path: str | None = None
+    step: Step | None = None
+    checkpoint_id: str | None = None
+    source_job_id: str | None = None
+    target_sub_job_id: str | None = None
+
+    @model_validator(mode="after")
+    def _one_source(self) -> LoadBody:
+        problem = load_source_problem(self.path, self.checkpoint_id)
+        if problem is not None:
+            raise PydanticCustomError("invalid_value", "{problem}", {"problem": str(problem)})
+        return self
+
+
+def _completions_problem(value: Any) -> Problem | None:
+    return None if value is None else prompts_problem(value, name="completions")
+
+
+Prompts = Annotated[list[str | list[int]], ruled_by(prompts_problem)]
+
+
+class GenerateBody(_Body):
+    prompts: Prompts
+    # Kept as sent (the engines read it with SamplingParams.from_request), ruled on here.
+    sampling_params: Annotated[
+        dict[str, Any] | list[dict[str, Any] | None] | None, ruled_by(sampling_params_problem)
+    ] = None
+    routing_key: Any = None
+    strict: bool = False
+
+
+class LogProbsBody(_Body):
+    prompts: Prompts
+    completions: Annotated[list[str | list[int]] | None, ruled_by(_completions_problem)] = None
+    top_k: NonNegativeInt = 1
+
+
+class WeightSyncBody(_Body):
+    source_sub_job_id: str | int | None = None
+    target_sub_job_ids: list[str | int] = Field(min_length=1)
+    cuda_ipc: bool | None = None
+    low_memory: bool | None = None
+    weight_format: Literal["vllm", "hf", "lora"] | None = None
+
+
+class ResetPrefixCacheBody(_Body):
+    drain: bool = True
+    timeout_s: float = Field(60.0, gt=0.0)
+    retry_interval_s: float = Field(0.1, gt=0.0)
+
+
+class SleepInferenceBody(_Body):
+    level: int = Field(1, ge=1, le=2)
+
+
+class SleepTrainingBody(_Body):
+    mode: Literal["all", "non_lp", "lp_params"] = "all"
+
+
+class EmptyBody(_Body):
+    pass
+
+
+class CancelRequestBody(_Body):
+    request_id: str = Field(min_length=1)
+
+
+class TailLogsBody(_Body):
+    cursor: str | int | None = None
+    max_lines: int = Field(200, ge=1, le=10_000)
+
+
+def texts_problem(texts: Any) -> Problem | None:
+    """``tokenize``'s texts: a non-empty list of strings (as ``generate``'s prompts). The body
+    model and the client (before sending) both rule with it."""
+    if isinstance(texts, (str, bytes)) or not isinstance(texts, Sequence):
+        return Problem(
+            "texts",
+            f"must be a list of strings (wrap a single text in a list), got {type(texts).__name__}",
+            wrong_type=True,
+        )
+    if not texts:
+        return Problem("texts", "is empty")
+    for i, text in enumerate(texts):
+        if not isinstance(text, str):
+            return Problem(
+                f"texts[{i}]", f"must be a string, got {type(text).__name__}", wrong_type=True
+            )
+    return None
+
+
+class TokenizeBody(_Body):
+    """Texts to token ids with the sampling sub-job's tokenizer (``add_special_tokens``: the
+    model's BOS/EOS as the tokenizer adds them; off by default, as prompts are tokenized)."""
+
+    texts: Annotated[list[str], ruled_by(texts_problem)]
+    add_special_tokens: bool = False
+
+
+class OperationBody(_Body):
+    """The ``/operation`` envelope (both APIs): an operation type and its payload."""
+
+    operation_type: str = Field(min_length=1)
+    sub_job_id: str | int | None = None
+    sub_job_type: str | None = None
+    payload: dict[str, Any] = Field(default_factory=dict)
+
+
+# -- the table ---------------------------------------------------------------------------------
+
 _TABLE = (
     Op(
         OpName.FORWARD_BACKWARD,
@@ -105,13 +259,13 @@ _TABLE = (
         cortex_route="forward-no-grad",
         retry="safe",
     ),
-    Op(OpName.STEP, ("training",), bodies.StepBody, cortex_route="step"),
-    Op(OpName.SAVE, ("training",), bodies.SaveBody, cortex_route="save"),
-    Op(OpName.LOAD_CHECKPOINT, ("training",), bodies.LoadBody, cortex_route="load"),
+    Op(OpName.STEP, ("training",), StepBody, cortex_route="step"),
+    Op(OpName.SAVE, ("training",), SaveBody, cortex_route="save"),
+    Op(OpName.LOAD_CHECKPOINT, ("training",), LoadBody, cortex_route="load"),
     Op(
         OpName.GENERATE,
         ("sampling",),
-        bodies.GenerateBody,
+        GenerateBody,
         binary_request=True,
         binary_result=True,
         cortex_route="generate",
@@ -120,7 +274,7 @@ _TABLE = (
     Op(
         OpName.GENERATE_STREAM,
         ("sampling",),
-        bodies.GenerateBody,
+        GenerateBody,
         onprem=False,
         cortex_route="generate-stream",
         retry="safe",
@@ -129,7 +283,7 @@ _TABLE = (
     Op(
         OpName.LOG_PROBS,
         ("log_prob",),
-        bodies.LogProbsBody,
+        LogProbsBody,
         binary_result=True,
         cortex_route="log-probs",
         retry="safe",
@@ -137,38 +291,37 @@ _TABLE = (
     Op(
         OpName.WEIGHT_SYNC,
         ("training",),
-        bodies.WeightSyncBody,
+        WeightSyncBody,
         operation="queued",
         client_op=False,
     ),
     Op(
         OpName.RESET_PREFIX_CACHE,
         ("sampling", "log_prob"),
-        bodies.ResetPrefixCacheBody,
+        ResetPrefixCacheBody,
         operation="quick",
         client_op=False,
     ),
     Op(
         OpName.SLEEP_INFERENCE,
         ("sampling", "log_prob"),
-        bodies.SleepInferenceBody,
+        SleepInferenceBody,
         operation="quick",
     ),
     Op(OpName.WAKE_INFERENCE, ("sampling", "log_prob"), operation="quick"),
-    Op(OpName.SLEEP_TRAINING, ("training",), bodies.SleepTrainingBody, operation="quick"),
-    Op(OpName.WAKE_TRAINING, ("training",), bodies.EmptyBody, operation="quick"),
-    Op(OpName.EMPTY_TRAINING_CACHE, ("training",), bodies.EmptyBody, operation="quick"),
+    Op(OpName.SLEEP_TRAINING, ("training",), SleepTrainingBody, operation="quick"),
+    Op(OpName.WAKE_TRAINING, ("training",), EmptyBody, operation="quick"),
+    Op(OpName.EMPTY_TRAINING_CACHE, ("training",), EmptyBody, operation="quick"),
     Op(
         OpName.CANCEL_REQUEST,
         (),
-        bodies.CancelRequestBody,
+        CancelRequestBody,
         onprem=False,
         operation="inline",
         client_op=False,
     ),
-    Op(
-        OpName.TAIL_LOGS, (), bodies.TailLogsBody, onprem=False, operation="inline", client_op=False
-    ),
+    Op(OpName.TAIL_LOGS, (), TailLogsBody, onprem=False, operation="inline", client_op=False),
+    Op(OpName.TOKENIZE, ("sampling",), TokenizeBody, cortex_route="tokenize", retry="safe"),
 )
 
 OPS: dict[str, Op] = {op.name: op for op in _TABLE}

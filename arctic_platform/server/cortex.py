@@ -20,9 +20,8 @@ from fastapi.responses import FileResponse, Response
 
 from arctic_platform import wire
 from arctic_platform.contract import ops as contract
-from arctic_platform.contract.bodies import GenerateBody
 from arctic_platform.contract.generate_columns import as_columns, wants_columns
-from arctic_platform.contract.ops import BINARY_RESULTS, QUICK_OPERATIONS, OpName
+from arctic_platform.contract.ops import BINARY_RESULTS, QUICK_OPERATIONS, GenerateBody, OpName
 from arctic_platform.server.errors import BadRequest, NotFound
 from arctic_platform.server.http_common import (
     frame_of,

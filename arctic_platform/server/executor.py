@@ -65,7 +65,7 @@ class OpExecutor:
         ``target`` is a sub-job id, or a job id (the op's natural sub-job type is then used).
         Inline operations (``cancel-request``, ``tail-logs``) come back with ``sub_job=None``.
         """
-        from arctic_platform.contract.bodies import OperationBody
+        from arctic_platform.contract.ops import OperationBody
         from arctic_platform.server.op_bodies import parse
         from arctic_platform.server.ops import op_kind
 
@@ -103,7 +103,7 @@ class OpExecutor:
 
     def inline_operation(self, target: str, op: str, body: Any, *, owner: str | None) -> dict:
         """Operations answered at once, without entering a queue."""
-        from arctic_platform.contract.bodies import CancelRequestBody, TailLogsBody
+        from arctic_platform.contract.ops import CancelRequestBody, TailLogsBody
         from arctic_platform.server.op_bodies import parse
 
         job_id = target.split(":", 1)[0]

@@ -20,7 +20,7 @@ from arctic_platform.contract.engine_protocols import (
     SamplingEngineProtocol,
     TrainingEngineProtocol,
 )
-from arctic_platform.contract.ops import OpName
+from arctic_platform.contract.ops import OpName, TokenizeBody
 from arctic_platform.server.errors import BadRequest, NotFound
 from arctic_platform.server.op_bodies import parse, train_envelope, wake_tags
 
@@ -34,7 +34,8 @@ def op_kind(op: str, body: Any = None) -> str:
 
 
 def prepare_op(service, sub, op: str, body: Any) -> Callable[[], Any]:
-    """Validate ``body`` for ``op`` on ``sub`` and return the runner (see module doc)."""
+    """Validate ``body`` for ``op`` on ``sub`` (its model from the op table) and return the
+    runner its registered factory makes (see module doc)."""
     if op not in contract.OPS_BY_ROLE[sub.kind]:
         raise BadRequest(
             f"op {op!r} does not run on a {sub.kind} sub-job ({sub.sub_job_id})",
@@ -43,6 +44,23 @@ def prepare_op(service, sub, op: str, body: Any) -> Callable[[], Any]:
     model = contract.OPS[op].request
     parsed = body if model is None else parse(model, body, what=op)
     return _HANDLERS[op](service, sub, sub.engine, sub.sub_job_id, parsed)
+
+
+# op -> its runner factory: ``(service, sub, engine, job_id, body) -> runner``, each registered
+# with ``@_runs`` where it is defined (``tests/contract/test_ops.py`` checks every op of the table
+# that runs on a sub-job has one).
+_Handler = Callable[..., Callable[[], Any]]
+_HANDLERS: dict[str, _Handler] = {}
+
+
+def _runs(op: OpName) -> Callable[[_Handler], _Handler]:
+    """Register the decorated function as ``op``'s runner factory."""
+
+    def register(handler: _Handler) -> _Handler:
+        _HANDLERS[op] = handler
+        return handler
+
+    return register
 
 
 def check_context(
@@ -64,6 +82,7 @@ def check_context(
         raise BadRequest(f"{op}: {problem.field}: {problem.message}", field=problem.field)
 
 
+@_runs(OpName.FORWARD_BACKWARD)
 def _forward_backward(service, sub, engine: TrainingEngineProtocol, job_id, body):
     batch, meta, processing, _ = train_envelope(
         body, op=OpName.FORWARD_BACKWARD, limits=service.limits
@@ -79,6 +98,7 @@ def _forward_backward(service, sub, engine: TrainingEngineProtocol, job_id, body
     return run
 
 
+@_runs(OpName.FORWARD)
 def _forward(service, sub, engine: TrainingEngineProtocol | LogProbEngineProtocol, job_id, body):
     batch, meta, processing, _ = train_envelope(body, op=OpName.FORWARD, limits=service.limits)
     tokens = service.limits.check_batch(OpName.FORWARD, batch)
@@ -92,6 +112,7 @@ def _forward(service, sub, engine: TrainingEngineProtocol | LogProbEngineProtoco
     return run
 
 
+@_runs(OpName.STEP)
 def _step(service, sub, engine: TrainingEngineProtocol, job_id, body):
 
     def run():
@@ -100,6 +121,7 @@ def _step(service, sub, engine: TrainingEngineProtocol, job_id, body):
     return run
 
 
+@_runs(OpName.SAVE)
 def _save(service, sub, engine: TrainingEngineProtocol, job_id, body):
     owner = service.owner_of(sub.job_id)
     path = None
@@ -130,6 +152,7 @@ def _save(service, sub, engine: TrainingEngineProtocol, job_id, body):
     return run
 
 
+@_runs(OpName.LOAD_CHECKPOINT)
 def _load(service, sub, engine: TrainingEngineProtocol, job_id, body):
     owner = service.owner_of(sub.job_id)
     path = None
@@ -149,18 +172,22 @@ def _load(service, sub, engine: TrainingEngineProtocol, job_id, body):
     return run
 
 
+@_runs(OpName.SLEEP_TRAINING)
 def _sleep_training(service, sub, engine, job_id, body):
     return lambda: {"job_id": job_id, "workers": [engine.sleep(body.mode)]}
 
 
+@_runs(OpName.WAKE_TRAINING)
 def _wake_training(service, sub, engine, job_id, body):
     return lambda: {"job_id": job_id, "workers": [engine.wake()]}
 
 
+@_runs(OpName.EMPTY_TRAINING_CACHE)
 def _empty_training_cache(service, sub, engine, job_id, body):
     return lambda: {"job_id": job_id, "workers": [engine.empty_cache()]}
 
 
+@_runs(OpName.WEIGHT_SYNC)
 def _weight_sync(service, sub, engine: TrainingEngineProtocol, job_id, body):
     if body.source_sub_job_id not in (None, job_id):
         raise BadRequest(
@@ -189,6 +216,7 @@ def _weight_sync(service, sub, engine: TrainingEngineProtocol, job_id, body):
     return run
 
 
+@_runs(OpName.GENERATE)
 def _generate(service, sub, engine: SamplingEngineProtocol, job_id, body):
     check_generate(service, engine, OpName.GENERATE, body.prompts, body.sampling_params)
 
@@ -200,6 +228,7 @@ def _generate(service, sub, engine: SamplingEngineProtocol, job_id, body):
     return run
 
 
+@_runs(OpName.GENERATE_STREAM)
 def _generate_stream(service, sub, engine: SamplingEngineProtocol, job_id, body):
     check_generate(service, engine, OpName.GENERATE_STREAM, body.prompts, body.sampling_params)
     return lambda: engine.generate(body.prompts, body.sampling_params)
@@ -215,6 +244,7 @@ def check_generate(
     service.limits.check_generate(op, prompts, sampling_params, context)
 
 
+@_runs(OpName.LOG_PROBS)
 def _log_probs(service, sub, engine: LogProbEngineProtocol, job_id, body):
     service.limits.check_rows(OpName.LOG_PROBS, len(body.prompts))
 
@@ -225,12 +255,14 @@ def _log_probs(service, sub, engine: LogProbEngineProtocol, job_id, body):
     return run
 
 
+@_runs(OpName.SLEEP_INFERENCE)
 def _sleep_inference(service, sub, engine, job_id, body):
     if sub.kind == "log_prob":
         return lambda: {"job_id": job_id, sub.kind: _not_applicable("sleep")}
     return lambda: {"job_id": job_id, sub.kind: engine.sleep(body.level)}
 
 
+@_runs(OpName.WAKE_INFERENCE)
 def _wake_inference(service, sub, engine, job_id, body):
     tags = wake_tags(body)
     if sub.kind == "log_prob":
@@ -238,6 +270,7 @@ def _wake_inference(service, sub, engine, job_id, body):
     return lambda: {"job_id": job_id, sub.kind: engine.wake(tags)}
 
 
+@_runs(OpName.RESET_PREFIX_CACHE)
 def _reset_prefix_cache(service, sub, engine, job_id, body):
     if sub.kind == "log_prob":
         return lambda: {"job_id": job_id, sub.kind: _not_applicable("prefix cache")}
@@ -248,20 +281,21 @@ def _not_applicable(what: str) -> dict:
     return {"status": "not_applicable", "reason": f"the log-prob engine keeps no {what} state"}
 
 
-_HANDLERS = {
-    OpName.FORWARD_BACKWARD: _forward_backward,
-    OpName.FORWARD: _forward,
-    OpName.STEP: _step,
-    OpName.SAVE: _save,
-    OpName.LOAD_CHECKPOINT: _load,
-    OpName.SLEEP_TRAINING: _sleep_training,
-    OpName.WAKE_TRAINING: _wake_training,
-    OpName.EMPTY_TRAINING_CACHE: _empty_training_cache,
-    OpName.WEIGHT_SYNC: _weight_sync,
-    OpName.GENERATE: _generate,
-    OpName.GENERATE_STREAM: _generate_stream,
-    OpName.LOG_PROBS: _log_probs,
-    OpName.SLEEP_INFERENCE: _sleep_inference,
-    OpName.WAKE_INFERENCE: _wake_inference,
-    OpName.RESET_PREFIX_CACHE: _reset_prefix_cache,
-}
+@_runs(OpName.TOKENIZE)
+def _tokenize(service, sub, engine: SamplingEngineProtocol, job_id, body: TokenizeBody):
+    # Each text's UTF-8 bytes bound its tokens (a byte-level or character tokenizer emits at most
+    # one per byte, before specials), so the batch limits bound the ids this answer carries.
+    longest = max(len(text.encode()) for text in body.texts)
+    service.limits.check_batch_shape(OpName.TOKENIZE, len(body.texts), longest)
+    if engine is not None and engine.tokenizer is None:
+        raise BadRequest(
+            f"tokenize: sub-job {job_id} holds no tokenizer in this server: its model lives in "
+            "a Ray actor (serve --ray); tokenize with the model's own tokenizer instead",
+            code="unsupported_op",
+        )
+
+    def run():
+        encoded = engine.tokenizer(body.texts, add_special_tokens=body.add_special_tokens)
+        return {"job_id": job_id, "token_ids": [list(ids) for ids in encoded["input_ids"]]}
+
+    return run

@@ -479,6 +479,8 @@ class RayInferenceEngine:
 
     # The replica actor runs one call at a time, so generates on it do not overlap.
     concurrent_generate = False
+    # The model's tokenizer lives in the actor with the engine, not here (``tokenize`` is a 400).
+    tokenizer = None
 
     def __init__(
         self,

@@ -26,7 +26,16 @@ REFERENCE_CLIENT_OPS = {
 
 def test_the_client_sends_the_reference_op_names_and_no_others():
     assert REFERENCE_CLIENT_OPS <= OPS
-    assert {"empty-training-cache"} == OPS - REFERENCE_CLIENT_OPS
+    assert {"empty-training-cache", "tokenize"} == OPS - REFERENCE_CLIENT_OPS
+
+
+def test_every_op_that_runs_on_a_sub_job_has_a_runner():
+    """An op of the table is served once ``server/ops.py`` registers its runner (``@_runs``);
+    one without a runner would reach the Service and fail there."""
+    from arctic_platform.server.ops import _HANDLERS
+
+    on_sub_jobs = {op.name for op in contract.OPS.values() if op.job_types}
+    assert set(_HANDLERS) == on_sub_jobs
 
 
 def test_every_route_of_the_table_is_served_and_no_other(tmp_path):

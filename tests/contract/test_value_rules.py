@@ -8,14 +8,8 @@ from pydantic import ValidationError
 
 from arctic_platform.client import MockTransport, SyncArcticRLClient
 from arctic_platform.client.calls import prompt_list
-from arctic_platform.contract.bodies import (
-    GenerateBody,
-    LoadBody,
-    LogProbsBody,
-    StepBody,
-    learning_rate_problem,
-    load_source_problem,
-)
+from arctic_platform.contract.bodies import learning_rate_problem, load_source_problem
+from arctic_platform.contract.ops import GenerateBody, LoadBody, LogProbsBody, StepBody
 from arctic_platform.contract.problems import FieldError
 from arctic_platform.engine.config import ModelConfig, SamplingEngineConfig
 from arctic_platform.engine.errors import EngineInputError
