@@ -25,6 +25,7 @@ class RolloutReplay:
 
     vocab_size = 150_000
     max_model_len = 5 + TOKENS
+    concurrent_generate = False
 
     def __init__(self, outputs: list[dict]) -> None:
         self.outputs = outputs
