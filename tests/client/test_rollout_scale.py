@@ -12,6 +12,7 @@ ones.
 from __future__ import annotations
 
 import gc
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -42,7 +43,7 @@ class RolloutReplay:
 
 
 @pytest.fixture(scope="module")
-def rollout() -> list[dict]:
+def rollout() -> Iterator[list[dict]]:
     """8M logprob dicts, built with the cyclic GC off (its passes over the growing heap took most
     of a minute) and then frozen, so the collections the test's decoding triggers skip them."""
     gc.disable()
