@@ -4,17 +4,22 @@
 header of more than 64 MiB, which the codec refuses (``tests/contract/test_generate_columns.py``
 shows that at a smaller size); the client asks for tensor columns, so it arrives intact on both
 HTTP routes (on Cortex as chunked result events). Generating that many
-tokens needs a GPU, so the sampling sub-job's engine is swapped for ``RolloutReplay``, a stand-in
-that hands back a prepared rollout; the server, routes, transports and codec are the real ones.
+tokens needs a GPU, so the server builds ``RolloutReplay`` as the sampling sub-job's engine, a
+stand-in that hands back a prepared rollout; the server, routes, transports and codec are the real
+ones.
 """
 
 from __future__ import annotations
+
+import gc
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
 
 from arctic_platform.client import create_arctic_rl_client
-from tests.client.conftest import TINY, backend_config
+from tests.client.conftest import TINY, backend_config, make_app
+from tests.live_server import serve_app
 
 SAMPLES, TOKENS = 2048, 4096
 
@@ -38,7 +43,20 @@ class RolloutReplay:
 
 
 @pytest.fixture(scope="module")
-def rollout() -> list[dict]:
+def rollout() -> Iterator[list[dict]]:
+    """8M logprob dicts, built with the cyclic GC off (its passes over the growing heap took most
+    of a minute) and then frozen, so the collections the test's decoding triggers skip them."""
+    gc.disable()
+    try:
+        out = build_rollout()
+    finally:
+        gc.enable()
+    gc.freeze()
+    yield out
+    gc.unfreeze()
+
+
+def build_rollout() -> list[dict]:
     rng = np.random.default_rng(0)
     ids = rng.integers(0, 150_000, SAMPLES * TOKENS).tolist()
     values = np.log(rng.random(SAMPLES * TOKENS, dtype=np.float32) + 1e-6).tolist()
@@ -63,20 +81,39 @@ def rollout() -> list[dict]:
     return out
 
 
+@pytest.fixture(scope="module")
+def replay_server(rollout, tmp_path_factory):
+    """Our real server, whose sampling sub-jobs run ``RolloutReplay`` and whose other sub-jobs
+    (the client's training job, not used here) run FakeEngine: no model is built."""
+    from arctic_platform.server.service import Service, ServiceSettings
+    from tests.fake_engine import build_fake_engine
+
+    def replay_engine(service, sub, source):
+        if sub.kind == "sampling":
+            return RolloutReplay(rollout)
+        return build_fake_engine(service, sub, source)
+
+    service = Service(
+        ServiceSettings(data_dir=tmp_path_factory.mktemp("server"), device="cpu"),
+        engine_builder=replay_engine,
+    )
+    with serve_app(make_app(service)) as url:
+        yield url
+    service.close()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["http", "cortex"])
 def test_a_2048_by_4096_rollout_with_logprobs_arrives_intact(
-    kind, rollout, service, server_url, tmp_path
+    kind, rollout, replay_server, tmp_path
 ):
     config = {
         "model": TINY,
         "tensor_type": "numpy",
-        "backend": backend_config(kind, server_url, tmp_path),
+        "backend": backend_config(kind, replay_server, tmp_path),
         "sampling": {},
     }
     with create_arctic_rl_client(config, blocking_calls=True) as client:
-        sub = service.resolve(client.sampling_job_id, owner=None)
-        sub.engine = RolloutReplay(rollout)
         received = client.generate(["1+1="], {"logprobs": 0})
     assert len(received) == SAMPLES
     assert received == rollout
