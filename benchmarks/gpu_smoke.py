@@ -5,7 +5,8 @@ intermediate 3072, the 151,936-token vocabulary, tied embeddings: ``QWEN3_0_6B``
 locally with random weights and a word-level tokenizer covering its whole vocabulary, written as
 an ordinary HF folder, and loaded by the engines as any checkpoint is. Nothing is downloaded.
 
-Measured, in this order (each phase releases its engines before the next):
+Measured (they run as train, sample, weight sync, transformers' ``generate``, fsdp; the trainer
+and sampler are released after the weight sync, before the others load their own models):
 
 1. **train**: ``TrainingEngine`` in bf16, GRPO ``fwd_bwd`` (``verl_grpo``) over ``--rows`` x
    ``--seq`` tokens split into microbatches of ``--microbatch-tokens``, then ``step``; the median
@@ -17,7 +18,11 @@ Measured, in this order (each phase releases its engines before the next):
    to run its code on one GPU. Its first loss must equal the plain engine's.
 3. **sample**: ``SamplingEngine`` in bf16, ``--prompts`` prompts of ``--prompt-len`` tokens,
    ``--gen-len`` new tokens each (``min_tokens`` = ``max_tokens``, so every sample runs to
-   length). Generated tokens/s.
+   length). Generated tokens/s, against the baseline a user has without us measured in the same
+   run: transformers' ``generate`` on the same model and prompts, at torch's default attention
+   backends and with cuDNN's off as our engines run (``hf_generate``,
+   ``hf_generate_no_cudnn_sdp``). ``--profile PATH`` also writes where a short ``generate``'s
+   time goes (``torch.profiler`` and ``cProfile`` tables).
 4. **weight sync**: trainer -> sampler in process (``sync_in_process``) after a step; the
    sampler's tensors must then equal the trainer's exactly.
 
@@ -29,7 +34,9 @@ PaLM does). Peak: the H200's dense bf16 rate from its datasheet, 989 TFLOP/s (``
 a matmul measured here reached about 790.
 
 Run on a GPU: ``python -m benchmarks.gpu_smoke`` (``benchmarks/gpu_check.sh`` runs it with the
-GPU tests). On a CPU, ``--device cpu --tiny`` runs the same path on a tiny model in seconds.
+GPU tests); ``--phases sample`` (comma-separated) runs only some phases. A phase that fails
+records its error and the others still run. On a CPU, ``--device cpu --tiny`` runs the same
+path on a tiny model in seconds.
 Writes ``benchmarks/results/gpu_smoke.json`` (or ``--out``) and prints a table.
 """
 
@@ -42,6 +49,7 @@ import shutil
 import statistics
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
 from benchmarks._common import RESULTS_DIR, machine
@@ -77,6 +85,8 @@ FULL_SIZES |= {"prompts": 64, "prompt_len": 128, "gen_len": 256, "repeat": 5}
 TINY_SIZES = {"rows": 4, "seq": 64, "microbatch_tokens": 128}
 TINY_SIZES |= {"prompts": 4, "prompt_len": 16, "gen_len": 16, "repeat": 2}
 H200_BF16_DENSE_TFLOPS = 989.0
+# The phases, in the order they run (``--phases`` picks some; weight sync needs train and sample).
+PHASES = ("train", "sample", "weight_sync", "fsdp")
 PAD, EOS = "<|endoftext|>", "<|im_end|>"
 SEED = 0
 LR = 1e-3
@@ -262,10 +272,17 @@ def run_fsdp(folder: Path, device: str, gpu: Gpu, sizes: dict, shape: dict) -> d
     return out
 
 
-def run_sample(folder: Path, device: str, gpu: Gpu, sizes: dict, shape: dict) -> tuple:
-    """Phase 3; returns its figures and the sampler (for the weight sync phase)."""
+def sample_prompts(sizes: dict, shape: dict) -> list[list[int]]:
+    """The sampling phase's prompts: ``prompts`` random rows of ``prompt_len`` ids."""
     import numpy as np
 
+    rng = np.random.default_rng(SEED + 1)
+    shape_ = (sizes["prompts"], sizes["prompt_len"])
+    return rng.integers(2, shape["vocab_size"], size=shape_).tolist()
+
+
+def run_sample(folder: Path, device: str, gpu: Gpu, sizes: dict, shape: dict) -> tuple:
+    """Phase 3; returns its figures and the sampler (for the weight sync phase)."""
     from arctic_platform.engine.config import ModelConfig, SamplingEngineConfig
     from arctic_platform.engine.sampler import SamplingEngine
 
@@ -277,9 +294,7 @@ def run_sample(folder: Path, device: str, gpu: Gpu, sizes: dict, shape: dict) ->
             seed=SEED,
         )
     )
-    rng = np.random.default_rng(SEED + 1)
-    prompts = rng.integers(2, shape["vocab_size"], size=(sizes["prompts"], sizes["prompt_len"]))
-    prompts = prompts.tolist()
+    prompts = sample_prompts(sizes, shape)
     params = {"max_tokens": sizes["gen_len"], "min_tokens": sizes["gen_len"], "seed": SEED}
     sampler.generate(prompts[:2], {**params, "max_tokens": 4, "min_tokens": 4})  # warm-up
     gpu.reset_peak()
@@ -294,6 +309,73 @@ def run_sample(folder: Path, device: str, gpu: Gpu, sizes: dict, shape: dict) ->
         "peak_gpu_gib": gpu.peak_gib(),
     }
     return figures, sampler, (prompts[:4], params)
+
+
+def hf_generate(
+    folder: Path, device: str, gpu: Gpu, prompts: list, gen_len: int, *, cudnn_sdp: bool
+) -> dict:
+    """The baseline a user has without us: transformers' ``generate`` on the same model and
+    prompts, sampling at temperature 1 with no filters, every sample run to ``gen_len``.
+    ``cudnn_sdp``: with torch's default attention backends (cuDNN's included), or with cuDNN's
+    off as our engines run (:func:`~arctic_platform.engine.models.use_shape_stable_attention`)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).to(device)
+    model.generation_config.top_k = None  # the saved default (50) would filter
+    ids = torch.tensor(prompts, device=device)
+    settings = {"do_sample": True, "temperature": 1.0, "top_k": 0, "top_p": 1.0}
+    settings |= {"max_new_tokens": gen_len, "min_new_tokens": gen_len, "pad_token_id": 0}
+
+    def generate():
+        with torch.no_grad():
+            return model.generate(ids, attention_mask=torch.ones_like(ids), **settings)
+
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    torch.backends.cuda.enable_cudnn_sdp(cudnn_sdp)
+    try:
+        seconds, out = gpu.timed(generate)
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(before)
+    generated = (out.shape[1] - ids.shape[1]) * len(prompts)
+    return {"seconds": seconds, "generated_tokens": generated, "tokens_per_s": generated / seconds}
+
+
+def profile_decode(sampler, prompts: list, params: dict, path: Path) -> dict:
+    """Where a ``generate``'s time goes, written to ``path``: ``torch.profiler``'s operator
+    tables (by CPU time, and by device time on CUDA) and ``cProfile``'s Python functions (by own
+    time) over one short call each; a launch-bound decode shows as Python time the device waits
+    through."""
+    import cProfile
+    import io
+    import pstats
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(ProfilerActivity.CUDA)
+    start = time.perf_counter()
+    with profile(activities=activities) as prof:
+        sampler.generate(prompts, params)
+    profiled_s = time.perf_counter() - start
+    averages = prof.key_averages()
+    tables = [averages.table(sort_by="self_cpu_time_total", row_limit=30)]
+    if torch.cuda.is_available():
+        tables.append(averages.table(sort_by="self_cuda_time_total", row_limit=30))
+    python = cProfile.Profile()
+    start = time.perf_counter()
+    python.runcall(sampler.generate, prompts, params)
+    python_s = time.perf_counter() - start
+    text = io.StringIO()
+    pstats.Stats(python, stream=text).sort_stats("tottime").print_stats(40)
+    tables.append(text.getvalue())
+    header = f"generate of {len(prompts)} x {params['max_tokens']} tokens: "
+    header += f"{profiled_s:.3f} s under torch.profiler, {python_s:.3f} s under cProfile"
+    path.write_text(header + "\n\n" + "\n\n".join(tables) + "\n")
+    print(f"wrote {path}")
+    return {"tables": str(path), "torch_profiler_s": profiled_s, "cprofile_s": python_s}
 
 
 def run_weight_sync(trainer, sampler, gpu: Gpu, probe: tuple) -> dict:
@@ -342,31 +424,91 @@ def environment(device: str) -> dict:
     return env
 
 
-def run(device: str, tiny: bool, peak_tflops: float, sizes: dict) -> dict:
+def run_phase(result: dict, name: str, fn) -> tuple:
+    """Run one phase: its figures (``fn``'s first value) go to ``result[name]``, the rest (the
+    engines a later phase reuses) are returned. A phase that raises records its error there
+    instead and returns ``None``s, so one failure on a machine the code has never run on still
+    leaves every other phase's figures (a GPU lease is too short to rerun them all)."""
+    print(f"-- {name}", flush=True)
+    try:
+        figures, *rest = fn()
+    except Exception as error:  # recorded, printed, and failed in `checks`
+        traceback.print_exc()
+        result[name] = {"error": f"{type(error).__name__}: {error}"}
+        return (None, None)
+    result[name] = figures
+    return tuple(rest) + (None,) * (2 - len(rest))
+
+
+def run(
+    device: str,
+    tiny: bool,
+    peak_tflops: float,
+    sizes: dict,
+    phases: tuple[str, ...] = PHASES,
+    profile: Path | None = None,
+) -> dict:
     shape = TINY if tiny else QWEN3_0_6B
     gpu = Gpu(device)
     folder = Path(tempfile.mkdtemp(prefix="gpu-smoke-model-"))
-    result: dict = {"device": device, "model_shape": shape, "sizes": sizes}
+    result: dict = {"device": device, "model_shape": shape, "sizes": sizes, "phases": phases}
     result["environment"] = environment(device)
+    trainer = sampler = probe = None
     try:
         seconds, _ = gpu.timed(lambda: write_model(shape, folder, device))
         result["model_write_s"] = seconds
-        result["train"], trainer = run_train(folder, device, gpu, sizes, shape)
-        result["sample"], sampler, probe = run_sample(folder, device, gpu, sizes, shape)
-        result["weight_sync"] = run_weight_sync(trainer, sampler, gpu, probe)
-        del trainer, sampler
+        if "train" in phases:
+            trainer, _ = run_phase(
+                result, "train", lambda: run_train(folder, device, gpu, sizes, shape)
+            )
+        if "sample" in phases:
+            sampler, probe = run_phase(
+                result, "sample", lambda: run_sample(folder, device, gpu, sizes, shape)
+            )
+        if profile is not None and sampler is not None:
+            steps = min(32, sizes["gen_len"])  # a short call: the profiler's own cost grows
+            params = {"max_tokens": steps, "min_tokens": steps, "seed": SEED}
+            prompts = sample_prompts(sizes, shape)
+            run_phase(
+                result, "profile", lambda: (profile_decode(sampler, prompts, params, profile),)
+            )
+        if "weight_sync" in phases and trainer is not None and sampler is not None:
+            run_phase(
+                result, "weight_sync", lambda: (run_weight_sync(trainer, sampler, gpu, probe),)
+            )
+        trainer = sampler = None  # the engines go before the next phases build their own
         gpu.release()
-        result["fsdp"] = run_fsdp(folder, device, gpu, sizes, shape)
-        gpu.release()
+        if "sample" in phases:
+            prompts = sample_prompts(sizes, shape)
+            for name, cudnn_sdp in (("hf_generate", True), ("hf_generate_no_cudnn_sdp", False)):
+                run_phase(
+                    result,
+                    name,
+                    lambda cudnn_sdp=cudnn_sdp: (
+                        hf_generate(
+                            folder, device, gpu, prompts, sizes["gen_len"], cudnn_sdp=cudnn_sdp
+                        ),
+                    ),
+                )
+                gpu.release()
+        if "fsdp" in phases:
+            run_phase(result, "fsdp", lambda: (run_fsdp(folder, device, gpu, sizes, shape),))
+            gpu.release()
     finally:
         shutil.rmtree(folder, ignore_errors=True)
+    ours = result.get("sample", {})
+    for name in ("hf_generate", "hf_generate_no_cudnn_sdp"):
+        theirs = result.get(name, {})
+        if "tokens_per_s" in ours and "tokens_per_s" in theirs:
+            ours[f"ratio_to_{name}"] = ours["tokens_per_s"] / theirs["tokens_per_s"]
     for phase in ("train", "fsdp"):
         for name in ("fwd_no_grad", "fwd_bwd"):
-            figures = result[phase][name]
-            figures["mfu"] = figures["model_tflops_per_s"] / peak_tflops
-    result["fsdp"]["first_loss_matches_plain"] = abs(
-        result["fsdp"]["first_loss"] - result["train"]["first_loss"]
-    ) <= 1e-2 * max(1.0, abs(result["train"]["first_loss"]))
+            if figures := (result.get(phase) or {}).get(name):
+                figures["mfu"] = figures["model_tflops_per_s"] / peak_tflops
+    if "first_loss" in (result.get("fsdp") or {}) and "first_loss" in (result.get("train") or {}):
+        result["fsdp"]["first_loss_matches_plain"] = abs(
+            result["fsdp"]["first_loss"] - result["train"]["first_loss"]
+        ) <= 1e-2 * max(1.0, abs(result["train"]["first_loss"]))
     result["peak_tflops"] = peak_tflops
     result["mfu_formula"] = (
         "tokens * (6N + 12*L*H*d*S) / seconds / peak for fwd_bwd, (2N + 4*L*H*d*S) for "
@@ -384,6 +526,11 @@ def table(result: dict) -> str:
 
     rows = [("phase", "op", "tokens/s", "TFLOP/s", "MFU", "peak GiB")]
     for phase in ("train", "fsdp"):
+        if phase not in result["phases"]:
+            continue
+        if "error" in result.get(phase, {"error": "not run"}):  # its traceback is in the log
+            rows.append((phase, "failed", "-", "-", "-", "-"))
+            continue
         for name in ("fwd_no_grad", "fwd_bwd"):
             f = result[phase][name]
             rows.append(
@@ -396,37 +543,57 @@ def table(result: dict) -> str:
                     fmt(result[phase]["peak_gpu_gib"]),
                 )
             )
-    sample = result["sample"]
+    sample = result.get("sample", {})
     rows.append(
         (
             "sample",
             "generate",
-            fmt(sample["tokens_per_s"], ",.0f"),
+            fmt(sample.get("tokens_per_s"), ",.0f"),
             "-",
             "-",
-            fmt(sample["peak_gpu_gib"]),
+            fmt(sample.get("peak_gpu_gib")),
         )
     )
-    sync = result["weight_sync"]
-    rows.append(
-        ("sync", f"{fmt(sync['gib'], '.2f')} GiB", f"{fmt(sync['gib_per_s'])} GiB/s", "-", "-", "-")
-    )
+    for name, label in (("hf_generate", "hf"), ("hf_generate_no_cudnn_sdp", "hf, no cuDNN")):
+        hf, ratio = result.get(name, {}), sample.get(f"ratio_to_{name}")
+        rows.append((label, "generate", fmt(hf.get("tokens_per_s"), ",.0f"), "-", "-", "-"))
+        rows.append(
+            (f"ours/{label}", "-", fmt(ratio, ".2f") + "x" if ratio else "-", "-", "-", "-")
+        )
+    sync = result.get("weight_sync", {})
+    gib, rate = fmt(sync.get("gib"), ".2f"), fmt(sync.get("gib_per_s"))
+    rows.append(("sync", f"{gib} GiB", f"{rate} GiB/s", "-", "-", "-"))
     widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]
     return "\n".join(
         "  ".join(str(c).ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows
     )
 
 
-def checks(result: dict) -> dict[str, bool]:
-    """What must hold for the run to count (the exit status says whether all did)."""
-    return {
-        "train losses finite": result["train"]["losses_finite"],
-        "fsdp losses finite": result["fsdp"]["losses_finite"],
-        "fsdp first loss equals the plain engine's": result["fsdp"]["first_loss_matches_plain"],
-        "every sample ran to length": result["sample"]["all_full_length"],
-        "sampler equals trainer after sync": result["weight_sync"]["sampler_equals_trainer"],
-        "the sync changed what the sampler samples": result["weight_sync"]["samples_changed"],
+def checks(result: dict, phases: tuple[str, ...] = PHASES) -> dict[str, bool]:
+    """What must hold for the run to count (the exit status says whether all did), for the
+    phases asked for; a phase that failed or did not run fails its checks."""
+
+    def got(phase: str, key: str) -> bool:
+        return bool(result.get(phase, {}).get(key, False))
+
+    wanted = {
+        "train": {"train losses finite": got("train", "losses_finite")},
+        "sample": {
+            "every sample ran to length": got("sample", "all_full_length"),
+            "transformers' generate ran": "tokens_per_s" in result.get("hf_generate", {}),
+            "ours is faster than transformers' generate": got("sample", "ratio_to_hf_generate")
+            and result["sample"]["ratio_to_hf_generate"] > 1.0,
+        },
+        "weight_sync": {
+            "sampler equals trainer after sync": got("weight_sync", "sampler_equals_trainer"),
+            "the sync changed what the sampler samples": got("weight_sync", "samples_changed"),
+        },
+        "fsdp": {
+            "fsdp losses finite": got("fsdp", "losses_finite"),
+            "fsdp first loss equals the plain engine's": got("fsdp", "first_loss_matches_plain"),
+        },
     }
+    return {name: ok for phase in phases for name, ok in wanted[phase].items()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -435,13 +602,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tiny", action="store_true", help="the tiny shape (CPU dry run)")
     parser.add_argument("--peak-tflops", type=float, default=H200_BF16_DENSE_TFLOPS)
     parser.add_argument("--out", type=Path, default=RESULTS_DIR / "gpu_smoke.json")
+    parser.add_argument("--phases", default=",".join(PHASES), help="comma-separated subset")
+    parser.add_argument("--profile", type=Path, help="write the sampler's operator profile here")
     for name in FULL_SIZES:
         parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=None)
     args = parser.parse_args(argv)
     sizes = dict(TINY_SIZES if args.tiny else FULL_SIZES)
     sizes.update({k: getattr(args, k) for k in FULL_SIZES if getattr(args, k) is not None})
-    result = run(args.device, args.tiny, args.peak_tflops, sizes)
-    result["checks"] = checks(result)
+    phases = tuple(args.phases.split(","))
+    if unknown := set(phases) - set(PHASES):
+        parser.error(f"--phases: unknown {sorted(unknown)}; choose from {', '.join(PHASES)}")
+    result = run(args.device, args.tiny, args.peak_tflops, sizes, phases, args.profile)
+    result["checks"] = checks(result, phases)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     text = json.dumps({"benchmark": "gpu_smoke", "machine": machine(), **result}, indent=2)
     args.out.write_text(text + "\n")
