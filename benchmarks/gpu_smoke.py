@@ -21,8 +21,8 @@ and sampler are released after the weight sync, before the others load their own
    length). Generated tokens/s, against the baseline a user has without us measured in the same
    run: transformers' ``generate`` on the same model and prompts, at torch's default attention
    backends and with cuDNN's off as our engines run (``hf_generate``,
-   ``hf_generate_no_cudnn_sdp``). ``--profile PATH`` also writes where a short ``generate``'s
-   time goes (``torch.profiler`` and ``cProfile`` tables).
+   ``hf_generate_no_cudnn_sdp``). ``--profile FOLDER`` also writes where a short ``generate``'s
+   time goes, ours and each baseline's (``torch.profiler`` and ``cProfile`` tables).
 4. **weight sync**: trainer -> sampler in process (``sync_in_process``) after a step; the
    sampler's tensors must then equal the trainer's exactly.
 
@@ -85,6 +85,8 @@ FULL_SIZES |= {"prompts": 64, "prompt_len": 128, "gen_len": 256, "repeat": 5}
 TINY_SIZES = {"rows": 4, "seq": 64, "microbatch_tokens": 128}
 TINY_SIZES |= {"prompts": 4, "prompt_len": 16, "gen_len": 16, "repeat": 2}
 H200_BF16_DENSE_TFLOPS = 989.0
+# Decode steps of the profiled calls (short: the profiler's own cost grows with the call).
+PROFILE_STEPS = 32
 # The phases, in the order they run (``--phases`` picks some; weight sync needs train and sample).
 PHASES = ("train", "sample", "weight_sync", "fsdp")
 PAD, EOS = "<|endoftext|>", "<|im_end|>"
@@ -312,12 +314,20 @@ def run_sample(folder: Path, device: str, gpu: Gpu, sizes: dict, shape: dict) ->
 
 
 def hf_generate(
-    folder: Path, device: str, gpu: Gpu, prompts: list, gen_len: int, *, cudnn_sdp: bool
+    folder: Path,
+    device: str,
+    gpu: Gpu,
+    prompts: list,
+    gen_len: int,
+    *,
+    cudnn_sdp: bool,
+    profile: Path | None = None,
 ) -> dict:
     """The baseline a user has without us: transformers' ``generate`` on the same model and
     prompts, sampling at temperature 1 with no filters, every sample run to ``gen_len``.
     ``cudnn_sdp``: with torch's default attention backends (cuDNN's included), or with cuDNN's
-    off as our engines run (:func:`~arctic_platform.engine.models.use_shape_stable_attention`)."""
+    off as our engines run (:func:`~arctic_platform.engine.models.use_shape_stable_attention`).
+    ``profile``: also write where a short ``generate``'s time goes there (:func:`profile_call`)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -327,25 +337,33 @@ def hf_generate(
     settings = {"do_sample": True, "temperature": 1.0, "top_k": 0, "top_p": 1.0}
     settings |= {"max_new_tokens": gen_len, "min_new_tokens": gen_len, "pad_token_id": 0}
 
-    def generate():
+    def generate(**overrides):
         with torch.no_grad():
-            return model.generate(ids, attention_mask=torch.ones_like(ids), **settings)
+            mask = torch.ones_like(ids)
+            return model.generate(ids, attention_mask=mask, **(settings | overrides))
 
     before = torch.backends.cuda.cudnn_sdp_enabled()
     torch.backends.cuda.enable_cudnn_sdp(cudnn_sdp)
     try:
         seconds, out = gpu.timed(generate)
+        generated = (out.shape[1] - ids.shape[1]) * len(prompts)
+        figures = {"seconds": seconds, "generated_tokens": generated}
+        figures["tokens_per_s"] = generated / seconds
+        if profile is not None:
+            steps = min(PROFILE_STEPS, gen_len)
+            short = {"max_new_tokens": steps, "min_new_tokens": steps}
+            title = f"transformers' generate, {len(prompts)} x {steps} tokens"
+            figures["profile"] = profile_call(lambda: generate(**short), profile, title)
     finally:
         torch.backends.cuda.enable_cudnn_sdp(before)
-    generated = (out.shape[1] - ids.shape[1]) * len(prompts)
-    return {"seconds": seconds, "generated_tokens": generated, "tokens_per_s": generated / seconds}
+    return figures
 
 
-def profile_decode(sampler, prompts: list, params: dict, path: Path) -> dict:
-    """Where a ``generate``'s time goes, written to ``path``: ``torch.profiler``'s operator
-    tables (by CPU time, and by device time on CUDA) and ``cProfile``'s Python functions (by own
-    time) over one short call each; a launch-bound decode shows as Python time the device waits
-    through."""
+def profile_call(call, path: Path, title: str) -> dict:
+    """Where ``call()``'s time goes, written to ``path``: ``torch.profiler``'s operator tables
+    (by CPU time, and by device time on CUDA) and ``cProfile``'s Python functions (by own time),
+    one call under each, after one plain timed call; a launch-bound decode shows as CPU time the
+    device waits through."""
     import cProfile
     import io
     import pstats
@@ -356,26 +374,29 @@ def profile_decode(sampler, prompts: list, params: dict, path: Path) -> dict:
     activities = [ProfilerActivity.CPU]
     if torch.cuda.is_available():
         activities.append(ProfilerActivity.CUDA)
+    seconds = {}
+    start = time.perf_counter()
+    call()
+    seconds["plain"] = time.perf_counter() - start
     start = time.perf_counter()
     with profile(activities=activities) as prof:
-        sampler.generate(prompts, params)
-    profiled_s = time.perf_counter() - start
+        call()
+    seconds["torch_profiler"] = time.perf_counter() - start
     averages = prof.key_averages()
     tables = [averages.table(sort_by="self_cpu_time_total", row_limit=30)]
     if torch.cuda.is_available():
         tables.append(averages.table(sort_by="self_cuda_time_total", row_limit=30))
     python = cProfile.Profile()
     start = time.perf_counter()
-    python.runcall(sampler.generate, prompts, params)
-    python_s = time.perf_counter() - start
+    python.runcall(call)
+    seconds["cprofile"] = time.perf_counter() - start
     text = io.StringIO()
     pstats.Stats(python, stream=text).sort_stats("tottime").print_stats(40)
     tables.append(text.getvalue())
-    header = f"generate of {len(prompts)} x {params['max_tokens']} tokens: "
-    header += f"{profiled_s:.3f} s under torch.profiler, {python_s:.3f} s under cProfile"
+    header = f"{title}: " + ", ".join(f"{v:.3f} s {k}" for k, v in seconds.items())
     path.write_text(header + "\n\n" + "\n\n".join(tables) + "\n")
     print(f"wrote {path}")
-    return {"tables": str(path), "torch_profiler_s": profiled_s, "cprofile_s": python_s}
+    return {"tables": str(path), **{f"{k}_s": v for k, v in seconds.items()}}
 
 
 def run_weight_sync(trainer, sampler, gpu: Gpu, probe: tuple) -> dict:
@@ -466,11 +487,19 @@ def run(
                 result, "sample", lambda: run_sample(folder, device, gpu, sizes, shape)
             )
         if profile is not None and sampler is not None:
-            steps = min(32, sizes["gen_len"])  # a short call: the profiler's own cost grows
+            steps = min(PROFILE_STEPS, sizes["gen_len"])
             params = {"max_tokens": steps, "min_tokens": steps, "seed": SEED}
             prompts = sample_prompts(sizes, shape)
             run_phase(
-                result, "profile", lambda: (profile_decode(sampler, prompts, params, profile),)
+                result,
+                "profile",
+                lambda: (
+                    profile_call(
+                        lambda: sampler.generate(prompts, params),
+                        profile / "profile_ours.txt",
+                        f"our sampler, {len(prompts)} x {steps} tokens",
+                    ),
+                ),
             )
         if "weight_sync" in phases and trainer is not None and sampler is not None:
             run_phase(
@@ -484,9 +513,15 @@ def run(
                 run_phase(
                     result,
                     name,
-                    lambda cudnn_sdp=cudnn_sdp: (
+                    lambda name=name, cudnn_sdp=cudnn_sdp: (
                         hf_generate(
-                            folder, device, gpu, prompts, sizes["gen_len"], cudnn_sdp=cudnn_sdp
+                            folder,
+                            device,
+                            gpu,
+                            prompts,
+                            sizes["gen_len"],
+                            cudnn_sdp=cudnn_sdp,
+                            profile=profile / f"profile_{name}.txt" if profile else None,
                         ),
                     ),
                 )
@@ -603,7 +638,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--peak-tflops", type=float, default=H200_BF16_DENSE_TFLOPS)
     parser.add_argument("--out", type=Path, default=RESULTS_DIR / "gpu_smoke.json")
     parser.add_argument("--phases", default=",".join(PHASES), help="comma-separated subset")
-    parser.add_argument("--profile", type=Path, help="write the sampler's operator profile here")
+    parser.add_argument(
+        "--profile", type=Path, help="a folder: write where each generate's time goes there"
+    )
     for name in FULL_SIZES:
         parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=None)
     args = parser.parse_args(argv)
