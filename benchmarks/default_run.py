@@ -5,13 +5,15 @@ the held-out greedy reward when GRPO starts, after 100 and 200 GRPO steps, the G
 of the first and last ten steps, and the child's CPU time, wall time and peak RSS. It is an
 outcome measure, not a speed ratio: the warm-up's end is a draw of the float rounding (see
 ``benchmarks/warmup_sweep.py``), so one run's figures say what this machine gave once.
-Run: ``python -m benchmarks.default_run``; writes ``benchmarks/results/default_run.json``.
+Run: ``python -m benchmarks.default_run``; writes ``benchmarks/results/default_run.json`` and the
+run's reward plot to ``docs/default-run.png`` (README's picture of this run).
 """
 
 from __future__ import annotations
 
 import json
 import resource
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -21,6 +23,7 @@ from statistics import mean
 
 from benchmarks._common import write_result
 
+PLOT = Path(__file__).resolve().parent.parent / "docs" / "default-run.png"
 CLI = "import sys; from arctic_platform.cli import main; sys.argv[0] = 'arctic-platform'; main()"
 
 
@@ -48,6 +51,7 @@ def main() -> None:
         usage = resource.getrusage(resource.RUSAGE_CHILDREN)
         lines = (Path(out) / "metrics.jsonl").read_text().splitlines()
         records = [json.loads(line) for line in lines]
+        shutil.copyfile(Path(out) / "reward_curve.png", PLOT)
     write_result(
         "default_run",
         {

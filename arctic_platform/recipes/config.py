@@ -50,12 +50,12 @@ class _ScheduledPhase(_Section):
     ``cosine`` from ``learning_rate`` down to ``min_lr_ratio`` of it (passed to each ``step``).
 
     A decaying rate lets a phase settle. The step at which the warm-up's loss breaks through its
-    plateau near 0.8 still moves with the float rounding (any change to the arithmetic or to the
-    memory layout a BLAS call meets), so its defaults are chosen for margin, not for one run:
-    over 450 steps, a peak rate of 2e-3 to 3.15e-3 broke through or not by chance (0.07 to 0.82
-    held-out); over the default 900 steps at 2e-3 to 2.3e-3 it broke through in every run
-    measured, ending at 0.57 to 0.985, but not at 1.9e-3 (0.245), so the default peak rate,
-    2.2e-3, has a measured margin of 5% either way (`benchmarks/results/warmup_sweep.json`).
+    plateau near 0.8 still moves with the float rounding (any change to the arithmetic, to the
+    memory layout a BLAS call meets, or to the CPU's vector width), so its defaults are chosen
+    for margin, not for one run: over 900 steps at 2.2e-3 the warm-up ended at 0.57 held-out on
+    one machine and at 0.255 on an AVX-512 one (0.78 there with AVX2 kernels forced); over the
+    default 1,500 steps it ended at 0.555 to 1.0 for peak rates of 2e-3 to 2.4e-3 and at 0.855
+    to 0.95 at 2.2e-3 with either kernel width (`benchmarks/results/warmup_sweep.json`).
     GRPO's first updates lower held-out accuracy before they raise it; its default rate, 2e-4,
     keeps that dip smaller (at 5e-4 one run fell from 0.83 to 0.61 in 30 steps)."""
 
@@ -75,7 +75,7 @@ class _ScheduledPhase(_Section):
 class SftPhase(_ScheduledPhase):
     """Supervised warm-up on the task's reference completions (``cross_entropy`` loss)."""
 
-    steps: NonNegativeInt = 900
+    steps: NonNegativeInt = 1500
     batch_size: PositiveInt = 64
     learning_rate: PositiveFloat = 2.2e-3
 

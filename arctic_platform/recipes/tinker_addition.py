@@ -271,7 +271,7 @@ def run(
     warmup_dir: str | None = None,
     api_key: str = "tml-local",
     warmup_steps: int = 100,
-    rl_steps: int = 12,
+    rl_steps: int = 24,
     max_operand: int = 9,
 ) -> Progress:
     """Warm up, then run the cookbook RL loop on the warmed-up model; returns its progress. The
@@ -298,7 +298,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--log-path", default="runs/tinker-addition")
     parser.add_argument("--warmup-dir", help="where the warm-up is exported (<log-path>-warm-up)")
     parser.add_argument("--warmup-steps", type=int, default=100)
-    parser.add_argument("--rl-steps", type=int, default=12)
+    parser.add_argument("--rl-steps", type=int, default=24)
     args = parser.parse_args(argv)
     progress = run(
         args.base_url,

@@ -185,12 +185,14 @@ def test_logprobs_equal_an_independent_forward(engine, reference, temperature):
             assert entry["token_id"] == token
             # float32 rounding of two differently shaped forwards (batched with a KV cache, or
             # one row at once) grows with the log-prob's size: relative and absolute tolerance
-            assert entry["logprob"] == pytest.approx(expected[t, token].item(), rel=1e-5, abs=1e-5)
+            # (kernels differ by CPU: AVX-512 machines round differently from AVX2 ones)
+            close = {"rel": 5e-5, "abs": 1e-5}
+            assert entry["logprob"] == pytest.approx(expected[t, token].item(), **close)
             # vLLM's rank: 1 + how many tokens are likelier than the sampled one
             assert entry["rank"] == 1 + int((expected[t] > expected[t, token] + 1e-6).sum())
             top_values, top_ids = expected[t].topk(3)
             assert [i for i, _ in entry["top"]] == top_ids.tolist()
-            assert [v for _, v in entry["top"]] == pytest.approx(top_values.tolist(), abs=1e-5)
+            assert [v for _, v in entry["top"]] == pytest.approx(top_values.tolist(), **close)
 
 
 def test_logprobs_zero_gives_only_the_sampled_token(engine):

@@ -23,9 +23,12 @@ from tests.live_server import serve_app
 
 pytestmark = pytest.mark.slow
 
-# What 12 RL steps add to the greedy accuracy at the least: 0.12-0.24 in our runs, 0 with the
-# learning rate at 1e-9.
-GREEDY_GAIN = 0.08
+# What 24 RL steps add to the greedy accuracy at the least: where the 100-step warm-up ends moves
+# with the float rounding (0.64 held-out on an AVX-512 CPU, 0.36 with AVX2 kernels), and from
+# 0.64 the gain was 0.05 and 0.11 in two runs (0.20 from 0.36); 12 steps gave -0.02 to +0.0 from
+# 0.64. With the learning rate at 1e-9 the gain is 0: greedy answers of an unchanged model.
+RL_STEPS = 24
+GREEDY_GAIN = 0.03
 
 
 def test_cookbook_rl_loop_raises_the_reward_on_our_server(tmp_path):
@@ -37,7 +40,7 @@ def test_cookbook_rl_loop_raises_the_reward_on_our_server(tmp_path):
     )
     log_path = tmp_path / "log"
     with serve_app(create_app(service)) as url:
-        progress = tinker_addition.run(url, str(log_path), warmup_steps=100, rl_steps=12)
+        progress = tinker_addition.run(url, str(log_path), warmup_steps=100, rl_steps=RL_STEPS)
         rest = tinker.RestClient(base_url=url, api_key="tml-local")
         saved = [
             json.loads(line) for line in (log_path / "checkpoints.jsonl").read_text().splitlines()
@@ -46,7 +49,7 @@ def test_cookbook_rl_loop_raises_the_reward_on_our_server(tmp_path):
         run_id = final["state_path"].split("/")[2]
         listed = {c.tinker_path for c in rest.list_checkpoints(run_id).result().checkpoints}
     assert {final["state_path"], final["sampler_path"]} <= listed
-    assert len(progress.reward_per_step) == 12  # one cookbook metrics row per RL step
+    assert len(progress.reward_per_step) == RL_STEPS  # one cookbook metrics row per RL step
     # the cookbook's evaluator (greedy answers to all 100 sums), before the first step and after
     # the last: RL made the policy answer more of them right
     before, after = progress.greedy_accuracy
