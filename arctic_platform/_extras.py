@@ -9,6 +9,7 @@ bare ``ModuleNotFoundError`` from deep inside the stack.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from types import ModuleType
 
 
@@ -17,8 +18,20 @@ def require(module: str, extra: str, *, purpose: str | None = None) -> ModuleTyp
     try:
         return importlib.import_module(module)
     except ImportError as exc:
-        what = f" for {purpose}" if purpose else ""
-        raise ImportError(
-            f"{module!r} is needed{what} but is not installed; "
-            f"install it with: pip install 'arctic-platform[{extra}]'"
-        ) from exc
+        raise _missing(module, extra, purpose) from exc
+
+
+def require_installed(module: str, extra: str, *, purpose: str | None = None) -> None:
+    """Check that ``module`` is installed without importing it (torch takes seconds to import,
+    and a command that is only checking its flags should answer at once); the same error as
+    :func:`require` when it is not."""
+    if importlib.util.find_spec(module) is None:
+        raise _missing(module, extra, purpose)
+
+
+def _missing(module: str, extra: str, purpose: str | None) -> ImportError:
+    what = f" for {purpose}" if purpose else ""
+    return ImportError(
+        f"{module!r} is needed{what} but is not installed; "
+        f"install it with: pip install 'arctic-platform[{extra}]'"
+    )

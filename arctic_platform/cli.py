@@ -310,10 +310,8 @@ def serve(
     ] = None,
 ) -> None:
     """Serve the on-prem and Cortex-compatible HTTP APIs over one set of engines."""
-    from arctic_platform._extras import require
+    from arctic_platform._extras import require, require_installed
 
-    require("fastapi", "server", purpose="arctic-platform serve")
-    require("torch", "server", purpose="arctic-platform serve")
     if not ray and (ray_address is not None or colocate or ray_autoscaling):
         raise typer.BadParameter("--ray-address, --colocate and --ray-autoscaling need --ray")
     if not placement_timeout > 0:
@@ -338,6 +336,9 @@ def serve(
         )
     if job_idle_timeout is not None and not job_idle_timeout > 0:
         raise typer.BadParameter(f"--job-idle-timeout: must be > 0 seconds, got {job_idle_timeout}")
+    # After the flags, so a bad one is answered at once; torch is imported by the first engine.
+    require("fastapi", "server", purpose="arctic-platform serve")
+    require_installed("torch", "server", purpose="arctic-platform serve")
     if ray:
         require("ray", "ray", purpose="arctic-platform serve --ray")
     from arctic_platform.server.serve import serve as run_server

@@ -1,0 +1,43 @@
+"""``arctic-platform serve`` answers a bad flag at once: before it imports torch (seconds), and
+with the flag's name. A fresh interpreter per case, as a user's shell runs it."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+import pytest
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--placement-timeout", "0"], "--placement-timeout: must be > 0 seconds"),
+        (["--sampling-engine", "tpu"], "--sampling-engine: expected torch or vllm, got 'tpu'"),
+        (["--body-read-timeout", "-1"], "--body-read-timeout: must be > 0 seconds"),
+        (["--job-idle-timeout", "0"], "--job-idle-timeout: must be > 0 seconds"),
+    ],
+)
+def test_a_bad_flag_is_refused_by_name_without_importing_torch(tmp_path, args, message):
+    command = [sys.executable, "-X", "importtime", "-m", "arctic_platform.cli", "serve"]
+    result = subprocess.run(
+        [*command, "--data-dir", str(tmp_path), *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode != 0
+    assert message in " ".join((result.stdout + result.stderr).split())
+    # -X importtime lists the modules imported, one per line, as "... | <module>"
+    assert not re.search(r"\|\s+torch(\.\S+)?\s*$", result.stderr, re.MULTILINE)
+    assert not (tmp_path / "jobs.sqlite").exists()  # nothing started
+
+
+def test_a_missing_package_names_the_extra_that_installs_it_without_importing_anything():
+    from arctic_platform._extras import require, require_installed
+
+    for check in (require, require_installed):
+        with pytest.raises(ImportError, match=r"pip install 'arctic-platform\[server\]'"):
+            check("arctic_no_such_module", "server", purpose="arctic-platform serve")
+    assert require_installed("json", "server") is None
