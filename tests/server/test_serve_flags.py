@@ -31,7 +31,7 @@ def test_a_bad_flag_is_refused_by_name_without_importing_torch(tmp_path, args, m
     assert message in " ".join((result.stdout + result.stderr).split())
     # -X importtime lists the modules imported, one per line, as "... | <module>"
     assert not re.search(r"\|\s+torch(\.\S+)?\s*$", result.stderr, re.MULTILINE)
-    assert not (tmp_path / "jobs.sqlite").exists()  # nothing started
+    assert not any(tmp_path.iterdir())  # nothing started: no metadata store, no job folders
 
 
 def test_a_missing_package_names_the_extra_that_installs_it_without_importing_anything():
