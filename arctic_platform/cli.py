@@ -258,7 +258,7 @@ def serve(
         int,
         typer.Option(
             min=1,
-            help="Request bodies one tenant may be sending at once; one more gets 429.",
+            help="Request bodies one tenant may have partly sent at once; one more gets 429.",
         ),
     ] = ServerLimits.max_uploads_per_tenant,
     max_chunk_group_mb: Annotated[

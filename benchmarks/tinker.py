@@ -6,7 +6,9 @@ log-probs, one ``forward_backward`` with the ``importance_sampling`` loss on the
 sequences (sampler log-probs as the old policy, group-centred advantages), one optimizer step.
 
 * Tinker: ``save_weights_and_get_sampling_client`` -> ``sample`` per prompt (concurrent futures)
-  -> ``forward_backward(datums, "importance_sampling")`` + ``optim_step(AdamParams)``.
+  -> ``forward_backward(datums, "importance_sampling")`` + ``optim_step(AdamParams)``. With
+  ``--one-request-per-sample`` it samples as tinker-cookbook's RL loop does: every sample its own
+  request (``num_samples=1``), ``G x n`` requests at once.
 * Ours (``http`` backend): ``sync_weights`` -> one ``generate`` (``n`` per prompt) ->
   ``fwd_bwd`` with the same loss -> ``step``.
 
@@ -16,7 +18,8 @@ Reported: the median step time of each after a warm-up step, their ratio (target
 ours) and the ratio of each alternated pair.
 
 Run: ``OMP_NUM_THREADS=1 python -m benchmarks.tinker [--model builtin:tiny --steps 10]``;
-writes ``benchmarks/results/tinker.json``. Needs the ``tinker`` extra (Python >= 3.11).
+writes ``benchmarks/results/tinker.json`` (``tinker_one_request_per_sample.json`` with that
+flag). Needs the ``tinker`` extra (Python >= 3.11).
 """
 
 from __future__ import annotations
@@ -64,7 +67,10 @@ def reward(tokens: list[int]) -> float:
 class TinkerLoop:
     """The step through the Tinker SDK."""
 
-    def __init__(self, url: str, model: str, groups: int, samples: int) -> None:
+    def __init__(
+        self, url: str, model: str, groups: int, samples: int, one_request_per_sample: bool
+    ) -> None:
+        self.one_request_per_sample = one_request_per_sample
         self.service = tinker.ServiceClient(base_url=url, api_key="tml-bench")
         self.trainer = self.service.create_lora_training_client(
             base_model=model, rank=RANK, seed=0
@@ -75,13 +81,20 @@ class TinkerLoop:
     def step(self) -> None:
         trainer = self.trainer
         sampler = trainer.save_weights_and_get_sampling_client().result()
+        requests, each = (self.samples, 1) if self.one_request_per_sample else (1, self.samples)
         futures = [
-            (p, sampler.sample(types.ModelInput.from_ints(p), self.samples, self.params))
+            (
+                p,
+                [
+                    sampler.sample(types.ModelInput.from_ints(p), each, self.params)
+                    for _ in range(requests)
+                ],
+            )
             for p in self.prompts
         ]
         data = []
-        for prompt, future in futures:
-            sequences = future.result().sequences
+        for prompt, group in futures:
+            sequences = [s for future in group for s in future.result().sequences]
             adv = advantages([reward(s.tokens) for s in sequences])
             for seq, a in zip(sequences, adv, strict=True):
                 pad = len(prompt) - 1
@@ -163,12 +176,14 @@ def timed(step) -> float:
     return time.perf_counter() - started
 
 
-def alternated_steps(url: str, model: str, groups: int, samples: int, steps: int) -> dict:
+def alternated_steps(
+    url: str, model: str, groups: int, samples: int, steps: int, one_request_per_sample: bool
+) -> dict:
     """Both loops on one server, their steps alternated (and which goes first alternated too),
     so load from other processes on the machine falls on both alike. One warm-up step each."""
     loops = {
         "arctic_client": ClientLoop(url, model, groups, samples),
-        "tinker_sdk": TinkerLoop(url, model, groups, samples),
+        "tinker_sdk": TinkerLoop(url, model, groups, samples, one_request_per_sample),
     }
     try:
         for loop in loops.values():
@@ -190,8 +205,13 @@ def main() -> None:
     parser.add_argument("--groups", type=int, default=8)
     parser.add_argument("--samples", type=int, default=8)
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument(
+        "--one-request-per-sample",
+        action="store_true",
+        help="the Tinker loop sends each sample as its own request, as tinker-cookbook does",
+    )
     args = parser.parse_args()
-    shape = (args.model, args.groups, args.samples, args.steps)
+    shape = (args.model, args.groups, args.samples, args.steps, args.one_request_per_sample)
     with (
         tempfile.TemporaryDirectory() as tmp,
         LocalServer(data_dir=Path(tmp) / "server", device="cpu") as url,
@@ -202,7 +222,7 @@ def main() -> None:
     ratio = round(median["tinker_sdk"] / median["arctic_client"], 3)
     pairs = [round(t / o, 3) for t, o in zip(sdk, ours, strict=True)]
     write_result(
-        "tinker",
+        "tinker_one_request_per_sample" if args.one_request_per_sample else "tinker",
         {
             "model": args.model,
             # torch threads of both processes (1 keeps a shared machine's load from stalling
@@ -213,6 +233,9 @@ def main() -> None:
                 "samples_per_group": args.samples,
                 "max_tokens": MAX_TOKENS,
                 "lora_rank": RANK,
+                "tinker_requests": "one per sample"
+                if args.one_request_per_sample
+                else "one per prompt (num_samples=n)",
                 "loss": "importance_sampling",
             },
             "step_seconds": {"tinker_sdk": sdk, "arctic_client": ours},

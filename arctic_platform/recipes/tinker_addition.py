@@ -125,11 +125,13 @@ class GreedyAccuracy(SamplingClientEvaluator):
 
 @chz.chz
 class AdditionDatasetBuilder(RLDatasetBuilder):
+    """The cookbook's dataset builder for our task; :func:`rl_config` sets every field."""
+
     model_name: str
-    max_operand: int = 9
-    groups_per_batch: int = 8
-    group_size: int = 8
-    batches: int = 20
+    max_operand: int
+    groups_per_batch: int
+    group_size: int
+    batches: int
     seed: int = 0
 
     async def __call__(self) -> tuple[RLDataset, RLDataset | None]:
@@ -212,13 +214,17 @@ def rl_config(
     *,
     steps: int,
     max_operand: int,
-    groups_per_batch: int = 8,
+    groups_per_batch: int = 32,
     group_size: int = 8,
     learning_rate: float = 1e-3,
     lora_rank: int = 32,
 ) -> train.Config:
     """The cookbook's RL config; only ``base_url`` and ``model_name`` point at our server.
-    :class:`GreedyAccuracy` runs before the first step and after the last (``eval_every``)."""
+    :class:`GreedyAccuracy` runs before the first step and after the last (``eval_every``).
+
+    32 groups of 8 a step, as our main job's GRPO (32 prompts x 8): with 8 groups the gain of 24
+    steps was a draw (+0.01 to +0.11 from a 0.64 warm-up), too few samples a step for the signal
+    to beat the noise; with 32 it was +0.14 to +0.16."""
     max_tokens = response_budget(model_name, max_operand)
     return train.Config(
         learning_rate=learning_rate,

@@ -3,7 +3,10 @@
 A body is a claim until its bytes arrive: it is read into memory that grows with what has
 arrived (a Content-Length above the limit is refused at once, but one below it allocates
 nothing), within the read deadline, and a tenant has a bounded number of bodies being read at
-once. ``bytearray +=`` grows geometrically and large blocks are resized in place (realloc), so an
+once: bodies the server holds part of, waiting for the rest. A body that arrives whole with its
+first bytes (every small request) was never partly held, so it takes no slot: a burst of small
+requests (an RL loop's hundreds of single-sample requests) is never refused for it.
+``bytearray +=`` grows geometrically and large blocks are resized in place (realloc), so an
 honest large upload still costs about one copy from the socket; DSSST1 frames are decoded
 zero-copy from the result.
 """
@@ -14,7 +17,7 @@ import asyncio
 import collections
 import json
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from typing import Any, TypeVar
 
 from fastapi import Request
@@ -49,11 +52,17 @@ async def read_body(request: Request) -> bytearray:
     limits: ServerLimits = state.service.limits
     expected = "an unstated number of" if declared is None else f"{declared}"
     buffer = bytearray()
-    with state.uploads.hold(caller_of(request), limits):
+    with ExitStack() as slot:
+
+        def partly_held() -> None:
+            slot.enter_context(state.uploads.hold(caller_of(request), limits))
+
         try:
             # One task for the whole body (not one per chunk): the deadline costs nothing per
             # chunk. ``asyncio.TimeoutError`` is ``TimeoutError`` from Python 3.11 on.
-            await asyncio.wait_for(_receive(request, buffer, limit), limits.body_read_timeout)
+            await asyncio.wait_for(
+                _receive(request, buffer, limit, declared, partly_held), limits.body_read_timeout
+            )
         except asyncio.TimeoutError:
             raise RequestTimeout(
                 f"request body: {len(buffer)} of {expected} bytes arrived within the server's "
@@ -69,12 +78,25 @@ async def read_body(request: Request) -> bytearray:
     return buffer
 
 
-async def _receive(request: Request, buffer: bytearray, limit: int) -> None:
-    """Append the body to ``buffer`` as it arrives (what arrived is there if this is stopped)."""
+async def _receive(
+    request: Request,
+    buffer: bytearray,
+    limit: int,
+    declared: int | None,
+    partly_held: Callable[[], None],
+) -> None:
+    """Append the body to ``buffer`` as it arrives (what arrived is there if this is stopped),
+    calling ``partly_held`` once, as soon as the server holds part of the body and waits for the
+    rest (never when the first bytes are the whole body). A body sent chunked has no stated end,
+    so it counts from its first bytes."""
+    holding = False
     async for chunk in request.stream():
         buffer += chunk
         if len(buffer) > limit:
             raise PayloadTooLarge(f"body exceeds the {limit}-byte limit")
+        if not holding and chunk and (declared is None or len(buffer) < declared):
+            partly_held()
+            holding = True
 
 
 def _declared_length(request: Request, limit: int) -> int | None:

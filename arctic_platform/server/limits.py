@@ -3,7 +3,7 @@
 A ``generate`` with ``n = 1_000_000`` or a training batch of millions of tokens is valid input that
 would occupy an op slot for hours. The server refuses such requests before they are queued, with
 413 ``limit_exceeded`` naming the limit and the flag that sets it. A tenant's uploads are bounded
-the same way: bodies being read at once (429, since waiting helps) and bytes held in incomplete
+the same way: bodies partly sent at once (429, since waiting helps) and bytes held in incomplete
 chunk groups. Each limit is a ``serve`` flag with a default sized for one GPU server.
 """
 
@@ -79,8 +79,9 @@ class ServerLimits:
             raise limit_exceeded(message, limit=limit, value=value, maximum=bound)
 
     def check_uploads(self, uploading: int) -> None:
-        """``uploading``: the tenant's bodies being read, this one included (429 beyond the
-        limit: the same request succeeds once one of them has arrived)."""
+        """``uploading``: the tenant's bodies partly held (some bytes arrived, more to come),
+        this one included (429 beyond the limit: the same request succeeds once one of them has
+        arrived)."""
         bound = self.max_uploads_per_tenant
         if uploading > bound:
             message = (

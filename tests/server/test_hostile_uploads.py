@@ -2,7 +2,7 @@
 
 A connection that claims a large Content-Length and sends a few bytes holds no more memory than
 it sent and is closed with 408 after ``--body-read-timeout``; a tenant has at most
-``--max-uploads-per-tenant`` bodies being read at once (429 ``limit_exceeded``) and at most
+``--max-uploads-per-tenant`` bodies partly sent at once (429 ``limit_exceeded``) and at most
 ``--max-chunk-group-mb`` held in incomplete Cortex chunk groups (413 ``limit_exceeded``); a client
 that disconnects mid-upload is one access-log line with status 499, not a 500 with a traceback.
 The raw sockets are what a hostile client sends; httpx would never send a lying body.
@@ -138,44 +138,73 @@ def test_lying_content_lengths_hold_only_what_arrived_and_time_out_with_408(tmp_
         assert httpx.get(f"{url}/health").status_code == 200
 
 
-def test_a_tenant_has_at_most_max_uploads_per_tenant_bodies_in_flight(tmp_path):
+def partial_upload_answer(url: str, token: str | None = None) -> tuple[int, dict] | None:
+    """What a body sent in part (10 bytes of a MiB) gets at once: ``(status, body)`` when the
+    server refuses it (429 while the tenant's upload slots are full), None when the server took
+    it and waits for the rest (the connection is then closed, which gives the slot back)."""
+    sock = lying_upload(
+        url, f"{CORTEX}/nojob/operation", "application/json", claimed=MIB, token=token
+    )
+    raw, _ = answer_of(sock, within=1.0)
+    sock.close()
+    return status_and_body(raw) if raw else None
+
+
+def test_a_tenant_has_at_most_max_uploads_per_tenant_bodies_partly_sent(tmp_path):
     probe = f"{CORTEX}/nojob/operation"  # reads its body, then answers 400 (no operation_type)
     with (
         serving(tmp_path, tokens=[ALICE, BOB], max_uploads_per_tenant=2) as (_, url),
         httpx.Client(base_url=url, timeout=30) as http,
     ):
-
-        def refused() -> httpx.Response | None:
-            answer = http.post(probe, json={}, headers=credentials(ALICE))
-            if answer.status_code == 429:
-                return answer
-            assert answer.status_code == 400, answer.text
-            return None
-
         stalled = [
             lying_upload(url, path, kind, claimed=MIB, token=ALICE)
             for path, kind in (UPLOAD_ROUTES[0], UPLOAD_ROUTES[3])  # on-prem and Tinker
         ]
         try:
-            answer = wait_until(
-                refused, what="a third concurrent upload was never refused", timeout_s=30
+            status, body = wait_until(
+                lambda: partial_upload_answer(url, ALICE),
+                what="a third partly sent body was never refused",
+                timeout_s=30,
             )
-            body = answer.json()
+            assert status == 429, body
             assert body["code"] == "limit_exceeded" and body["limit"] == "max_uploads_per_tenant"
             assert body["maximum"] == 2 and "--max-uploads-per-tenant" in body["message"]
+            # A body that arrives whole holds no slot: small requests go on being answered (an
+            # RL loop's burst of hundreds of small requests is never refused for the limit).
+            for _ in range(5):
+                assert http.post(probe, json={}, headers=credentials(ALICE)).status_code == 400
             # Another tenant is not held up by Alice's uploads.
-            assert http.post(probe, json={}, headers=credentials(BOB)).status_code == 400
+            assert partial_upload_answer(url, BOB) is None
         finally:
             stalled[0].close()
-
-        def let_in() -> httpx.Response | None:
-            answer = http.post(probe, json={}, headers=credentials(ALICE))
-            return None if answer.status_code == 429 else answer
-
         # A closed upload gives its slot back.
-        answer = wait_until(let_in, what="a disconnected upload kept its slot", timeout_s=30)
-        assert answer.status_code == 400, answer.text
+        wait_until(
+            lambda: partial_upload_answer(url, ALICE) is None,
+            what="a disconnected upload kept its slot",
+            timeout_s=30,
+        )
         stalled[1].close()
+
+
+def test_a_connection_waiting_for_its_first_body_bytes_holds_no_upload_slot(tmp_path):
+    """Headers sent, body not yet: nothing of the body is held, so the tenant's other requests
+    are not refused for it (its body read deadline still applies)."""
+    with serving(tmp_path, tokens=[ALICE], max_uploads_per_tenant=1) as (_, url):
+        parts = urlsplit(url)
+        sock = socket.create_connection((parts.hostname, parts.port), timeout=30)
+        head = (
+            f"POST {CORTEX}/nojob/operation HTTP/1.1\r\nhost: {parts.netloc}\r\n"
+            f"content-type: application/json\r\ncontent-length: 2\r\n"
+            f"authorization: Bearer {ALICE}\r\n\r\n"
+        )
+        sock.sendall(head.encode())
+        try:
+            assert partial_upload_answer(url, ALICE) is None  # admitted: the slot was free
+            sock.sendall(b"{}")
+            raw, _ = answer_of(sock, within=30)
+            assert status_and_body(raw)[0] == 400  # the late body was read and answered
+        finally:
+            sock.close()
 
 
 def group_chunks(size: int, *, group: str, max_bytes: int) -> list[bytes]:
@@ -305,12 +334,10 @@ def test_the_upload_flags_reach_a_serve_process(tmp_path):
         before = process_rss_kib(process.pid)
         sock = lying_upload(url, *UPLOAD_ROUTES[0], claimed=CLAIMED)
 
-        def refused() -> httpx.Response | None:
-            second = http.post(f"{CORTEX}/nojob/operation", json={})
-            return second if second.status_code == 429 else None
-
-        second = wait_until(refused, what="a second upload never refused", timeout_s=30)
-        assert "--max-uploads-per-tenant" in second.json()["message"]
+        status, body = wait_until(
+            lambda: partial_upload_answer(url), what="a second upload never refused", timeout_s=30
+        )
+        assert status == 429 and "--max-uploads-per-tenant" in body["message"]
         grown_mib = (process_rss_kib(process.pid) - before) / 1024
         raw, closed = answer_of(sock, within=30)
         sock.close()
