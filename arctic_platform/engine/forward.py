@@ -19,6 +19,7 @@ from typing import Protocol
 
 import torch
 
+from arctic_platform.contract.processing import Processing
 from arctic_platform.contract.results import loss_fields
 from arctic_platform.engine import cancellation
 from arctic_platform.engine.batching import Batch, MicroBatch, validate_batch
@@ -26,7 +27,7 @@ from arctic_platform.engine.chunked_head import LMHead, model_logits
 from arctic_platform.engine.config import PromptSharing, TrainingEngineConfig
 from arctic_platform.engine.errors import EngineInputError
 from arctic_platform.engine.losses import PreparedLoss, get_loss
-from arctic_platform.engine.meta import Meta, Processing, parse_request
+from arctic_platform.engine.meta import Meta, parse_request
 from arctic_platform.engine.metrics import MetricSums
 from arctic_platform.engine.postprocess import ScoringState, run_post_processors
 from arctic_platform.engine.prompt_sharing import (

@@ -1,8 +1,10 @@
 """What travels beside a batch: ``meta`` (global sizes, temperature, loss knobs) and ``processing``.
 
 Both arrive from the wire as plain dicts, sometimes with scalars wrapped in 0-d tensors or numpy
-values (verl sends ``batch_num_tokens`` as ``response_mask.sum()``). They are parsed here once,
-with errors that name the field, so the forward and loss code reads typed values.
+values (verl sends ``batch_num_tokens`` as ``response_mask.sum()``). They are parsed once, with
+errors that name the field, so the forward and loss code reads typed values: ``meta`` here,
+``processing`` by the contract (:mod:`arctic_platform.contract.processing`, torch-free, which the
+server's edge also runs), and :func:`parse_request` does both.
 
 ``meta`` keys the engine does not use (verl sends ``rollout_n``, ``zorro_train_enable``,
 ``max_token_len_per_gpu``, ...) are accepted and ignored; the keys below are type-checked. So is
@@ -26,12 +28,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from arctic_platform.engine.errors import EngineInputError
-from arctic_platform.engine.postprocess import (
-    DEFAULT_POST,
+from arctic_platform.contract.processing import (
     ENTROPY_AND_LOGPROBS,
-    POST_PROCESSORS,
+    Processing,
+    parse_processing,
 )
+from arctic_platform.engine.errors import EngineInputError
 
 
 @dataclass(frozen=True)
@@ -52,15 +54,6 @@ class Meta:
     max_response_len: int | None = None
     actor_config: Mapping[str, Any] = field(default_factory=dict)
     policy_loss_config: Mapping[str, Any] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class Processing:
-    """Typed ``processing``: post-processor names, the loss name (``None``: no loss), its config."""
-
-    post: tuple[str, ...] = DEFAULT_POST
-    loss_fn: str | None = None
-    config: Mapping[str, Any] = field(default_factory=dict)
 
 
 def parse_request(
@@ -111,37 +104,6 @@ def parse_meta(meta: Mapping | None) -> Meta:
         actor_config=_mapping(meta, "actor_config"),
         policy_loss_config=_mapping(meta, "policy_loss_config"),
     )
-
-
-def parse_processing(processing: Mapping | None, *, default_loss: str | None) -> Processing:
-    """Check ``processing``; an absent ``loss_fn`` means ``default_loss``, an explicit None none."""
-    if processing is None:
-        return Processing(loss_fn=default_loss)
-    if not isinstance(processing, Mapping):
-        raise EngineInputError("processing", f"expected a dict, got {type(processing).__name__}")
-    unknown = set(processing) - {"post", "loss_fn", "config"}
-    if unknown:
-        raise EngineInputError(
-            f"processing.{sorted(unknown)[0]}", "unknown key (expected post, loss_fn, config)"
-        )
-    post = processing.get("post")
-    if post is None:
-        post = DEFAULT_POST
-    if isinstance(post, str) or not isinstance(post, (list, tuple)):
-        raise EngineInputError("processing.post", "expected a list of post-processor names")
-    for i, name in enumerate(post):
-        if name not in POST_PROCESSORS:
-            known = ", ".join(sorted(POST_PROCESSORS))
-            raise EngineInputError(
-                f"processing.post[{i}]", f"unknown post-processor {name!r}; known: {known}"
-            )
-    loss_fn = processing.get("loss_fn", default_loss)
-    if loss_fn is not None and not isinstance(loss_fn, str):
-        raise EngineInputError("processing.loss_fn", f"expected a loss name, got {loss_fn!r}")
-    config = processing.get("config") or {}
-    if not isinstance(config, Mapping):
-        raise EngineInputError("processing.config", "expected a dict")
-    return Processing(post=tuple(post), loss_fn=loss_fn, config=dict(config))
 
 
 # -- scalar conversion (wire scalars may be 0-d tensors or numpy values) ----------------------

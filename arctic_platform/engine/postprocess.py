@@ -11,9 +11,10 @@ and every ``forward`` needs them. The logits are a
 chunks (:mod:`arctic_platform.engine.chunked_head`); the steps read them only through it, so
 every step works on both.
 
-When ``processing.post`` is absent the default is :data:`DEFAULT_POST` (temperature, then
-log-probs), so ``forward`` and ``forward_backward`` score tokens the same way unless a client says
-otherwise.
+The names, the default steps (``DEFAULT_POST``: temperature, then log-probs) and the check of a
+request's names are the contract's (:mod:`arctic_platform.contract.processing`, torch-free, so a
+server refuses an unknown name without importing torch); this module registers the code under
+them.
 """
 
 from __future__ import annotations
@@ -23,6 +24,13 @@ from dataclasses import dataclass
 
 import torch
 
+from arctic_platform.contract.processing import (
+    APPLY_TEMPERATURE,
+    ENTROPY_AND_LOGPROBS,
+    IDENTITY,
+    LOGPROBS,
+    POST_PROCESSOR_NAMES,
+)
 from arctic_platform.engine.logprobs import Logits
 
 
@@ -50,21 +58,23 @@ POST_PROCESSORS: dict[str, PostProcessor] = {}
 
 
 def register_post_processor(name: str) -> Callable[[PostProcessor], PostProcessor]:
-    """Register a post-processor under ``name`` (the name clients put in ``processing.post``)."""
+    """Register a post-processor under ``name`` (the name clients put in ``processing.post``);
+    the contract's registry learns the name too."""
 
     def decorate(fn: PostProcessor) -> PostProcessor:
         POST_PROCESSORS[name] = fn
+        POST_PROCESSOR_NAMES.add(name)
         return fn
 
     return decorate
 
 
-@register_post_processor("identity")
+@register_post_processor(IDENTITY)
 def identity(state: ScoringState) -> None:
     """Leave the outputs as they are (the reference server accepts this name)."""
 
 
-@register_post_processor("apply_temperature")
+@register_post_processor(APPLY_TEMPERATURE)
 def apply_temperature(state: ScoringState) -> None:
     """Divide the logits by ``meta.temperature`` (the sampler's temperature), unless it is 1.
 
@@ -78,9 +88,6 @@ def apply_temperature(state: ScoringState) -> None:
 
 # The step verl names for log-probs and entropies; naming it in ``processing.post`` is also one of
 # the older spellings of an entropy request (see :func:`arctic_platform.engine.meta.parse_request`).
-ENTROPY_AND_LOGPROBS = "compute_entropy_and_logprobs"
-
-
 @register_post_processor(ENTROPY_AND_LOGPROBS)
 def compute_entropy_and_logprobs(state: ScoringState) -> None:
     """Target log-probs, and entropies when they were asked for or a loss needs them (and the
@@ -91,10 +98,7 @@ def compute_entropy_and_logprobs(state: ScoringState) -> None:
 
 # The Cortex contract's name for the same step: log-probs of the logits as they are (no
 # temperature unless a step before it applied one).
-register_post_processor("compute_logprobs")(compute_entropy_and_logprobs)
-
-
-DEFAULT_POST: tuple[str, ...] = ("apply_temperature", ENTROPY_AND_LOGPROBS)
+register_post_processor(LOGPROBS)(compute_entropy_and_logprobs)
 
 
 def run_post_processors(names: tuple[str, ...], state: ScoringState) -> None:

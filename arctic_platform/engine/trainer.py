@@ -40,6 +40,7 @@ import numpy as np
 import torch
 
 from arctic_platform.contract.bodies import learning_rate_problem
+from arctic_platform.contract.problems import FieldError
 from arctic_platform.contract.results import loss_fields
 from arctic_platform.engine import cancellation
 from arctic_platform.engine import checkpoint as ckpt
@@ -389,7 +390,7 @@ class TrainingEngine:
                 request = prepare_training_request(
                     batch, meta, processing, self.config, model=self, backward=backward
                 )
-            except EngineInputError as exc:
+            except FieldError as exc:  # the engine's checks and the contract's (processing)
                 problem = exc
         return request, self.parallel.agree(problem, len(request.plan) if request else 0)
 

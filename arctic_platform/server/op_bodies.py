@@ -14,6 +14,7 @@ from pydantic import BaseModel, ValidationError
 
 from arctic_platform.contract.bodies import SNOWAPI_ENVELOPE_KEYS, TRAIN_ENVELOPE_KEYS
 from arctic_platform.contract.problems import FieldError
+from arctic_platform.contract.processing import parse_processing
 from arctic_platform.server.errors import BadRequest
 from arctic_platform.server.limits import ServerLimits
 
@@ -125,13 +126,9 @@ def train_envelope(
 
 
 def _check_processing_names(processing: Mapping, *, op: str) -> None:
-    """An unknown post-processor or loss name is a 400 now, not a failed request later."""
-    from arctic_platform.engine.losses import get_loss
-    from arctic_platform.engine.meta import parse_processing
-
+    """An unknown post-processor or loss name is a 400 now, not a failed request later; the
+    names are the contract's registries, so this imports no torch."""
     try:
-        parsed = parse_processing(processing, default_loss=None)
-        if parsed.loss_fn is not None:
-            get_loss(parsed.loss_fn)
+        parse_processing(processing, default_loss=None)
     except FieldError as exc:
         raise BadRequest(f"{op}: {exc}", field=exc.field) from None

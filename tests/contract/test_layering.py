@@ -150,3 +150,27 @@ def test_importing_an_edge_loads_no_torch_even_transitively(module):
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_checking_a_train_bodys_processing_names_loads_no_torch():
+    """The server checks a forward-backward body's post-processor and loss names when it is
+    submitted, against the contract's registries: a good name passes and an unknown one is a 400
+    naming the field, with no torch imported (the engine's code registers under those names)."""
+    code = """
+import sys
+from arctic_platform.server.errors import BadRequest
+from arctic_platform.server.op_bodies import train_envelope
+body = {"batch": {"input_ids": [[1, 2]]}, "processing": {"post": ["compute_logprobs"],
+        "loss_fn": "importance_sampling"}}
+train_envelope(body, op="forward-backward")
+try:
+    train_envelope({**body, "processing": {"loss_fn": "grpo_typo"}}, op="forward-backward")
+except BadRequest as exc:
+    print(exc.details["field"], exc.message)
+print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    refused, loaded = out.stdout.strip().splitlines()
+    assert refused.startswith("processing.loss_fn forward-backward: processing.loss_fn: unknown")
+    assert "'grpo_typo'" in refused and "importance_sampling" in refused
+    assert loaded == "[]"

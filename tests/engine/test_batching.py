@@ -6,10 +6,11 @@ import numpy as np
 import pytest
 import torch
 
+from arctic_platform.contract.problems import FieldError
+from arctic_platform.contract.processing import DEFAULT_POST, parse_processing
 from arctic_platform.engine.batching import validate_batch
 from arctic_platform.engine.errors import EngineInputError
-from arctic_platform.engine.meta import parse_meta, parse_processing, parse_request
-from arctic_platform.engine.postprocess import DEFAULT_POST
+from arctic_platform.engine.meta import parse_meta, parse_request
 from tests.engine.rl_batches import rl_batch
 
 
@@ -93,13 +94,34 @@ def test_processing_defaults_and_errors():
     for bad, field in [
         ({"post": "apply_temperature"}, "processing.post"),
         ({"post": ["nope"]}, "processing.post[0]"),
+        ({"post": [["apply_temperature"]]}, "processing.post[0]"),
         ({"loss_fn": 3}, "processing.loss_fn"),
+        ({"loss_fn": "grpo_typo"}, "processing.loss_fn"),
         ({"config": [1]}, "processing.config"),
         ({"config": {"calculate_entropy": 1}}, "processing.config.calculate_entropy"),
     ]:
-        with pytest.raises(EngineInputError) as info:
+        with pytest.raises(FieldError) as info:
             parse_request(None, bad, default_loss=None)
         assert info.value.field == field
+
+
+def test_the_contracts_processing_names_are_the_engines(monkeypatch):
+    """The server checks names against the contract's registries (torch-free); the engine's code
+    is registered under exactly those names, built-ins and any loss registered later alike."""
+    from arctic_platform.contract.processing import LOSS_NAMES, POST_PROCESSOR_NAMES
+    from arctic_platform.engine.losses import LOSSES, register_loss
+    from arctic_platform.engine.postprocess import POST_PROCESSORS
+
+    assert POST_PROCESSOR_NAMES.known() == sorted(POST_PROCESSORS)
+    assert LOSS_NAMES.known() == sorted(LOSSES)
+    with pytest.raises(FieldError, match="unknown loss 'my_test_loss'"):
+        parse_processing({"loss_fn": "my_test_loss"}, default_loss=None)
+    # registered for this test only: both registries are restored afterwards
+    monkeypatch.setattr(LOSS_NAMES, "_names", set(LOSS_NAMES.known()))
+    monkeypatch.setitem(LOSSES, "my_test_loss", None)
+    register_loss("my_test_loss")(LOSSES["cross_entropy"])
+    assert parse_processing({"loss_fn": "my_test_loss"}, default_loss=None).loss_fn
+    assert LOSS_NAMES.known() == sorted(LOSSES)
 
 
 @pytest.mark.parametrize(

@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from arctic_platform.contract.problems import FieldError
 from arctic_platform.engine import cancellation
 from arctic_platform.engine.batching import plan_microbatches, validate_batch
 from arctic_platform.engine.cancellation import CancelToken
@@ -301,7 +302,7 @@ def test_bad_input_names_the_field_and_changes_no_state(batch):
     engine.forward_backward(batch)  # accumulated gradients must survive a rejected call
     state = (weights(engine), grads(engine), optimizer_state(engine), engine.global_steps)
     for field, bad_batch, meta, processing in _bad_cases(batch):
-        with pytest.raises(EngineInputError) as info:
+        with pytest.raises(FieldError) as info:
             engine.forward_backward(bad_batch, meta, processing)
         assert info.value.field == field, (field, str(info.value))
         assert field in str(info.value)

@@ -16,6 +16,7 @@ from typing import Any, Protocol
 
 import torch
 
+from arctic_platform.contract.processing import LOSS_NAMES
 from arctic_platform.engine.batching import Batch
 from arctic_platform.engine.errors import EngineInputError
 from arctic_platform.engine.meta import Meta
@@ -59,10 +60,12 @@ LOSSES: dict[str, LossFactory] = {}
 
 
 def register_loss(name: str) -> Callable[[LossFactory], LossFactory]:
-    """Register a loss factory under ``name`` (the name clients send as ``processing.loss_fn``)."""
+    """Register a loss factory under ``name`` (the name clients send as ``processing.loss_fn``);
+    the contract's registry learns the name too, so the server's edge accepts it."""
 
     def decorate(factory: LossFactory) -> LossFactory:
         LOSSES[name] = factory
+        LOSS_NAMES.add(name)
         return factory
 
     return decorate

@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+from arctic_platform.contract.processing import GRPO
 from arctic_platform.engine.batching import Batch
 from arctic_platform.engine.errors import EngineInputError
 from arctic_platform.engine.losses.aggregation import make_aggregation
@@ -241,4 +242,4 @@ def plain_grpo(batch: Batch, meta: Meta, config: Mapping[str, Any]) -> CortexGrp
     return CortexGrpoLoss(batch, meta, config)
 
 
-register_loss("grpo")(plain_grpo)
+register_loss(GRPO)(plain_grpo)

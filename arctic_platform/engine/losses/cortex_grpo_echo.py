@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from arctic_platform.contract.processing import GRPO_ECHO
 from arctic_platform.engine.batching import Batch
 from arctic_platform.engine.errors import EngineInputError
 from arctic_platform.engine.losses.base import LossOutput, masked, masked_sum, register_loss
@@ -156,4 +157,4 @@ class CortexGrpoEchoLoss:
         return LossOutput(loss=loss, metrics=metrics)
 
 
-register_loss("grpo_echo_v1")(CortexGrpoEchoLoss)
+register_loss(GRPO_ECHO)(CortexGrpoEchoLoss)

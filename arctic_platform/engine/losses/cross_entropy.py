@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from arctic_platform.contract.batch_layout import IGNORE_INDEX
+from arctic_platform.contract.processing import CROSS_ENTROPY
 from arctic_platform.engine.batching import Batch
 from arctic_platform.engine.errors import EngineInputError
 from arctic_platform.engine.losses.aggregation import config_aggregation
@@ -27,7 +28,7 @@ from arctic_platform.engine.losses.base import LossOutput, masked_sum, register_
 from arctic_platform.engine.meta import Meta
 
 
-@register_loss("cross_entropy")
+@register_loss(CROSS_ENTROPY)
 class CrossEntropyLoss:
     """``cross_entropy`` bound to one request (see module doc)."""
 

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from arctic_platform.contract.batch_layout import IGNORE_INDEX
+from arctic_platform.contract.processing import RATIO_LOSSES
 from arctic_platform.engine.batching import Batch
 from arctic_platform.engine.errors import EngineInputError
 from arctic_platform.engine.losses.aggregation import config_aggregation
@@ -128,5 +129,5 @@ def _factory(kind: str):
     return build
 
 
-for _kind in ("importance_sampling", "ppo", "cispo", "dro"):
+for _kind in RATIO_LOSSES:
     register_loss(_kind)(_factory(_kind))

@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from arctic_platform.contract.processing import VERL_GRPO
 from arctic_platform.engine.batching import Batch
 from arctic_platform.engine.errors import EngineInputError
 from arctic_platform.engine.losses.aggregation import check_agg_mode, make_aggregation
@@ -183,5 +184,5 @@ class VerlGrpoLoss:
         return LossOutput(loss=loss, metrics=metrics)
 
 
-LOSS_NAME = "verl_grpo"
+LOSS_NAME = VERL_GRPO
 register_loss(LOSS_NAME)(VerlGrpoLoss)

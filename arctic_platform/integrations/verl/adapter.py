@@ -29,8 +29,8 @@ from omegaconf import DictConfig
 from tensordict import TensorDict
 
 from arctic_platform.client import ArcticRLClient, ArcticRLError, create_arctic_rl_client
+from arctic_platform.contract.processing import DEFAULT_POST as POST
 from arctic_platform.engine.losses.verl_grpo import LOSS_NAME as LOSS_FN
-from arctic_platform.engine.postprocess import DEFAULT_POST as POST
 from arctic_platform.integrations.verl.batch_convert import SequenceLayout, wire_batch
 from arctic_platform.integrations.verl.compat import remote_backend_api
 from arctic_platform.integrations.verl.verl_config import (
