@@ -42,8 +42,8 @@ class TrainingEngineProtocol(Engine, Protocol):
     """A training sub-job's engine (``forward-backward``, ``forward``, ``step``, checkpoints,
     weight sync, colocation; Tinker's training ops)."""
 
-    # GPU-stack settings the engine could not honour where it runs, and what it ran instead
-    # (reported in the sub-job's ``ignored_settings``).
+    # Settings the engine could not honour where it runs (a GPU-stack attention, LoRA on a tied
+    # output layer), and what it ran instead (reported in the sub-job's ``ignored_settings``).
     setting_fallbacks: Mapping[str, str]
 
     def forward_backward(

@@ -83,7 +83,10 @@ class LoraConfig(Settings):
 
     The Cortex API spells it ``peft_config`` with ``peft_type: Lora``, ``lora_alpha`` and
     ``lora_dropout``; both spellings are accepted. ``r`` and ``alpha`` default to 8, the Cortex
-    API's defaults.
+    API's defaults. ``train_unembed`` also adapts the output layer (the unembedding, which
+    ``all-linear`` leaves out), as Tinker's LoRA does by default; a model whose output layer
+    shares the input embedding's weights trains without it, reported in the job's
+    ``ignored_settings``.
     """
 
     peft_type: Literal["Lora", "LORA", "lora"] = "Lora"
@@ -93,6 +96,7 @@ class LoraConfig(Settings):
         0.0, ge=0.0, lt=1.0, validation_alias=AliasChoices("dropout", "lora_dropout")
     )
     target_modules: list[str] | Literal["all-linear"] = "all-linear"
+    train_unembed: bool = False
 
 
 class OptimizerConfig(Settings):

@@ -162,7 +162,7 @@ def load_causal_lm(
                 if fallbacks is not None:
                     fallbacks["attn_implementation"] = fallback
         if config.lora is not None:
-            model = apply_lora(model, config.lora)
+            model = apply_lora(model, config.lora, fallbacks)
     return model
 
 
@@ -189,16 +189,54 @@ def _why_not(requested: str, exc: BaseException) -> str:
     return text.rsplit("error:", 1)[-1].strip()
 
 
-def apply_lora(model, lora: LoraConfig):
-    """Wrap ``model`` with peft LoRA adapters; the base weights are frozen by peft."""
+def apply_lora(model, lora: LoraConfig, fallbacks: dict[str, str] | None = None):
+    """Wrap ``model`` with peft LoRA adapters; the base weights are frozen by peft.
+
+    ``train_unembed`` adds the output layer to the targets. peft's ``all-linear`` leaves that
+    layer out and cannot be combined with a name, so it is spelled out as the names of every
+    other linear layer. An output layer tied to the input embedding is not adapted: its merged
+    weights could not be exported (the embedding would have to change with it), so the model
+    trains without it, logged and written into ``fallbacks`` (the job's ``ignored_settings``).
+    """
     from peft import LoraConfig as PeftLoraConfig
     from peft import get_peft_model
 
+    targets = lora.target_modules
+    if lora.train_unembed:
+        head = model.get_output_embeddings()
+        if head.weight is model.get_input_embeddings().weight:
+            why = (
+                "not applied: the output layer shares the input embedding's weights "
+                "(tie_word_embeddings), adapters on the other layers only"
+            )
+            log.warning("lora.train_unembed: %s", why)
+            if fallbacks is not None:
+                fallbacks["lora.train_unembed"] = why
+        else:
+            targets = _with_output_layer(model, head, targets)
     peft_config = PeftLoraConfig(
         r=lora.r,
         lora_alpha=lora.alpha,
         lora_dropout=lora.dropout,
-        target_modules=lora.target_modules,
+        target_modules=targets,
         task_type="CAUSAL_LM",
     )
     return get_peft_model(model, peft_config)
+
+
+def _with_output_layer(model, head: torch.nn.Module, targets) -> list[str]:
+    """``targets`` (a list of module names, or ``all-linear``: every linear layer's name but the
+    output layer's) with the output layer's name added."""
+    from transformers.pytorch_utils import Conv1D
+
+    names = dict(model.named_modules())
+    head_name = next(name for name, module in names.items() if module is head)
+    if targets == "all-linear":
+        targets = sorted(
+            {
+                name.rsplit(".", 1)[-1]
+                for name, module in names.items()
+                if isinstance(module, (torch.nn.Linear, Conv1D)) and module is not head
+            }
+        )
+    return [*targets, head_name]

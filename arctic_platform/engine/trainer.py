@@ -100,8 +100,9 @@ class TrainingEngine:
         config = self.parallel.adapt_config(config)
         self.config = config
         self.device = resolve_device(config.model.device)
-        # GPU-stack settings that could not run here and what ran instead (setting -> "requested
-        # -> used (why)"): the job lists them with its ignored settings.
+        # Settings that could not run here (a GPU-stack attention, LoRA on a tied output layer)
+        # and what ran instead (setting -> what happened and why): the job lists them with its
+        # ignored settings.
         self.setting_fallbacks: dict[str, str] = {}
         # Loading the weights draws no random numbers; seeding and the adapters' random
         # initialisation use process-global generators, so concurrent builds take turns there.
@@ -113,7 +114,7 @@ class TrainingEngine:
         with MODEL_INIT_LOCK:
             seed_everything(config.seed)
             if config.model.lora is not None:
-                model = apply_lora(model, config.model.lora)
+                model = apply_lora(model, config.model.lora, self.setting_fallbacks)
         if config.gradient_checkpointing:
             model.gradient_checkpointing_enable(
                 gradient_checkpointing_kwargs={"use_reentrant": False}

@@ -147,7 +147,7 @@ class JobBuilder:
                     max_shared=self.engine_host.slots.per_tenant,
                 )
                 sub.engine = engine
-                if sub.kind == "training":  # only a trainer has GPU-stack settings to fall back
+                if sub.kind == "training":  # only a trainer has settings to fall back
                     sub.fallbacks = dict(engine.setting_fallbacks)
                 for setting, fallback in sub.fallbacks.items():
                     self.jobs.log(job, f"{sub.sub_job_id}: {setting}: {fallback}")

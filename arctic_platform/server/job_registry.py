@@ -50,8 +50,9 @@ class SubJob:
     queue: SubJobQueue | None = None
     # What the engine loads: ``spec.model_name`` checked against the owner's space (see paths.py).
     model_path: str | None = None
-    # GPU-stack settings the engine could not honour here, and what it ran instead (the
-    # engine's ``setting_fallbacks``): reported with the spec's ignored settings.
+    # Settings the engine could not honour here (a GPU-stack attention, LoRA on a tied output
+    # layer), and what it ran instead (the engine's ``setting_fallbacks``): reported with the
+    # spec's ignored settings.
     fallbacks: dict[str, str] = field(default_factory=dict)
 
     def info(self) -> dict:

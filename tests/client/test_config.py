@@ -91,6 +91,7 @@ def test_jobs_map_onto_the_servers_job_spec():
         "alpha": 8.0,
         "dropout": 0.0,
         "target_modules": ["q_proj", "v_proj"],
+        "train_unembed": False,
     }
     sampler = sampling_engine_config(sampling, device="cpu")
     assert sampler.model.name == "builtin:small" and sampler.max_batch_size == 8

@@ -50,7 +50,8 @@ TINKER_DIR = "tinker"
 # How long create_model (and sampling on a fresh sampler) waits for the engines to load.
 STARTUP_TIMEOUT_S = 1800.0
 # LoRA target modules by Tinker's train_attn / train_mlp switches (Llama/Qwen layer names);
-# both together are peft's "all-linear" (every linear layer but the output head).
+# both together are peft's "all-linear" (every linear layer but the output head, which
+# train_unembed adds: engine/models.apply_lora).
 ATTN_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj"]
 MLP_MODULES = ["gate_proj", "up_proj", "down_proj"]
 # The op name a refused asample's limit error gives (the route the tenant called).
@@ -127,7 +128,12 @@ class TinkerOps:
             "training_config": {
                 # Tinker's AdamParams carry lr, betas, eps, decay and clipping with every step.
                 "gradient_clipping": 0.0,
-                "peft_config": {"r": lora.rank, "alpha": lora.rank, "target_modules": modules},
+                "peft_config": {
+                    "r": lora.rank,
+                    "alpha": lora.rank,
+                    "target_modules": modules,
+                    "train_unembed": lora.train_unembed,
+                },
             },
         }
         if lora.seed is not None:

@@ -402,3 +402,20 @@ def test_tinker_ops_count_their_tokens_as_the_onprem_ops_do(service_client, serv
     response = sampler.sample(types.ModelInput.from_ints(encode("1+2=")), 3, params).result()
     sampled = sum(len(s.tokens) for s in response.sequences)
     assert sampled > 0 and tokens("generate") - sampled_before == sampled
+
+
+def test_train_unembed_on_a_tied_model_is_listed_as_ignored(service_client, server_app):
+    """Tinker's LoRA adapts the unembedding by default (``train_unembed``); ``builtin:tiny`` ties
+    it to the embedding, so its job trains without it and says so in its ``ignored_settings``
+    (the jobs API shows the tenant), while ``train_unembed=False`` asks for nothing ignored."""
+    service = server_app.state.service
+
+    def ignored_of_new_job(**lora) -> dict:
+        before = {job.info()["job_id"] for job in service.jobs.all()}
+        service_client.create_lora_training_client(base_model=TINY, rank=4, **lora).result()
+        (new,) = [j.info() for j in service.jobs.all() if j.info()["job_id"] not in before]
+        (trainer,) = [s for s in new["sub_jobs"] if s["job_type"] == "training"]
+        return trainer["ignored_settings"]
+
+    assert "tie_word_embeddings" in ignored_of_new_job()["lora.train_unembed"]
+    assert "lora.train_unembed" not in ignored_of_new_job(train_unembed=False)
