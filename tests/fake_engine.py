@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -159,6 +160,17 @@ class _FakeModel:
         return out
 
 
+@dataclass(frozen=True)
+class FakeWeights:
+    """A fake trainer's weight at one moment (its ``weight_snapshot``)."""
+
+    weight: float
+
+    def load_into(self, sampler: FakeSampler) -> dict:
+        sampler.weight = self.weight
+        return {"loaded": 1}
+
+
 class FakeTrainer(_FakeModel):
     """A training sub-job's fake (``TrainingEngineProtocol``)."""
 
@@ -241,6 +253,9 @@ class FakeTrainer(_FakeModel):
     def sync_weights_to(self, target: FakeSampler) -> dict:
         target.weight = self.weight
         return {"loaded": 1}
+
+    def weight_snapshot(self) -> FakeWeights:
+        return FakeWeights(self.weight)
 
     def sleep(self, mode: str = "all") -> dict:
         return {"offloaded": False, "reason": "model is on cpu"}

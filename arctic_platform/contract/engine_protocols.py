@@ -37,6 +37,15 @@ class Engine(Protocol):
     def close(self) -> None: ...
 
 
+class WeightSnapshot(Protocol):
+    """A trainer's weights at one moment (:meth:`TrainingEngineProtocol.weight_snapshot`)."""
+
+    def load_into(self, sampler: Any) -> dict:
+        """Make ``sampler`` (the kind of sampling engine its trainer pairs with) hold these
+        weights; the load's report."""
+        ...
+
+
 @runtime_checkable
 class TrainingEngineProtocol(Engine, Protocol):
     """A training sub-job's engine (``forward-backward``, ``forward``, ``step``, checkpoints,
@@ -90,6 +99,13 @@ class TrainingEngineProtocol(Engine, Protocol):
     def sync_weights_to(self, target: Any) -> dict:
         """Make sampling engine ``target`` (the kind this trainer pairs with: in this process,
         or a Ray replica) hold this trainer's current weights; the load's report."""
+        ...
+
+    def weight_snapshot(self) -> WeightSnapshot:
+        """This trainer's weights now, kept for a sampler to load later (Tinker's sampling
+        clients sample the weights they were made with while training goes on). What is kept
+        depends on where the model lives: in this process, copies of its LoRA adapters; on Ray,
+        the merged weights' chunks in the object store."""
         ...
 
     def sleep(self, mode: str = "all") -> dict: ...

@@ -67,7 +67,12 @@ from arctic_platform.engine.models import (
 )
 from arctic_platform.engine.sampling_requests import model_context
 from arctic_platform.engine.schedule import build_scheduler, lr_factor
-from arctic_platform.engine.weights import DEFAULT_CHUNK_BYTES, stream_weights
+from arctic_platform.engine.weights import (
+    DEFAULT_CHUNK_BYTES,
+    AdapterWeights,
+    snapshot_adapters,
+    stream_weights,
+)
 
 SLEEP_MODES = ("all",)
 
@@ -336,6 +341,11 @@ class TrainingEngine:
         from arctic_platform.engine import weights  # read at call time: tests hold the sync
 
         return weights.sync_in_process(self.model, target)
+
+    def weight_snapshot(self) -> AdapterWeights:
+        """Copies of the LoRA adapters now; loading merges them into the frozen base weights,
+        which training does not change (:class:`~arctic_platform.engine.weights.AdapterWeights`)."""
+        return AdapterWeights(self.model, snapshot_adapters(self.model))
 
     # -- colocation -----------------------------------------------------------------------
 

@@ -187,6 +187,20 @@ def snapshot_adapters(model: torch.nn.Module) -> AdapterSnapshot:
     return snapshot
 
 
+@dataclass(frozen=True)
+class AdapterWeights:
+    """A LoRA model's weights at one moment, kept as copies of its adapters (a trainer's
+    ``weight_snapshot``): the base weights are frozen, so merging the copies into them at load
+    time gives the weights of the moment the copies were taken."""
+
+    model: torch.nn.Module
+    adapters: AdapterSnapshot
+
+    def load_into(self, sampler) -> dict:
+        """Load the merged weights into ``sampler`` (an engine in this process); its report."""
+        return sampler.load_weights(export_weights(self.model, adapters=self.adapters))
+
+
 def _export_plan(model: torch.nn.Module, snapshot: AdapterSnapshot | None = None) -> list[_Entry]:
     base, adapted = _unwrap_peft(model)
     state = base.state_dict(keep_vars=True)

@@ -51,6 +51,7 @@ import uuid
 import warnings
 import weakref
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -246,6 +247,19 @@ class _Actors:
                 ray.kill(actor, no_restart=True)
 
 
+@dataclass(frozen=True)
+class ChunkWeights:
+    """A Ray trainer's weights at one moment: object-store refs of their merged safetensors
+    chunks, which hold those weights for as long as the refs are kept (Ray spills them to disk
+    past its memory)."""
+
+    refs: list
+
+    def load_into(self, sampler: RayInferenceEngine) -> dict:
+        """Hand the refs to ``sampler``'s replica, which fetches the chunks one at a time."""
+        return sampler.load_weight_chunks(self.refs)
+
+
 class RayTrainingEngine:
     """A training sub-job over ``workers`` data-parallel actors (see module doc)."""
 
@@ -376,6 +390,11 @@ class RayTrainingEngine:
     def sync_weights_to(self, target: RayInferenceEngine) -> dict:
         """Stream the current weights into ``target``'s replica through the object store."""
         return target.load_weight_chunks(self.weight_chunk_refs())
+
+    def weight_snapshot(self) -> ChunkWeights:
+        """The model cannot be read from here, so the snapshot is taken where it lives: rank 0
+        puts the merged weights' chunks in the object store (:class:`ChunkWeights`)."""
+        return ChunkWeights(self.weight_chunk_refs())
 
     def weight_chunk_refs(self) -> list:
         """Object-store refs of the current weights' safetensors chunks, put by rank 0 (every

@@ -19,6 +19,7 @@ from functools import partial
 from typing import Any
 
 from arctic_platform.contract.bodies import learning_rate_problem
+from arctic_platform.contract.engine_protocols import TrainingEngineProtocol
 from arctic_platform.contract.ops import OpName
 from arctic_platform.engine.builtin import resolve_model_path
 from arctic_platform.server.errors import (
@@ -41,7 +42,6 @@ from arctic_platform.server.tinker.futures import FutureStore, OpResult
 from arctic_platform.server.tinker.model_samplers import ModelSamplingJobs
 from arctic_platform.server.tinker.sample_batcher import SampleBatcher
 from arctic_platform.server.tinker.session_reaper import SESSION_TIMEOUT_S, SessionReaper
-from arctic_platform.server.tinker.snapshots import take_snapshot
 from arctic_platform.server.tinker.state import FIRST_SEQ_ID, Sampler, TinkerState, TrainingRun
 
 log = logging.getLogger(__name__)
@@ -342,11 +342,11 @@ class TinkerOps:
             self.checkpoints.set_ttl(path, owner, ttl_seconds)
 
     def _sync_to_sampler(self, run: TrainingRun, owner):
-        """``save_weights_and_get_sampling_client``: a snapshot of the trainer's weights
-        (:mod:`.snapshots`), which the run's sampler loads before sampling for it."""
+        """``save_weights_and_get_sampling_client``: a snapshot of the trainer's weights (its
+        engine's ``weight_snapshot``), which the run's sampler loads before sampling for it."""
 
-        def runner(engine) -> OpResult:
-            snapshot = (run.model_id, run.add_snapshot(take_snapshot(engine)))
+        def runner(engine: TrainingEngineProtocol) -> OpResult:
+            snapshot = (run.model_id, run.add_snapshot(engine.weight_snapshot()))
             sampler = self.state.add_sampler(
                 Sampler(
                     uuid.uuid4().hex,
@@ -373,8 +373,7 @@ class TinkerOps:
         def load(engine) -> None:
             if self._loaded_snapshots.get(sampler.sub_job_id) == wanted:
                 return
-            trainer = self.service.resolve(run.training_sub_job, owner=owner).engine
-            snapshot.load_into(engine, trainer)
+            snapshot.load_into(engine)
             self._loaded_snapshots[sampler.sub_job_id] = wanted
 
         return f"{sampler.sub_job_id}@{number}", load

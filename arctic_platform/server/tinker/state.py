@@ -6,11 +6,12 @@
   and so does one lost in a server restart (its id is remembered in the metadata store).
 * A **training run** (Tinker's model id ``<session>:train:<n>``) is one Service job with a LoRA
   training sub-job and a sampling sub-job on the same base model.
-  ``save_weights_and_get_sampling_client`` takes a **snapshot** of the trainer's LoRA adapters
-  (small copies, :func:`~arctic_platform.engine.weights.snapshot_adapters`); the run keeps the
-  latest :data:`MAX_SNAPSHOTS`, and its sampling sub-job loads a snapshot's merged weights before
-  it samples for it. So a sampling client keeps sampling the weights it was created with after
-  the trainer moved on and saved again, as Tinker's are (a sampler whose snapshot was dropped is
+  ``save_weights_and_get_sampling_client`` takes a **snapshot** of the trainer's weights (its
+  engine's ``weight_snapshot``: in this process, small copies of the LoRA adapters; on Ray, the
+  merged weights' chunks in the object store); the run keeps the latest :data:`MAX_SNAPSHOTS`,
+  and its sampling sub-job loads a snapshot's weights before it samples for it. So a sampling
+  client keeps sampling the weights it was created with after the trainer moved on and saved
+  again, as Tinker's are (a sampler whose snapshot was dropped is
   refused with 409 rather than answered from other weights).
 * A **sampler** (``sampling_session_id``) names the sampling sub-job a ``SamplingClient`` uses: a
   run's own with one of its snapshots, or the owner's job on a base model or a saved
