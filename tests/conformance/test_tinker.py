@@ -3,9 +3,9 @@
 Tinker's ops have their own shapes (datums, LoRA training clients, snapshot samplers), so what is
 held against the other surfaces is what carries over: a sample drawn with the same seed is the
 same tokens; the script's bad requests that Tinker can send are refused with the same status and
-code, the message naming the field in Tinker's terms; and a snapshot sampler keeps its weights
-while the trainer trains on, through the training engine Protocol's ``weight_snapshot`` (so the
-fake engine serves Tinker as the real one does).
+code, and a ``field`` that is the same field as Tinker's request spells it; and a snapshot
+sampler keeps its weights while the trainer trains on, through the training engine Protocol's
+``weight_snapshot`` (so the fake engine serves Tinker as the real one does).
 """
 
 from __future__ import annotations
@@ -69,38 +69,38 @@ def test_a_seeded_tinker_sample_is_the_other_surfaces_generate(served):
         assert tokens_of(got) == [list(t) for t in want]
 
 
-def refused(call) -> tuple[int, str, str]:
+def refused(call) -> tuple[int, str, str | None, str]:
     with pytest.raises(tinker.APIStatusError) as info:
         call()
     body = info.value.body
-    return info.value.status_code, body["code"], body["message"]
+    return info.value.status_code, body["code"], body.get("field"), body["message"]
 
 
 def test_tinker_refuses_the_scripts_bad_requests_alike(served):
-    """Each refusal's status and code equal the on-prem surface's for the same mistake, and the
-    message names the field as Tinker's request spells it."""
+    """Each refusal's status and code equal the on-prem surface's for the same mistake, and its
+    ``field`` (named in the message too) is that field as Tinker's request spells it."""
     answers, sdk = served
     trainer = sdk.create_lora_training_client(base_model=TINY, rank=4, seed=3)
     sampler = trainer.save_weights_and_get_sampling_client("conformance")
     cases = {
         "log_probs!": (
             lambda: sampler.compute_logprobs(types.ModelInput.from_ints([OUT_OF_VOCAB])).result(),
-            "prompt",
+            "prompt",  # on-prem: prompts[0]
         ),
         "fwd_bwd!": (
             lambda: trainer.forward_backward([DATUM], "no_such_loss").result(),
-            "loss_fn",
+            "loss_fn",  # on-prem: processing.loss_fn
         ),
         "step!": (
             lambda: trainer.optim_step(types.AdamParams(learning_rate=-1.0)).result(),
-            "learning_rate",
+            "adam_params.learning_rate",  # on-prem: learning_rate
         ),
     }
     for op, (call, field) in cases.items():
-        status, code, message = refused(call)
+        status, code, got_field, message = refused(call)
         want_status, want_code, _, _ = answers[op]
         assert (status, code) == (want_status, want_code), (op, message, answers[op])
-        assert field in message, (op, message)
+        assert got_field == field and field in message, (op, got_field, message)
 
 
 def test_a_snapshot_sampler_keeps_its_weights_on_the_fake_engine(served):

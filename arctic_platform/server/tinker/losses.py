@@ -69,7 +69,8 @@ def check_loss(loss_fn: str, config: dict) -> TinkerLoss:
     """The loss ``loss_fn`` names, with ``config`` holding only keys it accepts (400 otherwise)."""
     spec = LOSSES.get(loss_fn)
     if spec is None:
-        raise BadRequest(f"loss_fn: unknown loss {loss_fn!r}; known: {', '.join(sorted(LOSSES))}")
+        known = ", ".join(sorted(LOSSES))
+        raise BadRequest(f"loss_fn: unknown loss {loss_fn!r}; known: {known}", field="loss_fn")
     for key, value in config.items():
         if key not in spec.config_keys:
             accepted = ", ".join(spec.config_keys) or "none"

@@ -26,7 +26,7 @@ from arctic_platform.engine.builtin import BUILTIN_MODELS, BUILTIN_PREFIX, Built
 from arctic_platform.server.auth import API_KEY_HEADER
 from arctic_platform.server.errors import BadRequest, NotFound, Unauthorized
 from arctic_platform.server.http_common import caller_of, decode_json, off_loop, read_body
-from arctic_platform.server.op_bodies import describe
+from arctic_platform.server.op_bodies import describe, field_of
 from arctic_platform.server.tinker import bodies, codec, proto
 from arctic_platform.server.tinker.checkpoints import TinkerPath
 from arctic_platform.server.tinker.operations import TinkerOps
@@ -77,7 +77,7 @@ def _validated(body: bytes, model: type[Body], what: str, limits, refused) -> Bo
     except ValidationError as exc:
         if refused is not None:
             refused(raw)
-        raise BadRequest(f"{what}: {describe(exc)}") from None
+        raise BadRequest(f"{what}: {describe(exc)}", field=field_of(exc)) from None
 
 
 def _future(request_id: str, **extra: Any) -> dict:

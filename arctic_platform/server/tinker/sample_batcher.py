@@ -111,7 +111,8 @@ class SampleBatcher:
         except FieldError as exc:
             raise BadRequest(str(exc), field=exc.field) from None
         if any(not 0 <= t < engine.vocab_size for t in prompt):
-            raise BadRequest(f"prompt: token ids must lie in [0, {engine.vocab_size})")
+            message = f"prompt: token ids must lie in [0, {engine.vocab_size})"
+            raise BadRequest(message, field="prompt")
         item = _Pending(prompt, parsed, prompt_logprobs)
         key = key or sub.sub_job_id
         with self._lock:
