@@ -27,8 +27,11 @@ FIXED = ["grpo.steps=1", "eval.every=0", "checkpoint.every=0", "logging.plot_eve
 # Kernels a run may use: this CPU's own, or AVX2 forced (what an AVX2-only machine runs).
 KERNELS = {
     "native": {},
-    "avx2": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
-    | {"MKL_ENABLE_INSTRUCTIONS": "AVX2"},
+    "avx2": {
+        "ATEN_CPU_CAPABILITY": "avx2",
+        "ONEDNN_MAX_CPU_ISA": "AVX2",
+        "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+    },
 }
 SETTINGS = [
     # The default (1,500 steps at 2.2e-3) and the former one (900 steps), with either kernels.

@@ -251,8 +251,7 @@ class FakeTrainer(_FakeModel):
         }
 
     def sync_weights_to(self, target: FakeSampler) -> dict:
-        target.weight = self.weight
-        return {"loaded": 1}
+        return self.weight_snapshot().load_into(target)
 
     def weight_snapshot(self) -> FakeWeights:
         return FakeWeights(self.weight)

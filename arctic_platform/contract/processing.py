@@ -48,9 +48,6 @@ class Names:
     def add(self, name: str) -> None:
         self._names.add(name)
 
-    def __contains__(self, name: object) -> bool:
-        return name in self._names
-
     def known(self) -> list[str]:
         return sorted(self._names)
 

@@ -389,7 +389,7 @@ class RayTrainingEngine:
 
     def sync_weights_to(self, target: RayInferenceEngine) -> dict:
         """Stream the current weights into ``target``'s replica through the object store."""
-        return target.load_weight_chunks(self.weight_chunk_refs())
+        return self.weight_snapshot().load_into(target)
 
     def weight_snapshot(self) -> ChunkWeights:
         """The model cannot be read from here, so the snapshot is taken where it lives: rank 0
