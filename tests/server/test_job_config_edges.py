@@ -15,21 +15,19 @@ from tests.server.conftest import CORTEX, TINY
 NEEDS_TOTAL_STEPS = "total_steps: the cosine schedule needs it"
 
 
+def server_replies(http, training: dict) -> list:
+    """The Cortex create-job route's and the on-prem ``/initialize`` route's answers to a
+    training sub-job with ``training`` as its config."""
+    sub_job = {"job_type": "training", "model_name": TINY, "training_config": training}
+    return [
+        http.post(CORTEX, json={"sub_job_configs": [sub_job]}),
+        http.post("/initialize", json=sub_job),
+    ]
+
+
 def test_a_schedule_without_total_steps_is_refused_by_every_edge_before_a_job_exists(http):
     training = {"optimizer": {"lr": 1e-3}, "lr_scheduler": {"name": "cosine"}}
-    cortex = http.post(
-        CORTEX,
-        json={
-            "sub_job_configs": [
-                {"job_type": "training", "model_name": TINY, "training_config": training}
-            ]
-        },
-    )
-    onprem = http.post(
-        "/initialize",
-        json={"job_type": "training", "model_name": TINY, "training_config": training},
-    )
-    for reply in (cortex, onprem):
+    for reply in server_replies(http, training):
         assert reply.status_code == 400
         assert "training_config.lr_scheduler" in reply.json()["message"]
         assert NEEDS_TOTAL_STEPS in reply.json()["message"]
@@ -37,6 +35,18 @@ def test_a_schedule_without_total_steps_is_refused_by_every_edge_before_a_job_ex
     with pytest.raises(ValidationError, match=f"(?s)training.schedule.*{NEEDS_TOTAL_STEPS}"):
         ArcticRLClientConfig.model_validate(
             {"model": TINY, "training": {"schedule": {"name": "cosine"}}}
+        )
+
+
+def test_a_non_boolean_train_unembed_is_refused_by_every_edge_before_a_job_exists(http):
+    training = {"peft_config": {"peft_type": "Lora", "r": 4, "train_unembed": "maybe"}}
+    for reply in server_replies(http, training):
+        assert reply.status_code == 400, reply.text
+        assert "training_config.peft_config.train_unembed" in reply.json()["message"]
+    assert http.get(CORTEX).json()["jobs"] == []
+    with pytest.raises(ValidationError, match=r"(?s)training\.lora\.train_unembed.*boolean"):
+        ArcticRLClientConfig.model_validate(
+            {"model": TINY, "training": {"lora": {"train_unembed": "maybe"}}}
         )
 
 
