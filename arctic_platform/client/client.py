@@ -25,7 +25,8 @@ from typing import Any, TypeVar
 
 from arctic_platform.client.calls import Call, ClientOps
 from arctic_platform.client.config import ArcticRLClientConfig, load_config
-from arctic_platform.client.transport import JobHandles, Transport, initialize_or_cleanup
+from arctic_platform.client.job_lifecycle import JobLifecycle
+from arctic_platform.client.transport import JobHandles, Transport
 
 R = TypeVar("R")
 
@@ -52,7 +53,13 @@ class _ClientBase(ClientOps):
         self.transport = transport or make_transport(
             self.config, server_state, http_transport=http_transport
         )
-        self.jobs: JobHandles = initialize_or_cleanup(self.transport)
+        self._lifecycle = JobLifecycle(self.transport, self.config)
+        try:
+            self.transport.open()
+            self.jobs: JobHandles = self._lifecycle.start()
+        except BaseException:
+            self.transport.close()
+            raise
         self._closed = False
 
     @property
@@ -88,10 +95,17 @@ class _ClientBase(ClientOps):
         closing, self._closed = not self._closed, True
         return closing
 
+    def _release(self) -> None:
+        """Cancel the jobs this client created, then close the transport."""
+        try:
+            self._lifecycle.stop()
+        finally:
+            self.transport.close()
+
     def close(self) -> None:
         """Release the jobs this client created and its connections, now; idempotent."""
         if self._mark_closed():
-            self.transport.shutdown()
+            self._release()
 
 
 class SyncArcticRLClient(_ClientBase):
@@ -128,7 +142,7 @@ class ArcticRLClient(_ClientBase):
     async def aclose(self) -> None:
         """:meth:`close` in a worker thread, so the event loop keeps running meanwhile."""
         if self._mark_closed():
-            await asyncio.to_thread(self.transport.shutdown)
+            await asyncio.to_thread(self._release)
 
     def shutdown(self) -> Awaitable[None]:
         """The older name of closing, usable plainly or awaited (``await client.shutdown()``).
@@ -144,7 +158,7 @@ class ArcticRLClient(_ClientBase):
             return _Done()
         if not self._mark_closed():
             return _Done()
-        return loop.run_in_executor(None, self.transport.shutdown)
+        return loop.run_in_executor(None, self._release)
 
     async def __aenter__(self) -> ArcticRLClient:
         return self

@@ -233,6 +233,29 @@ class RayBackend(_Section):
     max_concurrent_ops: PositiveInt = 2
     job_ready_timeout: PositiveFloat = 1800.0
 
+    def training_placement(self, training: TrainingJob | None) -> dict[str, Any]:
+        """The training job's ``n_gpus`` (its worker count) and ``data_parallel`` on Ray: the
+        job's own values, else this backend's; both given and different is an error naming
+        the two fields."""
+        from_job = training is not None and "n_gpus" in training.model_fields_set
+        both = from_job and "num_training_workers" in self.model_fields_set
+        if both and training.n_gpus != self.num_training_workers:
+            raise ValueError(
+                f"backend.num_training_workers: {self.num_training_workers} disagrees with "
+                f"training.n_gpus: {training.n_gpus}; set one of them"
+            )
+        chosen = training.data_parallel if training is not None else None
+        explicit = "data_parallel" in self.model_fields_set
+        if chosen is not None and explicit and chosen != self.data_parallel:
+            raise ValueError(
+                f"backend.data_parallel: {self.data_parallel} disagrees with "
+                f"training.data_parallel: {chosen}; set one of them"
+            )
+        return {
+            "n_gpus": training.n_gpus if from_job else self.num_training_workers,
+            "data_parallel": chosen or self.data_parallel,
+        }
+
 
 Backend = Annotated[
     InProcessBackend | HttpBackend | CortexBackend | RayBackend, Field(discriminator="type")
@@ -306,6 +329,8 @@ class ArcticRLClientConfig(JobsConfig):
 
     @model_validator(mode="after")
     def _check_jobs(self) -> ArcticRLClientConfig:
+        if isinstance(self.backend, RayBackend):
+            self.backend.training_placement(self.training)
         if self.reconnecting:
             return self
         if not self.jobs():
@@ -374,10 +399,17 @@ class ArcticRLClientConfig(JobsConfig):
         )
 
     def create_job_body(self) -> dict[str, Any]:
-        """:meth:`to_create_job_request` as the JSON body of the server's create-job call."""
-        return self.to_create_job_request().model_dump(
+        """:meth:`to_create_job_request` as the JSON body of the server's create-job call (on
+        Ray, with the training job's worker count and data-parallel strategy)."""
+        body = self.to_create_job_request().model_dump(
             mode="json", by_alias=True, exclude_none=True
         )
+        if isinstance(self.backend, RayBackend):
+            placement = self.backend.training_placement(self.training)
+            for spec in body["sub_job_configs"]:
+                if spec["job_type"] == "training":
+                    spec["training_config"].update(placement)
+        return body
 
     # -- YAML -------------------------------------------------------------------------------
 

@@ -1,9 +1,11 @@
-"""What a transport is: one method that delivers an op, plus the lifecycle of the jobs behind it.
+"""What a transport is: it opens a connection, delivers ops, and closes; nothing else.
 
 In the spirit of httpx's transports: the client owns everything op-specific (argument checking,
-building bodies, shaping responses, the multi-call ``sync_weights`` sequence); a transport only
-moves a :class:`Request` to wherever the engines run and hands back the decoded result. So a new
-backend is one class, and the op surface is identical on all of them.
+building bodies, shaping responses, the multi-call ``sync_weights`` sequence) and the jobs'
+lifecycle (``client/job_lifecycle.py`` drives the job ops ``create-job``, ``get-job`` and
+``cancel-job`` once for every backend); a transport only moves a :class:`Request` to wherever the
+engines run and hands back the decoded result. So a new backend is one class, and the op surface
+is identical on all of them.
 
 Job handles are sub-job ids (``{job}:{training|sampling|log_prob}:{i}``) on every backend: the
 Service mints them, the on-prem ``/initialize`` route returns them, the Cortex job info lists them.
@@ -12,25 +14,22 @@ Service mints them, the on-prem ``/initialize`` route returns them, the Cortex j
 from __future__ import annotations
 
 import asyncio
-import logging
 from abc import ABC, abstractmethod
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 from arctic_platform.client.errors import JobNotConfiguredError
+from arctic_platform.contract.job_ops import JOB_OPS
 from arctic_platform.contract.ops import CLIENT_OPS, ROLES, Role
 from arctic_platform.contract.ops import OPS as CONTRACT_OPS
 
 # The canonical op names (the reference client's ``OPS``), from the op table.
 OPS = CLIENT_OPS
 
-log = logging.getLogger(__name__)
-
 
 @dataclass(frozen=True)
 class Request:
-    """One op for one sub-job.
+    """One op for one sub-job (or, for a job op, one job: ``job_id`` is empty for ``create-job``).
 
     ``body`` is the op's body as the server validates it (a dict; ``wake-inference`` also takes a
     tag list or None). ``binary`` says the body carries tensors and travels as a DSSST1 frame
@@ -45,8 +44,9 @@ class Request:
     frame_metadata: dict | None = None
 
     def __post_init__(self) -> None:
-        if self.op not in OPS:
-            raise ValueError(f"op: unknown op {self.op!r}; known: {sorted(OPS)}")
+        if self.op not in OPS and self.op not in JOB_OPS:
+            known = sorted({*OPS, *JOB_OPS})
+            raise ValueError(f"op: unknown op {self.op!r}; known: {known}")
         if self.binary is None:
             spec = CONTRACT_OPS.get(self.op)
             object.__setattr__(self, "binary", spec is not None and spec.binary_request)
@@ -71,16 +71,6 @@ class JobHandles:
             )
         return job_id
 
-    @classmethod
-    def from_sub_job_ids(cls, sub_job_ids: Iterable[str]) -> JobHandles:
-        """The handles of a new job: the first sub-job of each role among its ``sub_job_ids``."""
-        handles = cls()
-        for sub_job_id in sub_job_ids:
-            role = sub_job_id.split(":")[1]
-            if getattr(handles, role) is None:
-                setattr(handles, role, sub_job_id)
-        return handles
-
     def role_of(self, job_id: str) -> Role | None:
         """Which of this client's jobs ``job_id`` is."""
         for role in ROLES:
@@ -96,17 +86,14 @@ class JobHandles:
 class Transport(ABC):
     """Delivers ops to the engines of one backend.
 
-    Lifecycle: :meth:`initialize` creates the configured jobs (or attaches to the ids a reconnect
-    config names) and returns their handles; :meth:`shutdown` releases what this transport created
-    and its connections; it is idempotent. Jobs a transport attached to are left running: whoever
-    created them owns them.
+    :meth:`open` connects (starting a local server, a Service or a Ray actor where the backend
+    says so), :meth:`call` delivers one request, job ops included, and :meth:`close` releases the
+    connection and what :meth:`open` started; it is idempotent. Which jobs exist is not a
+    transport's business (``client/job_lifecycle.py``).
     """
 
-    jobs: JobHandles
-
-    @abstractmethod
-    def initialize(self) -> JobHandles:
-        """Create or attach to the jobs; blocks until they run."""
+    def open(self) -> None:  # noqa: B027 - most transports connect in __init__
+        """Connect; called once before the first request."""
 
     @abstractmethod
     def call(self, request: Request) -> Any:
@@ -118,8 +105,8 @@ class Transport(ABC):
         return await asyncio.to_thread(self.call, request)
 
     @abstractmethod
-    def shutdown(self) -> None:
-        """Release the jobs this transport created and its connections; idempotent."""
+    def close(self) -> None:
+        """Release the connection and what :meth:`open` started; idempotent."""
 
     def get_server_state(self) -> Any:
         """What another client needs, besides the job ids, to attach to these jobs (None if
@@ -130,15 +117,3 @@ class Transport(ABC):
         """The backend section a reconnecting client should use (None: the config's own). A
         transport that launched its server gives its actual address here."""
         return None
-
-
-def initialize_or_cleanup(transport: Transport) -> JobHandles:
-    """``transport.initialize()``; on failure, release what was created before re-raising."""
-    try:
-        return transport.initialize()
-    except BaseException:
-        try:
-            transport.shutdown()
-        except Exception as exc:  # the original error is the one worth raising
-            log.warning("cleanup after a failed initialize also failed: %s", exc)
-        raise

@@ -81,6 +81,10 @@ class OpName(StrEnum):
     CANCEL_REQUEST = "cancel-request"
     TAIL_LOGS = "tail-logs"
     TOKENIZE = "tokenize"
+    # A job's lifecycle (``contract/job_ops.py``): addressed by a job, not run on a sub-job.
+    CREATE_JOB = "create-job"
+    GET_JOB = "get-job"
+    CANCEL_JOB = "cancel-job"
 
     def __repr__(self) -> str:
         # Messages show an op with ``!r`` (``op 'step' does not run on ...``) or list the table

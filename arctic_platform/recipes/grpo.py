@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from arctic_platform.advantages import grpo_advantages
+from arctic_platform.contract.job_ids import parent_of
 from arctic_platform.layout import training_batch
 from arctic_platform.recipes.config import RecipeConfig
 from arctic_platform.recipes.run_log import PLOT_FILE, MetricsLog, Progress, plot_run
@@ -354,7 +355,7 @@ def _restore(client, state: dict) -> None:
     if client.config.backend.type == "cortex":
         client.load_checkpoint(
             checkpoint_id=state["checkpoint_id"],
-            source_job_id=state["training_job_id"].split(":", 1)[0],
+            source_job_id=parent_of(state["training_job_id"]),
         )
     else:
         client.load_checkpoint(path=state["checkpoint_path"])

@@ -16,7 +16,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from arctic_platform.server import cortex, jobs_api, onprem
 from arctic_platform.server.access_log import AccessLog
 from arctic_platform.server.auth import TokenAuth
-from arctic_platform.server.errors import ServiceError
+from arctic_platform.server.errors import BadRequest, ServiceError
 from arctic_platform.server.http_common import (
     UploadSlots,
     close_unread_bodies,
@@ -92,9 +92,10 @@ async def _metrics(request: Request) -> Response:
     return Response(content=body, media_type=CONTENT_TYPE_LATEST)
 
 
-async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
-    problems = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors())
-    return JSONResponse(
-        status_code=422,
-        content={"message": problems, "code": "invalid_argument", "detail": exc.errors()},
-    )
+async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+    """A bad route parameter (``?job_id=`` missing, ``?wait_s=-1``) is a 400 naming it, in the
+    same body as every other bad input (``field``: its name, without FastAPI's ``query.``)."""
+    errors = exc.errors()
+    named = [(".".join(str(p) for p in e["loc"][1:]) or "body", e["msg"]) for e in errors]
+    problems = "; ".join(f"{name}: {msg}" for name, msg in named)
+    return service_error_response(request, BadRequest(problems, field=named[0][0]))

@@ -21,6 +21,7 @@ from fastapi.responses import FileResponse, Response
 from arctic_platform import wire
 from arctic_platform.contract import ops as contract
 from arctic_platform.contract.generate_columns import as_columns, wants_columns
+from arctic_platform.contract.job_ops import JOB_OPS
 from arctic_platform.contract.ops import BINARY_RESULTS, QUICK_OPERATIONS, GenerateBody, OpName
 from arctic_platform.server.errors import BadRequest, NotFound
 from arctic_platform.server.http_common import (
@@ -29,6 +30,7 @@ from arctic_platform.server.http_common import (
     owner_of,
     read_body,
 )
+from arctic_platform.server.job_ops import WaitS, settled_info
 from arctic_platform.server.op_bodies import parse
 from arctic_platform.server.reference_logprobs import as_reference_logprobs, reference_samples
 
@@ -44,7 +46,12 @@ def _service(request: Request):
 # -- control plane ----------------------------------------------------------------------------
 
 
-@router.post("")
+_CREATE = JOB_OPS[OpName.CREATE_JOB].cortex
+_GET = JOB_OPS[OpName.GET_JOB].cortex
+_CANCEL = JOB_OPS[OpName.CANCEL_JOB].cortex
+
+
+@router.api_route(_CREATE.path, methods=[_CREATE.method])
 async def create_job(request: Request) -> dict:
     owner = owner_of(request)
     body = await json_of(request, await read_body(request), what="create job")
@@ -67,15 +74,17 @@ async def capacity(request: Request) -> dict:
     return _service(request).capacity(owner=owner_of(request))
 
 
-@router.post("/{job_id}:cancel")
+@router.api_route(_CANCEL.path, methods=[_CANCEL.method])
 async def cancel_job(job_id: str, request: Request) -> dict:
     owner = owner_of(request)
     return await run_in_threadpool(_service(request).cancel_job, job_id, owner=owner)
 
 
-@router.get("/{job_id}")
-async def get_job(job_id: str, request: Request) -> dict:
-    return _service(request).get_job(job_id, owner=owner_of(request))
+@router.api_route(_GET.path, methods=[_GET.method])
+async def get_job(job_id: str, request: Request, wait_s: WaitS = 0.0) -> dict:
+    """The job's info; ``wait_s`` holds the answer while it starts (a long poll)."""
+    service = _service(request)
+    return await settled_info(service, job_id, owner=owner_of(request), wait_s=wait_s)
 
 
 @router.get("/{job_id}/experiment-run")

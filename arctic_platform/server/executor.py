@@ -20,6 +20,7 @@ from functools import partial
 from typing import Any
 
 from arctic_platform.contract.job_config import SHORT_JOB_TYPE
+from arctic_platform.contract.job_ids import parent_of
 from arctic_platform.contract.ops import INLINE_OPERATIONS, OPERATION, OPERATION_TYPES, OpName
 from arctic_platform.contract.problems import FieldError
 from arctic_platform.engine import cancellation
@@ -106,7 +107,7 @@ class OpExecutor:
         from arctic_platform.contract.ops import CancelRequestBody, TailLogsBody
         from arctic_platform.server.op_bodies import parse
 
-        job_id = target.split(":", 1)[0]
+        job_id = parent_of(target)
         if op == OpName.CANCEL_REQUEST:
             parsed = parse(CancelRequestBody, body, what=OpName.CANCEL_REQUEST)
             return self.requests.cancel(job_id, parsed.request_id)

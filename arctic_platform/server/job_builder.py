@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 from pydantic import ValidationError
 
 from arctic_platform.contract.job_config import CreateJobRequest, SubJobConfig
+from arctic_platform.contract.job_ids import sub_job_id
 from arctic_platform.contract.problems import FieldError
 from arctic_platform.engine import cancellation
 from arctic_platform.server.checkpoint_catalogue import CheckpointCatalogue
@@ -83,7 +84,7 @@ class JobBuilder:
         counts: collections.Counter = collections.Counter()
         sub_jobs = []
         for spec, model_path in zip(parsed.sub_job_configs, model_paths, strict=True):
-            sub_id = f"{job_id}:{spec.kind}:{counts[spec.kind]}"
+            sub_id = sub_job_id(job_id, spec.kind, counts[spec.kind])
             counts[spec.kind] += 1
             sub_jobs.append(
                 SubJob(

@@ -24,6 +24,7 @@ from arctic_platform.contract.job_config import (
     CreateJobRequest,
     SubJobConfig,
 )
+from arctic_platform.contract.job_ids import parent_of
 from arctic_platform.contract.states import TERMINAL_JOB_STATES, JobState
 from arctic_platform.engine.cancellation import CancelToken
 from arctic_platform.server.errors import BadRequest, Conflict, NotFound
@@ -163,14 +164,14 @@ class JobRegistry:
     def get(self, job_id: str, owner: str | None, *, check_owner: bool = True) -> Job:
         """The job of ``job_id`` (or of the sub-job id ``job_id``); NotFound unless ``owner``
         owns it, so another tenant's job looks the same as one that does not exist."""
-        job = self.find(str(job_id).split(":", 1)[0])
+        job = self.find(parent_of(job_id))
         if job is None or (check_owner and job.owner != owner):
             raise NotFound(f"job {job_id!r} not found")
         return job
 
     def resolve(self, job_or_sub_id: str, *, owner: str | None, kind: str | None = None) -> SubJob:
         """A sub-job by id, or the one sub-job of ``kind`` in job ``job_or_sub_id``."""
-        job_id = job_or_sub_id.split(":", 1)[0]
+        job_id = parent_of(job_or_sub_id)
         job = self.get(job_id, owner)
         if ":" in job_or_sub_id:
             for sub in job.sub_jobs:

@@ -20,6 +20,8 @@ from fastapi.concurrency import run_in_threadpool
 
 from arctic_platform.contract.generate_columns import as_columns, wants_columns
 from arctic_platform.contract.job_config import SHORT_JOB_TYPE
+from arctic_platform.contract.job_ids import parent_of
+from arctic_platform.contract.job_ops import JOB_OPS
 from arctic_platform.contract.ops import BINARY_RESULTS, ONPREM_OPS, OpName
 from arctic_platform.server.errors import BadRequest, NotFound
 from arctic_platform.server.http_common import (
@@ -29,6 +31,7 @@ from arctic_platform.server.http_common import (
     read_body,
     read_op_body,
 )
+from arctic_platform.server.job_ops import WaitS, settled_info
 from arctic_platform.server.reference_logprobs import as_reference_logprobs
 from arctic_platform.server_identity import health_answer
 
@@ -75,7 +78,12 @@ async def status(request: Request) -> dict:
     return {"device": service.settings.device, "jobs": subs, "running_ops": running}
 
 
-@router.post("/initialize")
+_CREATE = JOB_OPS[OpName.CREATE_JOB].onprem
+_GET = JOB_OPS[OpName.GET_JOB].onprem
+_CANCEL = JOB_OPS[OpName.CANCEL_JOB].onprem
+
+
+@router.api_route(_CREATE.path, methods=[_CREATE.method])
 async def initialize(request: Request) -> dict:
     """Create a job with one sub-job and wait until its engine is ready (as the reference does)."""
     owner = owner_of(request)
@@ -94,20 +102,22 @@ async def initialize(request: Request) -> dict:
     return answer
 
 
-@router.get("/job/{job_id}")
-async def get_job(job_id: str, request: Request) -> dict:
-    info = _service(request).get_job(job_id, owner=owner_of(request))
+@router.api_route(_GET.path, methods=[_GET.method])
+async def get_job(job_id: str, request: Request, wait_s: WaitS = 0.0) -> dict:
+    """The sub-job's state; ``wait_s`` holds the answer while its job starts (a long poll)."""
+    service = _service(request)
+    info = await settled_info(service, job_id, owner=owner_of(request), wait_s=wait_s)
     for sub in info["sub_jobs"]:
         if sub["sub_job_id"] == job_id or ":" not in job_id:
             return _onprem_info(info, sub)
     raise NotFound(f"job {job_id!r} not found")
 
 
-@router.post("/destroy")
+@router.api_route(_CANCEL.path, methods=[_CANCEL.method])
 async def destroy(request: Request, job_id: str) -> dict:
     owner = owner_of(request)
     await read_body(request)  # {"job_type"} is required by the reference client, unused here
-    await run_in_threadpool(_service(request).cancel_job, job_id.split(":", 1)[0], owner=owner)
+    await run_in_threadpool(_service(request).cancel_job, parent_of(job_id), owner=owner)
     return {"job_id": job_id}
 
 

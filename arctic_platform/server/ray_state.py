@@ -50,17 +50,9 @@ class ServerState:
             )
         )
 
-    def create_job(self, body: dict) -> tuple:
-        return self._reply(lambda: self.service.create_job(body))
-
-    def wait_until_running(self, job_id: str, timeout: float) -> tuple:
-        return self._reply(lambda: self.service.wait_until_running(job_id, timeout=timeout))
-
     def execute(self, target: str, op: str, body: Any) -> tuple:
+        """Any op, job ops included (``Service.execute``): the Ray transport's one entry."""
         return self._reply(lambda: self.service.execute(target, op, body))
-
-    def cancel_job(self, job_id: str) -> tuple:
-        return self._reply(lambda: self.service.cancel_job(job_id))
 
     def get_job(self, job_id: str) -> tuple:
         return self._reply(lambda: self.service.get_job(job_id))

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from arctic_platform.contract.job_ops import JOB_OPS
 from arctic_platform.contract.states import TERMINAL_JOB_STATES
 from arctic_platform.engine.cancellation import CancelToken
 from arctic_platform.server.async_requests import ChunkGroups, RequestStore
@@ -33,6 +34,7 @@ from arctic_platform.server.errors import Conflict, result_of
 from arctic_platform.server.executor import OpExecutor
 from arctic_platform.server.idle_reaper import IdleReaper
 from arctic_platform.server.job_builder import JobBuilder
+from arctic_platform.server.job_ops import run_job_op
 from arctic_platform.server.job_registry import JobRegistry, SubJob
 from arctic_platform.server.limits import ServerLimits
 from arctic_platform.server.metrics import ServiceMetrics
@@ -306,7 +308,9 @@ class Service:
         return self.executor.dispatch(target, op, body, owner=owner)
 
     def execute(self, target: str, op: str, body: Any, *, owner: str | None = None) -> Any:
-        """Run ``op`` to completion (the in-process and on-prem paths)."""
+        """Run ``op`` to completion (the in-process and Ray paths); job ops included."""
+        if op in JOB_OPS:
+            return run_job_op(self, op, target, body, owner=owner)
         sub, op, body = self.dispatch(target, op, body, owner=owner)
         if sub is None:
             return self.inline_operation(target, op, body, owner=owner)

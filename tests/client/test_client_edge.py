@@ -34,16 +34,15 @@ class Recording(Transport):
         self.inner = inner
         self.requests = []
 
-    def initialize(self):
-        self.jobs = self.inner.initialize()
-        return self.jobs
+    def open(self):
+        self.inner.open()
 
     def call(self, request):
         self.requests.append(request)
         return self.inner.call(request)
 
-    def shutdown(self):
-        self.inner.shutdown()
+    def close(self):
+        self.inner.close()
 
 
 @pytest.fixture(scope="module")

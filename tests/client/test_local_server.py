@@ -121,8 +121,8 @@ def test_attaching_to_a_stranger_is_refused(stranger):
     )
     transport = HttpTransport(config)
     with pytest.raises(BackendUnavailableError, match="not arctic-platform serve"):
-        transport.initialize()
-    transport.shutdown()
+        transport.open()
+    transport.close()
 
 
 def test_the_parent_watch_refuses_a_wrong_parent(tmp_path):

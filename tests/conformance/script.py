@@ -33,6 +33,7 @@ NAMED = {
     "step!": "learning_rate",
     "save!": "checkpoint_type",
     "load!": "checkpoint-999",
+    "get job!": "wait_s",
 }
 
 
@@ -56,7 +57,7 @@ def refusal(send) -> tuple[int | None, str | None, str | None, str]:
 def raw(client, op: str, role: str, body: Any, *, binary: bool = False) -> Any:
     """Send ``body`` as ``op`` through the client's transport, past the client's own checks:
     what reaches the surface's server edge."""
-    job_id = getattr(client.transport.jobs, role)
+    job_id = getattr(client.jobs, role)
     return client.transport.call(Request(op, job_id, body, binary=binary))
 
 
@@ -70,8 +71,12 @@ def run_script(client) -> dict[str, Any]:
     out["create job"] = sorted(
         role
         for role in ("training", "sampling", "log_prob")
-        if getattr(client.transport.jobs, role) is not None
+        if getattr(client.jobs, role) is not None
     )
+    status = raw(client, OpName.GET_JOB, "training", {"wait_s": 0.5})
+    listed = client.jobs.training in {sub["sub_job_id"] for sub in status["sub_jobs"]}
+    out["get job"] = {"status": status["status"], "lists the sub-job": listed}
+    out["get job!"] = refusal(lambda: raw(client, OpName.GET_JOB, "training", {"wait_s": -1}))
     samples = client.generate(PROMPTS, SAMPLING)
     out["generate"] = samples
     out["generate!"] = refusal(
@@ -123,7 +128,7 @@ def protocols_met(service, client) -> dict[str, bool]:
     its kind's Protocol (``contract/engine_protocols.py``)."""
     met = {}
     for kind in ENGINE_PROTOCOLS:
-        sub_job_id = getattr(client.transport.jobs, kind)
+        sub_job_id = getattr(client.jobs, kind)
         engine = service.resolve(sub_job_id, owner=None).engine
         met[kind] = isinstance(engine, ENGINE_PROTOCOLS[kind])
     return met

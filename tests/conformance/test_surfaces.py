@@ -22,6 +22,7 @@ from tests.server.conftest import make_app
 
 OPS = (
     "create job",
+    "get job",
     "generate",
     "log_probs",
     "forward",

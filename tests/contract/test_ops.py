@@ -174,10 +174,13 @@ def test_the_scan_finds_an_op_name_written_as_a_string():
 
 def test_op_names_are_the_table_and_read_as_plain_strings():
     """An ``OpName`` member is the plain name everywhere it ends up: as a key, in a message (also
-    with ``!r``), in JSON."""
+    with ``!r``), in JSON. Each name is in exactly one table: the ops on sub-jobs or the job ops."""
     import json
 
-    assert set(contract.OpName) == set(contract.OPS)
+    from arctic_platform.contract.job_ops import JOB_OPS
+
+    assert set(contract.OpName) == set(contract.OPS) | set(JOB_OPS)
+    assert not set(contract.OPS) & set(JOB_OPS)
     assert all(type(op.name) is contract.OpName for op in contract.OPS.values())
     name = contract.OpName.FORWARD_BACKWARD
     assert contract.OPS["forward-backward"] is contract.OPS[name]

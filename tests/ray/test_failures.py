@@ -18,6 +18,7 @@ import pytest
 
 from arctic_platform.client import ServerError, create_arctic_rl_client
 from arctic_platform.client.config import ArcticRLClientConfig
+from arctic_platform.contract.ops import OpName
 from arctic_platform.layout import training_batch
 from tests.ray.cluster import ray_backend
 from tests.waiting import wait_until
@@ -46,15 +47,18 @@ def ask(state, method: str, *args):
     return value
 
 
-def start_job(state, workers: int) -> tuple[str, tuple]:
-    """A new job's id and the reply of waiting for it to run."""
-    job_id = ask(state, "create_job", job_body(workers))["job_id"]
-    return job_id, ray.get(state.wait_until_running.remote(job_id, 300.0))
+def start_job(state, workers: int) -> tuple[str, dict]:
+    """A new job's id and its state once it runs or ends (the job ops, as a client sends them)."""
+    job_id = ask(state, "execute", "", OpName.CREATE_JOB, job_body(workers))["job_ids"][0]
+    status = {"status": "pending"}
+    while status["status"] in ("pending", "initializing"):
+        status = ask(state, "execute", job_id, OpName.GET_JOB, {"wait_s": 30})
+    return job_id, status
 
 
 def create_job(state, workers: int) -> str:
-    job_id, (kind, value) = start_job(state, workers)
-    assert kind == "ok", value
+    job_id, status = start_job(state, workers)
+    assert status["status"] == "running", status
     return job_id
 
 
@@ -131,13 +135,13 @@ def test_a_killed_worker_fails_its_job_and_nothing_else(client, tmp_path):
     assert ask(state, "get_job", job_b)["status"] == "running"
     assert ask(state, "execute", job_b, "step", {})["global_steps"] == 2
     assert ask(state, "execute", job_c, "step", {})["global_steps"] == 2
-    ask(state, "cancel_job", job_c)
+    ask(state, "execute", job_c, OpName.CANCEL_JOB, None)
 
 
 def test_a_job_larger_than_the_cluster_fails_naming_the_setting(client):
     state = client.get_server_state()
-    job_id, (kind, error) = start_job(state, workers=8)
-    assert kind == "error" and error["code"] == "job_failed"
+    job_id, status = start_job(state, workers=8)
+    assert status["status"] == "failed"
     reason = ask(state, "get_job", job_id)["reason"]
     assert "training_config.n_gpus: the job needs 2.72 CPU" in reason
     assert "the Ray cluster has 2 CPU in total" in reason

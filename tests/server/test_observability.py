@@ -72,6 +72,7 @@ def test_every_response_has_a_request_id_and_one_access_log_line(http, caplog):
 def test_the_client_logs_the_request_id_of_a_failed_request(http, service, caplog, backend):
     from arctic_platform.client.config import load_config
     from arctic_platform.client.errors import InvalidRequestError
+    from arctic_platform.client.job_lifecycle import JobLifecycle
     from arctic_platform.client.transport import Request
     from arctic_platform.client.transports import make_transport
 
@@ -81,13 +82,16 @@ def test_the_client_logs_the_request_id_of_a_failed_request(http, service, caplo
         section = {"type": "cortex", "base_url": url, "database": "DB", "schema": "RL"}
     config = load_config({"model": "builtin:tiny", "seed": 0, "backend": section, "sampling": {}})
     transport = make_transport(config)
-    jobs = transport.initialize()
+    transport.open()
+    lifecycle = JobLifecycle(transport, config)
+    jobs = lifecycle.start()
     caplog.set_level(logging.WARNING, logger="arctic_platform.client")
     try:
         with pytest.raises(InvalidRequestError):
             transport.call(Request("log-probs", jobs.sampling, {"prompts": []}, binary=False))
     finally:
-        transport.shutdown()
+        lifecycle.stop()
+        transport.close()
     logged = [r.getMessage() for r in caplog.records if "server request id" in r.getMessage()]
     assert logged and all("none" not in line for line in logged)
 

@@ -135,7 +135,7 @@ def test_errors_name_the_problem_and_leave_state_alone(http, service):
             "malformed JSON",
         ),
         (http.post(f"/step?job_id={training}", json={"lr": 1}), 400, "lr: Extra inputs"),
-        (http.post("/step", json={}), 422, "job_id"),
+        (http.post("/step", json={}), 400, "job_id: Field required"),
         (http.post(f"/explode?job_id={training}", json={}), 404, "unknown op"),
         (
             http.post("/initialize", json={"model_name": TINY, "job_type": "trainer"}),

@@ -2,11 +2,12 @@
 
 Facts of the API: reference/client_wire_api.md §2. How this transport uses it:
 
-* **Jobs.** ``POST {prefix}`` with ``{"sub_job_configs": [...]}`` creates one job holding every
-  configured sub-job; ``GET {prefix}/{job}`` is polled until ``running`` (0.5 s, x1.25, at most
-  6 s between polls, bounded by ``job_ready_timeout``); the sub-job ids are read from the job
-  info. Shutdown cancels the job if this client created it (an attached client leaves it).
-* **Data plane.** Every op posts to ``{prefix}/{job}/{route}`` and gets ``{"request_id"}``; the
+* **Job ops** (``contract/job_ops.py``). ``create-job`` is ``POST {prefix}`` with
+  ``{"sub_job_configs": [...]}`` (one job holding every sub-job), then ``GET {prefix}/{job}`` for
+  its sub-job ids; ``get-job`` is ``GET {prefix}/{job}`` (``?wait_s=``: our server holds the
+  answer while the job starts); ``cancel-job`` is ``POST {prefix}/{job}:cancel``.
+* **Data plane.** Every op posts to ``{prefix}/{job}/{route}`` (the job of the request's sub-job
+  id) and gets ``{"request_id"}``; the
   transport polls ``GET .../requests/{rid}`` with the same backoff until the request is done
   (bounded by ``poll_timeout``), collecting ``result_chunk`` events through ``next_cursor`` and
   checking their sha256, then decodes the DSSST1 result (inline base64 or chunks) or the JSON one.
@@ -58,7 +59,7 @@ from arctic_platform.client.errors import (
     server_error,
 )
 from arctic_platform.client.tensors import resolve_tensor_type
-from arctic_platform.client.transport import JobHandles, Request, Transport
+from arctic_platform.client.transport import Request, Transport
 from arctic_platform.client.transports.http_common import (
     connection_error,
     decode_body,
@@ -69,7 +70,8 @@ from arctic_platform.client.transports.http_common import (
     retry_wait,
 )
 from arctic_platform.client.transports.liveness import LivenessWatch
-from arctic_platform.contract.job_config import SHORT_JOB_TYPE
+from arctic_platform.contract.job_ids import parent_of
+from arctic_platform.contract.job_ops import JOB_OPS, JobStatus
 from arctic_platform.contract.ops import OPERATION, OpName
 from arctic_platform.contract.ops import op as contract_op
 from arctic_platform.contract.states import TERMINAL_JOB_STATES
@@ -95,7 +97,6 @@ MAX_EVENTS = 512
 DONE = {"done", "completed", "succeeded"}
 FAILED = {"failed"}
 CANCELLED = {"cancelled", "canceled"}
-ENDED_JOB = {*TERMINAL_JOB_STATES, "canceled", "done"}
 
 
 @dataclass(frozen=True)
@@ -122,9 +123,6 @@ class CortexTransport(Transport):
         assert isinstance(backend, CortexBackend)
         self.config = config
         self.backend = backend
-        self.jobs = JobHandles()
-        self.job_id: str | None = None
-        self._owns_job = False
         self._tensor_type = resolve_tensor_type(config.tensor_type)
         headers = {}
         token = backend.resolve_pat()
@@ -146,98 +144,16 @@ class CortexTransport(Transport):
                 verify=backend.verify_tls,
             )
 
-    @property
-    def _job_url(self) -> str:
-        return f"{self.backend.prefix}/{self.job_id}"
+    def _job_url(self, job_id: str) -> str:
+        return f"{self.backend.prefix}/{parent_of(job_id)}"
 
-    # -- lifecycle --------------------------------------------------------------------------
-
-    def initialize(self) -> JobHandles:
-        if self.config.reconnecting:
-            return self._attach()
-        body = self.config.create_job_body()
-        answer = self._request(
-            "POST", self.backend.prefix, op="create job", policy=NOT_REPEATABLE, json=body
-        )
-        self.job_id = str(_field(answer, "job_id", "create job"))
-        self._owns_job = True
-        info = self._wait_running()
-        found = _sub_jobs(info)
-        for role in self.config.jobs():
-            if role not in found:
-                raise ServerError(
-                    f"job {self.job_id} has no {role} sub-job", status=None, code="bad_response"
-                )
-            setattr(self.jobs, role, found[role])
-        return self.jobs
-
-    def _attach(self) -> JobHandles:
-        ids = self.config.attach_ids()
-        parents = {i.split(":", 1)[0] for i in ids.values()}
-        if len(parents) != 1:
-            raise ValueError(
-                f"training_job_id/sampling_job_id/log_prob_job_id: on cortex they must be "
-                f"sub-jobs of one job, got parents {sorted(parents)}"
-            )
-        self.job_id = parents.pop()
-        known = set(_sub_jobs(self._wait_running()).values())
-        for role, job_id in ids.items():
-            if ":" not in job_id or job_id not in known:
-                raise NotFoundError(
-                    f"sub-job {job_id!r} is not in job {self.job_id}",
-                    status=404,
-                    code="not_found",
-                    op="attach",
-                )
-            setattr(self.jobs, role, job_id)
-        return self.jobs
-
-    def shutdown(self) -> None:
-        if self._client is None:
-            return
-        if self._owns_job and self.job_id is not None:
-            url = f"{self._job_url}:cancel"
-            try:
-                self._watched(
-                    lambda: self._request("POST", url, op="cancel job", policy=NOT_REPEATABLE),
-                    op="cancel job",
-                )
-            except ArcticRLError as exc:
-                log.warning("could not cancel job %s: %s", self.job_id, exc)
-        self._owns_job = False
-        self._client.close()
-        self._client = None
+    def close(self) -> None:
+        if self._client is not None:
+            self._client.close()
+            self._client = None
         if self._watch is not None:
             self._watch.close()
             self._watch = None
-        self.jobs = JobHandles()
-
-    def _wait_running(self) -> dict:
-        backend = self.backend
-        deadline = time.monotonic() + backend.job_ready_timeout
-        interval = backend.poll_interval
-        while True:
-            info = self._request("GET", self._job_url, op="job status", policy=REPEATABLE)
-            if isinstance(info, dict) and isinstance(info.get("job"), dict):
-                info = info["job"]
-            status = _state(_field(info, "status", "job status"), "job_state_")
-            if status == "running":
-                return info
-            if status in ENDED_JOB:
-                states = {s.get("sub_job_id"): s.get("status") for s in info.get("sub_jobs") or []}
-                raise server_error(
-                    409,
-                    f"job_{status}",
-                    f"job {self.job_id} is {status}: {info.get('reason')} (sub-jobs: {states})",
-                    op="create job",
-                )
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise RequestTimeoutError(
-                    f"job {self.job_id} is still {status} after {backend.job_ready_timeout:.0f}s"
-                )
-            time.sleep(min(interval, remaining))
-            interval = min(interval * backend.poll_backoff, backend.poll_max_interval)
 
     # -- ops --------------------------------------------------------------------------------
 
@@ -253,8 +169,10 @@ class CortexTransport(Transport):
 
     def _call(self, request: Request) -> Any:
         op = request.op
+        if op in JOB_OPS:
+            return self._job_op(request)
         if op == OPERATION:
-            return self._operation(request.body)
+            return self._operation(request.job_id, request.body)
         spec = contract_op(op)
         if op == OpName.LOAD_CHECKPOINT:
             return self._load(request)
@@ -268,16 +186,51 @@ class CortexTransport(Transport):
                 "sub_job_id": request.job_id,
                 "payload": payload or {},
             }
-            return self._operation(envelope)
+            return self._operation(request.job_id, envelope)
         if spec.binary_request:
             force_chunk = spec.retry == "chunk_group"
             return self._octet(request, spec.cortex_route, force_chunk=force_chunk)
         policy = NOT_REPEATABLE if spec.retry == "never" else REPEATABLE
-        return self._submit_json(op, spec.cortex_route, request.body, policy)
+        return self._submit_json(request.job_id, op, spec.cortex_route, request.body, policy)
+
+    def _job_op(self, request: Request) -> Any:
+        """A job op on the Cortex routes, answered as the contract's result model."""
+        op = request.op
+        route = JOB_OPS[op].cortex
+        if op == OpName.CREATE_JOB:
+            answer = self._request(
+                route.method,
+                self.backend.prefix + route.path,
+                op=op,
+                policy=NOT_REPEATABLE,
+                json=request.body,
+            )
+            job_id = str(_field(answer, "job_id", op))
+            try:
+                return self._job_status(job_id).created().model_dump(mode="json")
+            except BaseException:
+                self._job_op(Request(OpName.CANCEL_JOB, job_id))
+                raise
+        url = self.backend.prefix + route.path.format(job_id=parent_of(request.job_id))
+        if op == OpName.GET_JOB:  # a GET: its body travels as query parameters
+            return self._job_status(request.job_id, request.body).model_dump(mode="json")
+        self._request(route.method, url, op=op, policy=NOT_REPEATABLE)
+        return None
+
+    def _job_status(self, job_id: str, params: dict | None = None) -> JobStatus:
+        route = JOB_OPS[OpName.GET_JOB].cortex
+        url = self.backend.prefix + route.path.format(job_id=parent_of(job_id))
+        info = self._request(route.method, url, op=OpName.GET_JOB, policy=REPEATABLE, params=params)
+        try:
+            return JobStatus.from_info(info)
+        except ValueError as exc:
+            raise ServerError(
+                f"malformed job info: {exc}", status=None, code="bad_response", op=OpName.GET_JOB
+            ) from None
 
     def _octet(self, request: Request, route: str, *, force_chunk: bool) -> Any:
         op = request.op
-        url = f"{self._job_url}/{route}"
+        url = f"{self._job_url(request.job_id)}/{route}"
         metadata = _merge_options(RESPONSE_OPTIONS, request.frame_metadata)
         buffers = wire.dumps_buffers(request.body, metadata=metadata)
         size = sum(memoryview(b).nbytes for b in buffers)
@@ -287,11 +240,11 @@ class CortexTransport(Transport):
             answer = self._request(
                 "POST", url, op=op, policy=REPEATABLE, content=content, headers=headers
             )
-            return self._poll(str(_field(answer, "request_id", op)), op)
+            return self._poll(request.job_id, str(_field(answer, "request_id", op)), op)
         chunks = wire.encode_byte_chunks(
             b"".join(buffers), kind="request", operation=op, max_bytes=limit, force_chunk=True
         )
-        return self._poll(self._send_group(url, chunks, op), op)
+        return self._poll(request.job_id, self._send_group(url, chunks, op), op)
 
     def _send_group(self, url: str, chunks: list[bytes], op: str) -> str:
         """Post a chunk group; replay it once from chunk 0 if the server asks (module doc)."""
@@ -324,21 +277,21 @@ class CortexTransport(Transport):
             )
         return str(request_id)
 
-    def _submit_json(self, op: str, route: str, body: Any, policy: RetryPolicy) -> Any:
-        answer = self._request("POST", f"{self._job_url}/{route}", op=op, policy=policy, json=body)
-        return self._poll(str(_field(answer, "request_id", op)), op)
+    def _submit_json(self, job_id: str, op: str, route: str, body: Any, policy: RetryPolicy) -> Any:
+        url = f"{self._job_url(job_id)}/{route}"
+        answer = self._request("POST", url, op=op, policy=policy, json=body)
+        return self._poll(job_id, str(_field(answer, "request_id", op)), op)
 
-    def _operation(self, envelope: dict) -> Any:
+    def _operation(self, job_id: str, envelope: dict) -> Any:
         op = str(envelope.get("operation_type", "operation"))
-        answer = self._request(
-            "POST", f"{self._job_url}/operation", op=op, policy=NOT_REPEATABLE, json=envelope
-        )
+        url = f"{self._job_url(job_id)}/{OPERATION}"
+        answer = self._request("POST", url, op=op, policy=NOT_REPEATABLE, json=envelope)
         if (
             isinstance(answer, dict)
             and set(answer) <= {"request_id", "job_id"}
             and "request_id" in answer
         ):
-            return self._poll(str(answer["request_id"]), op)
+            return self._poll(job_id, str(answer["request_id"]), op)
         return answer
 
     def _load(self, request: Request) -> Any:
@@ -354,7 +307,8 @@ class CortexTransport(Transport):
             )
         if "checkpoint_id" not in body:
             step = body.pop("step", None)
-            listing = self._request("GET", f"{self._job_url}/checkpoints", op=op, policy=REPEATABLE)
+            url = f"{self._job_url(request.job_id)}/checkpoints"
+            listing = self._request("GET", url, op=op, policy=REPEATABLE)
             found = [
                 c
                 for c in _field(listing, "checkpoints", op)
@@ -363,7 +317,7 @@ class CortexTransport(Transport):
             if not found:
                 which = "" if step is None else f" at step {step}"
                 raise NotFoundError(
-                    f"job {self.job_id} has no checkpoint{which}",
+                    f"job {parent_of(request.job_id)} has no checkpoint{which}",
                     status=404,
                     code="not_found",
                     op=op,
@@ -373,13 +327,14 @@ class CortexTransport(Transport):
             )
             body["checkpoint_id"] = latest["checkpoint_id"]
         body.setdefault("target_sub_job_id", request.job_id)
-        return self._submit_json(op, contract_op(op).cortex_route, body, NOT_REPEATABLE)
+        route = contract_op(op).cortex_route
+        return self._submit_json(request.job_id, op, route, body, NOT_REPEATABLE)
 
     # -- polling ----------------------------------------------------------------------------
 
-    def _poll(self, request_id: str, op: str) -> Any:
+    def _poll(self, job_id: str, request_id: str, op: str) -> Any:
         backend = self.backend
-        url = f"{self._job_url}/requests/{request_id}"
+        url = f"{self._job_url(job_id)}/requests/{request_id}"
         deadline = time.monotonic() + backend.poll_timeout
         interval = backend.poll_interval
         cursor: str | None = None
@@ -391,7 +346,7 @@ class CortexTransport(Transport):
             try:
                 state = self._request("GET", url, op=op, policy=POLL, params=params)
             except NotFoundError:
-                self._raise_if_job_ended(request_id, op)
+                self._raise_if_job_ended(job_id, request_id, op)
                 state = self._request("GET", url, op=op, policy=REPEATABLE, params=params)
             for event in state.get("events") or []:
                 if isinstance(event, dict) and event.get("type") == "result_chunk":
@@ -417,18 +372,15 @@ class CortexTransport(Transport):
             time.sleep(min(interval, remaining))
             interval = min(interval * backend.poll_backoff, backend.poll_max_interval)
 
-    def _raise_if_job_ended(self, request_id: str, op: str) -> None:
+    def _raise_if_job_ended(self, job_id: str, request_id: str, op: str) -> None:
         """A request the server does not know, in a job that ended (a server restart ends every
         job it ran): say so at once instead of retrying the poll."""
-        info = self._request("GET", self._job_url, op="job status", policy=REPEATABLE)
-        if isinstance(info, dict) and isinstance(info.get("job"), dict):
-            info = info["job"]
-        status = _state(_field(info, "status", "job status"), "job_state_")
-        if status in ENDED_JOB:
+        status = self._job_status(job_id)
+        if status.status in TERMINAL_JOB_STATES:
             raise server_error(
                 409,
-                f"job_{status}",
-                f"job {self.job_id} ended ({status}: {info.get('reason')}) and request "
+                f"job_{status.status}",
+                f"job {status.job_id} ended ({status.status}: {status.reason}) and request "
                 f"{request_id} ended with it; the op's outcome is unknown",
                 op=op,
             )
@@ -511,16 +463,6 @@ def _field(value: Any, name: str, op: str) -> Any:
 def _state(value: Any, prefix: str) -> str:
     text = str(value or "").lower()
     return text[len(prefix) :] if text.startswith(prefix) else text
-
-
-def _sub_jobs(info: dict) -> dict[str, str]:
-    """Role -> sub-job id, from a job's info (the first sub-job of each type)."""
-    found: dict[str, str] = {}
-    for sub in info.get("sub_jobs") or []:
-        role = SHORT_JOB_TYPE.get(_state(sub.get("job_type"), "job_type_"))
-        if role is not None and role not in found and sub.get("sub_job_id"):
-            found[role] = str(sub["sub_job_id"])
-    return found
 
 
 def _chunk_payload(event: dict, op: str) -> bytearray:

@@ -1,7 +1,8 @@
 """The ``http`` backend: an ``arctic-platform serve`` process, over its on-prem API.
 
-Jobs: one ``POST /initialize`` per configured job (it returns when the engine is ready, with the
-sub-job id), ``POST /destroy?job_id=`` at shutdown for the jobs this client created. Ops:
+Job ops (``contract/job_ops.py``): ``create-job`` is one ``POST /initialize`` per sub-job config
+(each returns when its engine is ready, with the sub-job id), ``get-job`` is ``GET /job/{id}``,
+``cancel-job`` is ``POST /destroy?job_id=``. Ops:
 ``POST /{op}?job_id=<sub-job id>``; tensor bodies (forward-backward, forward, generate) as
 streamed DSSST1 frames, everything else JSON; the response is DSSST1 or JSON by its
 Content-Type.
@@ -25,10 +26,10 @@ from tenacity import Retrying, retry_if_exception_type, stop_after_attempt
 
 from arctic_platform import wire
 from arctic_platform.client.config import ArcticRLClientConfig, HttpBackend
-from arctic_platform.client.errors import ArcticRLError, BackendUnavailableError, server_error
+from arctic_platform.client.errors import ArcticRLError, BackendUnavailableError, ServerError
 from arctic_platform.client.local_server import LocalServer
 from arctic_platform.client.tensors import resolve_tensor_type
-from arctic_platform.client.transport import JobHandles, Request, Transport
+from arctic_platform.client.transport import Request, Transport
 from arctic_platform.client.transports.http_common import (
     connection_error,
     decode_body,
@@ -39,6 +40,9 @@ from arctic_platform.client.transports.http_common import (
     retry_wait,
 )
 from arctic_platform.client.transports.liveness import LivenessWatch
+from arctic_platform.contract.job_ids import role_of
+from arctic_platform.contract.job_ops import JOB_OPS, JobStatus, Route
+from arctic_platform.contract.ops import OpName
 from arctic_platform.server_identity import identity_problem
 
 log = logging.getLogger(__name__)
@@ -55,9 +59,7 @@ class HttpTransport(Transport):
         assert isinstance(backend, HttpBackend)
         self.config = config
         self.backend = backend
-        self.jobs = JobHandles()
         self._tensor_type = resolve_tensor_type(config.tensor_type)
-        self._created: list[tuple[str, str]] = []
         self._server: LocalServer | None = None
         self._base_url = backend.base_url
         headers = {}
@@ -74,9 +76,9 @@ class HttpTransport(Transport):
         self._http_transport = http_transport
         self._watch: LivenessWatch | None = None
 
-    # -- lifecycle --------------------------------------------------------------------------
+    # -- connection -------------------------------------------------------------------------
 
-    def initialize(self) -> JobHandles:
+    def open(self) -> None:
         if self.backend.launch_local_server and not self.config.reconnecting:
             backend = self.backend
             self._server = LocalServer(
@@ -101,45 +103,9 @@ class HttpTransport(Transport):
         problem = identity_problem(self._get("/health", op="health"))
         if problem is not None:
             raise BackendUnavailableError(f"backend.url: {self._base_url}: {problem}")
-        if self.config.reconnecting:
-            return self._attach()
-        specs = self.config.sub_job_configs()
-        for (role, _), spec in zip(self.config.jobs().items(), specs, strict=True):
-            answer = self._post_json(
-                "/initialize", spec, op="initialize", timeout=self.backend.job_ready_timeout
-            )
-            job_id = str(answer["job_id"])
-            self._created.append((job_id, role))
-            setattr(self.jobs, role, job_id)
-        return self.jobs
 
-    def _attach(self) -> JobHandles:
-        for role, job_id in self.config.attach_ids().items():
-            info = self._get(f"/job/{job_id}", op="attach")
-            status = str(info.get("status", "")).lower()
-            if status != "running":
-                raise server_error(
-                    409,
-                    f"job_{status}",
-                    f"job {job_id} is {status}: {info.get('reason')}",
-                    op="attach",
-                )
-            setattr(self.jobs, role, job_id)
-        return self.jobs
-
-    def shutdown(self) -> None:
-        created, self._created = self._created, []
+    def close(self) -> None:
         if self._client is not None:
-            for job_id, role in created:
-                try:
-                    self._post_json(
-                        "/destroy",
-                        {"job_type": role},
-                        op="destroy",
-                        params={"job_id": job_id},
-                    )
-                except ArcticRLError as exc:
-                    log.warning("could not destroy job %s: %s", job_id, exc)
             self._client.close()
             self._client = None
         if self._watch is not None:
@@ -148,7 +114,6 @@ class HttpTransport(Transport):
         if self._server is not None:
             self._server.stop()
             self._server = None
-        self.jobs = JobHandles()
 
     def reconnect_backend(self) -> HttpBackend:
         """The server's actual URL, not "launch one": a reconnecting client attaches to it."""
@@ -162,6 +127,8 @@ class HttpTransport(Transport):
         return self._watch.run(lambda: self._call(request), op=request.op)
 
     def _call(self, request: Request) -> Any:
+        if request.op in JOB_OPS:
+            return self._job_op(request)
         params = {"job_id": request.job_id}
         path = f"/{request.op}"
         if request.binary:
@@ -172,15 +139,66 @@ class HttpTransport(Transport):
             )
         return self._post_json(path, request.body, op=request.op, params=params)
 
+    def _job_op(self, request: Request) -> Any:
+        """A job op on the on-prem routes, answered as the contract's result model."""
+        op = request.op
+        route = JOB_OPS[op].onprem
+        if op == OpName.CREATE_JOB:
+            return self._create(route, request.body)
+        path, params = (
+            (route.path.format(job_id=request.job_id), {})
+            if "{job_id}" in route.path
+            else (route.path, {"job_id": request.job_id})
+        )
+        if op == OpName.GET_JOB:  # a GET: its body travels as query parameters
+            params.update(request.body or {})
+            answer = self._send(route.method, path, op=op, params=params)
+            return _status(JobStatus.from_onprem, answer)
+        # The reference server's destroy wants the sub-job's type; ours reads only the id.
+        role = {"job_type": role_of(request.job_id)}
+        self._send(route.method, path, op=op, params=params, json=role)
+        return None
+
+    def _create(self, route: Route, body: dict) -> dict:
+        """The on-prem API makes one job per sub-job (``/initialize`` returns once its engine
+        runs): one call per sub-job config; if one fails, those already made are destroyed."""
+        made: list[dict] = []
+        try:
+            for spec in body["sub_job_configs"]:
+                answer = self._send(
+                    route.method,
+                    route.path,
+                    op=OpName.CREATE_JOB,
+                    json=spec,
+                    timeout=self.backend.job_ready_timeout,
+                )
+                if not isinstance(answer, dict) or "job_id" not in answer:
+                    raise ServerError(
+                        f"the answer has no 'job_id': {str(answer)[:200]}",
+                        status=None,
+                        code="bad_response",
+                        op=OpName.CREATE_JOB,
+                    )
+                sub_job_id = str(answer["job_id"])
+                made.append({"sub_job_id": sub_job_id, "job_type": role_of(sub_job_id)})
+        except BaseException:
+            for sub in made:
+                try:
+                    self._call(Request(OpName.CANCEL_JOB, sub["sub_job_id"]))
+                except ArcticRLError as exc:
+                    log.warning("could not destroy job %s: %s", sub["sub_job_id"], exc)
+            raise
+        return {"job_ids": [sub["sub_job_id"] for sub in made], "sub_jobs": made}
+
     # -- HTTP -------------------------------------------------------------------------------
 
     def _get(self, path: str, *, op: str) -> Any:
         return self._send("GET", path, op=op)
 
-    def _post_json(self, path: str, body: Any, *, op: str, params=None, timeout=None) -> Any:
+    def _post_json(self, path: str, body: Any, *, op: str, params=None) -> Any:
         if body is None:
-            return self._send("POST", path, op=op, params=params, timeout=timeout)
-        return self._send("POST", path, op=op, params=params, json=body, timeout=timeout)
+            return self._send("POST", path, op=op, params=params)
+        return self._send("POST", path, op=op, params=params, json=body)
 
     def _send(self, method: str, path: str, *, op: str, timeout=None, **kwargs) -> Any:
         if self._client is None:
@@ -210,3 +228,13 @@ class HttpTransport(Transport):
             raise error_from_response(response.status_code, body, op=op)
         content_type = response.headers.get("content-type", "")
         return decode_body(body, content_type, self._tensor_type, op=op)
+
+
+def _status(read, answer: Any) -> dict:
+    """A job's info read as the contract's ``JobStatus``; a malformed one is a ``bad_response``."""
+    try:
+        return read(answer).model_dump(mode="json")
+    except ValueError as exc:
+        raise ServerError(
+            f"malformed job info: {exc}", status=None, code="bad_response", op=OpName.GET_JOB
+        ) from None

@@ -1,7 +1,8 @@
 """The ``inprocess`` backend: the Service and its engines live in this process.
 
 The same Service the HTTP server wraps, called directly: same validation, same op semantics, same
-error codes (converted to the client's exception types), no serialisation. Checkpoints and job
+error codes (converted to the client's exception types), no serialisation; the job ops too
+(``Service.execute`` runs them). Checkpoints and job
 records go to the backend's ``data_dir``.
 
 ``server_state`` is the Service itself: ``client.get_server_state()`` returns it and a second
@@ -12,14 +13,14 @@ client in this process attaches to the first one's jobs with
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from typing import Any
 
 from arctic_platform._extras import require
 from arctic_platform.client.config import ArcticRLClientConfig, InProcessBackend
-from arctic_platform.client.errors import RequestTimeoutError, server_error
+from arctic_platform.client.errors import server_error
 from arctic_platform.client.tensors import resolve_tensor_type, torch_to_numpy
-from arctic_platform.client.transport import JobHandles, Request, Transport
+from arctic_platform.client.transport import Request, Transport
+from arctic_platform.contract.job_ops import JOB_OPS
 
 
 class InProcessTransport(Transport):
@@ -35,10 +36,8 @@ class InProcessTransport(Transport):
         assert isinstance(backend, InProcessBackend)
         self.config = config
         self.backend = backend
-        self.jobs = JobHandles()
         self._service_error = ServiceError
         self._tensor_type = resolve_tensor_type(config.tensor_type)
-        self._created: list[str] = []
         if server_state is None:
             settings = ServiceSettings(
                 data_dir=backend.data_dir,
@@ -57,33 +56,6 @@ class InProcessTransport(Transport):
                 f"get_server_state() returned, got {type(server_state).__name__}"
             )
 
-    def initialize(self) -> JobHandles:
-        if self.config.reconnecting:
-            return self._attach()
-        body = self.config.create_job_body()
-        info = self._guard(lambda: self.service.create_job(body), "create job")
-        job_id = info["job_id"]
-        self._created.append(job_id)
-        self._wait_running(job_id)
-        self.jobs = JobHandles.from_sub_job_ids(sub["sub_job_id"] for sub in info["sub_jobs"])
-        return self.jobs
-
-    def _attach(self) -> JobHandles:
-        for role, job_id in self.config.attach_ids().items():
-            self._guard(lambda job_id=job_id: self.service.resolve(job_id, owner=None), "attach")
-            self._wait_running(job_id)
-            setattr(self.jobs, role, job_id)
-        return self.jobs
-
-    def _wait_running(self, job_id: str) -> None:
-        timeout = self.backend.job_ready_timeout
-        try:
-            self._guard(
-                lambda: self.service.wait_until_running(job_id, timeout=timeout), "create job"
-            )
-        except TimeoutError as exc:
-            raise RequestTimeoutError(str(exc)) from None
-
     def call(self, request: Request) -> Any:
         result = self._guard(
             lambda: self.service.execute(request.job_id, request.op, request.body), request.op
@@ -92,6 +64,8 @@ class InProcessTransport(Transport):
 
     async def acall(self, request: Request) -> Any:
         """Awaits the sub-job queue's future directly: no thread per call, any event loop."""
+        if request.op in JOB_OPS:
+            return await super().acall(request)
         service = self.service
 
         def submit():
@@ -111,16 +85,10 @@ class InProcessTransport(Transport):
             ) from None
         return self._convert(result)
 
-    def shutdown(self) -> None:
-        created, self._created = self._created, []
-        for job_id in created:
-            # A job that already ended (failed, terminated) has nothing left to release.
-            with contextlib.suppress(self._service_error):
-                self.service.cancel_job(job_id)
+    def close(self) -> None:
         if self._owns_service:
             self._owns_service = False
             self.service.close()
-        self.jobs = JobHandles()
 
     def get_server_state(self) -> Any:
         return self.service

@@ -29,7 +29,7 @@ from arctic_platform._extras import require
 from arctic_platform.client.config import ArcticRLClientConfig, RayBackend
 from arctic_platform.client.errors import RequestTimeoutError, TransportError, server_error
 from arctic_platform.client.tensors import resolve_tensor_type
-from arctic_platform.client.transport import JobHandles, Request, Transport
+from arctic_platform.client.transport import Request, Transport
 from arctic_platform.tensor_tree import numpy_to_torch, to_object_store
 
 SHUTDOWN_TIMEOUT_S = 120.0
@@ -58,10 +58,7 @@ class RayTransport(Transport):
         assert isinstance(backend, RayBackend)
         self.config = config
         self.backend = backend
-        self.jobs = JobHandles()
         self._tensor_type = resolve_tensor_type(config.tensor_type)
-        self._created: list[str] = []
-        self._workers = _training_workers(config, backend)
         self._started_ray = connect(backend.address, namespace=backend.namespace)
         if server_state is None:
             require("torch", "ray", purpose="the ray backend's engines")
@@ -87,44 +84,9 @@ class RayTransport(Transport):
                 f"get_server_state() returned, got {type(server_state).__name__}"
             )
 
-    # -- lifecycle --------------------------------------------------------------------------
-
-    def initialize(self) -> JobHandles:
-        if self.config.reconnecting:
-            return self._attach()
-        body = self.config.create_job_body()
-        for spec in body["sub_job_configs"]:
-            if spec["job_type"] == "training":
-                spec["training_config"]["n_gpus"] = self._workers
-                spec["training_config"]["data_parallel"] = _data_parallel(self.config)
-        info = self._ask("create job", "create_job", body)
-        job_id = info["job_id"]
-        self._created.append(job_id)
-        self._wait_running(job_id)
-        self.jobs = JobHandles.from_sub_job_ids(sub["sub_job_id"] for sub in info["sub_jobs"])
-        return self.jobs
-
-    def _attach(self) -> JobHandles:
-        for role, job_id in self.config.attach_ids().items():
-            info = self._ask("attach", "get_job", job_id)
-            known = {sub["sub_job_id"] for sub in info["sub_jobs"]}
-            if ":" in job_id and job_id not in known:
-                raise server_error(404, "not_found", f"sub-job {job_id!r} not found", op="attach")
-            self._wait_running(job_id)
-            setattr(self.jobs, role, job_id)
-        return self.jobs
-
-    def _wait_running(self, job_id: str) -> None:
-        self._ask("create job", "wait_until_running", job_id, self.backend.job_ready_timeout)
-
-    def shutdown(self) -> None:
+    def close(self) -> None:
         import ray
 
-        created, self._created = self._created, []
-        for job_id in created:
-            # A job that already ended (failed, terminated) has nothing left to release.
-            with contextlib.suppress(Exception):
-                self._ask("shutdown", "cancel_job", job_id)
         if self._owns_state:
             self._owns_state = False
             with contextlib.suppress(Exception):
@@ -132,7 +94,6 @@ class RayTransport(Transport):
             with contextlib.suppress(Exception):
                 ray.kill(self.state)
         self._stop_ray()
-        self.jobs = JobHandles()
 
     def get_server_state(self) -> Any:
         return self.state
@@ -162,15 +123,6 @@ class RayTransport(Transport):
 
     # -- internals --------------------------------------------------------------------------
 
-    def _ask(self, op: str, method: str, *args: Any) -> Any:
-        import ray
-
-        try:
-            reply = ray.get(getattr(self.state, method).remote(*args))
-        except ray.exceptions.RayActorError as exc:
-            raise self._unreachable(op, exc) from None
-        return self._unwrap(reply, op)
-
     @staticmethod
     def _unwrap(reply: tuple, op: str) -> Any:
         kind, value = reply
@@ -196,29 +148,3 @@ class RayTransport(Transport):
 
             self._started_ray = False
             ray.shutdown()
-
-
-def _training_workers(config: ArcticRLClientConfig, backend: RayBackend) -> int:
-    """The training job's worker count: ``num_training_workers``, or the job's ``n_gpus``."""
-    training = config.training
-    from_job = training is not None and "n_gpus" in training.model_fields_set
-    from_backend = "num_training_workers" in backend.model_fields_set
-    if from_job and from_backend and training.n_gpus != backend.num_training_workers:
-        raise ValueError(
-            f"backend.num_training_workers: {backend.num_training_workers} disagrees with "
-            f"training.n_gpus: {training.n_gpus}; set one of them"
-        )
-    return training.n_gpus if from_job else backend.num_training_workers
-
-
-def _data_parallel(config: ArcticRLClientConfig) -> str:
-    """``training.data_parallel``, or the backend's; the two must agree when both are given."""
-    backend, training = config.backend, config.training
-    chosen = training.data_parallel if training is not None else None
-    explicit = "data_parallel" in backend.model_fields_set
-    if chosen is not None and explicit and chosen != backend.data_parallel:
-        raise ValueError(
-            f"backend.data_parallel: {backend.data_parallel} disagrees with "
-            f"training.data_parallel: {chosen}; set one of them"
-        )
-    return chosen or backend.data_parallel

@@ -22,6 +22,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+from arctic_platform.contract.job_ids import parent_of
 from arctic_platform.engine.builtin import BUILTIN_MODELS, BUILTIN_PREFIX
 from arctic_platform.server.engines import weights_dir
 from arctic_platform.server.errors import BadRequest, NotFound
@@ -88,9 +89,7 @@ def model_sub_job(
     jobs = tinker.model_jobs
     sub_job_id = jobs.begin(None, owner, model.weights, kind)
     try:
-        service.wait_until_running(
-            sub_job_id.split(":", 1)[0], owner=owner, timeout=STARTUP_TIMEOUT_S
-        )
+        service.wait_until_running(parent_of(sub_job_id), owner=owner, timeout=STARTUP_TIMEOUT_S)
         yield service.resolve(sub_job_id, owner=owner)
     finally:
         jobs.end(owner, model.weights, sub_job_id, kind)

@@ -20,6 +20,7 @@ from typing import Any
 
 from arctic_platform.contract.bodies import learning_rate_problem
 from arctic_platform.contract.engine_protocols import TrainingEngineProtocol
+from arctic_platform.contract.job_ids import parent_of
 from arctic_platform.contract.ops import OpName
 from arctic_platform.engine.builtin import resolve_model_path
 from arctic_platform.server.errors import (
@@ -477,7 +478,7 @@ class TinkerOps:
         key, load = sub_job_id, None
         if sampler.snapshot is not None:
             key, load = self._snapshot_loader(sampler, owner)
-        job_id = sub_job_id.split(":", 1)[0]
+        job_id = parent_of(sub_job_id)
 
         def attach() -> None:
             sub = self.service.resolve(sub_job_id, owner=owner)

@@ -96,7 +96,10 @@ def test_the_readmes_hydra_file_example_composes(remote_backend, tmp_path):
         config = compose("my_grpo", overrides=[f"hydra.searchpath=[{','.join(search_path)}]"])
     check_verl_config(config)
     client = client_config(config, read_settings(config))
-    assert (client.backend.type, client.backend.num_training_workers) == ("ray", 4)
+    assert (client.backend.type, client.training.n_gpus) == ("ray", 4)
+    specs = client.create_job_body()["sub_job_configs"]
+    (training,) = [s["training_config"] for s in specs if s["job_type"] == "training"]
+    assert training["n_gpus"] == 4  # four data-parallel Ray workers
     assert client.model == "Qwen/Qwen3-8B"
 
 

@@ -1,0 +1,56 @@
+"""The lifecycle ops (``contract/job_ops.py``) as a Service runs them, and the long poll of a job.
+
+The in-process and Ray backends send ``create-job``, ``get-job`` and ``cancel-job`` to a Service
+like any op (``Service.execute``), answered here with the contract's result models. The on-prem
+and Cortex routes serve the same ops in their APIs' own answer shapes and hold a ``get-job``
+with :func:`settled_info`, which waits on the event loop rather than on a worker thread, so many
+waiting clients cost no threads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Annotated, Any
+
+from fastapi import Query
+
+from arctic_platform.contract.job_ops import MAX_WAIT_S, GetJobBody, JobStatus
+from arctic_platform.contract.ops import OpName
+from arctic_platform.contract.states import LIVE_JOB_STATES
+from arctic_platform.server.op_bodies import parse
+
+# The states a get-job long poll waits through.
+STARTING = frozenset(LIVE_JOB_STATES) - {"running"}
+POLL_S = 0.02
+# ``get-job``'s ``wait_s`` as the HTTP routes take it (``?wait_s=``), bounded as the body model.
+WaitS = Annotated[float, Query(ge=0.0, le=MAX_WAIT_S)]
+
+
+def run_job_op(service: Any, op: str, job_id: str, body: Any, *, owner: str | None) -> Any:
+    """``op`` on ``service`` as the contract answers it (a dict, or None for cancel-job)."""
+    if op == OpName.CREATE_JOB:
+        status = JobStatus.from_info(service.create_job(body, owner=owner))
+        return status.created().model_dump(mode="json")
+    if op == OpName.GET_JOB:
+        wait_s = parse(GetJobBody, body, what=op).wait_s
+        deadline = time.monotonic() + wait_s
+        info = service.get_job(job_id, owner=owner)
+        while info["status"] in STARTING and time.monotonic() < deadline:
+            time.sleep(POLL_S)
+            info = service.get_job(job_id, owner=owner)
+        return JobStatus.from_info(info).model_dump(mode="json")
+    if op == OpName.CANCEL_JOB:
+        service.cancel_job(job_id, owner=owner)
+        return None
+    raise KeyError(f"{op!r} is not a job op")
+
+
+async def settled_info(service: Any, job_id: str, *, owner: str | None, wait_s: float) -> dict:
+    """The job's info once it is no longer starting, or after ``wait_s`` (a route's long poll)."""
+    deadline = time.monotonic() + wait_s
+    info = service.get_job(job_id, owner=owner)
+    while info["status"] in STARTING and time.monotonic() < deadline:
+        await asyncio.sleep(POLL_S)
+        info = service.get_job(job_id, owner=owner)
+    return info
