@@ -50,7 +50,8 @@ class TinkerPath:
         if len(parts) != 3 or parts[1] not in KIND_TYPES or not all(parts):
             kinds = "|".join(KIND_TYPES)
             raise BadRequest(
-                f"{field}: {value!r} is not a tinker path (tinker://<model_id>/<{kinds}>/<name>)"
+                f"{field}: {value!r} is not a tinker path (tinker://<model_id>/<{kinds}>/<name>)",
+                field=field,
             )
         return cls(parts[0], parts[1], check_name(parts[2], field=field))
 
@@ -69,7 +70,8 @@ def check_name(name: str | None, *, field: str = "path") -> str:
 def check_ttl(ttl_seconds: int | None) -> None:
     if ttl_seconds is not None and not TTL_RANGE_S[0] <= ttl_seconds <= TTL_RANGE_S[1]:
         raise BadRequest(
-            f"ttl_seconds: must be between {TTL_RANGE_S[0]} and {TTL_RANGE_S[1]} or null"
+            f"ttl_seconds: must be between {TTL_RANGE_S[0]} and {TTL_RANGE_S[1]} or null",
+            field="ttl_seconds",
         )
 
 
@@ -171,7 +173,8 @@ class CheckpointStore:
         if path.kind != "sampler_weights":
             raise BadRequest(
                 f"model_path: {path} is a training state; sample from a sampler_weights path "
-                "(save_weights_for_sampler)"
+                "(save_weights_for_sampler)",
+                field="model_path",
             )
         hf = self.resolve(path, owner) / "hf"
         if not (hf / "config.json").is_file():

@@ -115,7 +115,8 @@ def _datum(message, field: str, budget: _Budget) -> Datum:
         if kind != "encoded_text":
             raise BadRequest(
                 f"{field}.model_input[{j}]: {kind or 'empty'} chunks are not supported; this "
-                "server trains text models (encoded_text chunks)"
+                "server trains text models (encoded_text chunks)",
+                field=f"{field}.model_input[{j}]",
             )
         pieces.append(_buffer(chunk.encoded_text.tokens, np.int32, f"{field}.model_input[{j}]"))
     tokens = np.concatenate(pieces).astype(np.int64) if pieces else np.zeros(0, np.int64)
@@ -131,25 +132,30 @@ def tensor_to_numpy(message, field: str, tokens: int, budget: _Budget) -> np.nda
     declared shape, every bound checked before it is allocated (module doc)."""
     dtype = _NUMPY_DTYPES.get(message.dtype)
     if dtype is None:
-        raise BadRequest(f"{field}: unsupported dtype {message.dtype}; float32 or int64")
+        raise BadRequest(
+            f"{field}: unsupported dtype {message.dtype}; float32 or int64", field=field
+        )
     shape = [int(s) for s in message.shape]
     if any(d < 0 for d in shape):
-        raise BadRequest(f"{field}: shape {shape} has a negative dimension")
+        raise BadRequest(f"{field}: shape {shape} has a negative dimension", field=field)
     if len(shape) not in (1, 2) or shape[0] != tokens:
         raise BadRequest(
             f"{field}: shape {shape} does not fit its datum: a loss input holds one value or one "
-            f"row per model_input token, [{tokens}] or [{tokens}, K]"
+            f"row per model_input token, [{tokens}] or [{tokens}, K]",
+            field=field,
         )
     count = math.prod(shape)
     nbytes = count * np.dtype(dtype).itemsize
     if message.WhichOneof("encoding") == "sparse_csr":
         if len(shape) != 2:
-            raise BadRequest(f"{field}: a sparse tensor needs a 2-D shape, got {shape}")
+            raise BadRequest(
+                f"{field}: a sparse tensor needs a 2-D shape, got {shape}", field=field
+            )
         budget.take(nbytes, field)
         return _csr_to_dense(message.sparse_csr, dtype, shape, field)
     values = _buffer(message.dense, dtype, field)
     if values.size != count:
-        raise BadRequest(f"{field}: {values.size} values do not fill shape {shape}")
+        raise BadRequest(f"{field}: {values.size} values do not fill shape {shape}", field=field)
     budget.take(nbytes, field)
     return values.reshape(shape)
 
@@ -167,7 +173,7 @@ def _csr_to_dense(csr, dtype, shape: list[int], field: str) -> np.ndarray:
         or np.any(np.diff(crow) < 0)
         or np.any((cols < 0) | (cols >= width))
     ):
-        raise BadRequest(f"{field}: inconsistent sparse CSR indices for shape {shape}")
+        raise BadRequest(f"{field}: inconsistent sparse CSR indices for shape {shape}", field=field)
     dense = np.zeros(shape, dtype=dtype)
     row_of = np.repeat(np.arange(rows), np.diff(crow))
     dense[row_of, cols] = values
@@ -177,7 +183,9 @@ def _csr_to_dense(csr, dtype, shape: list[int], field: str) -> np.ndarray:
 def _buffer(raw: bytes, dtype, field: str) -> np.ndarray:
     itemsize = np.dtype(dtype).itemsize
     if len(raw) % itemsize:
-        raise BadRequest(f"{field}: {len(raw)} bytes are not whole {itemsize}-byte items")
+        raise BadRequest(
+            f"{field}: {len(raw)} bytes are not whole {itemsize}-byte items", field=field
+        )
     return np.frombuffer(raw, dtype=dtype).copy()
 
 

@@ -75,10 +75,14 @@ def check_loss(loss_fn: str, config: dict) -> TinkerLoss:
         if key not in spec.config_keys:
             accepted = ", ".join(spec.config_keys) or "none"
             raise BadRequest(
-                f"loss_fn_config.{key}: not a {loss_fn} setting (accepted: {accepted})"
+                f"loss_fn_config.{key}: not a {loss_fn} setting (accepted: {accepted})",
+                field=f"loss_fn_config.{key}",
             )
         if isinstance(value, str):
-            raise BadRequest(f"loss_fn_config.{key}: expected a number, got {value!r}")
+            raise BadRequest(
+                f"loss_fn_config.{key}: expected a number, got {value!r}",
+                field=f"loss_fn_config.{key}",
+            )
     return spec
 
 
@@ -92,7 +96,7 @@ def batch_shape(data: list[Datum]) -> tuple[int, int]:
     tokens per datum, module doc), known before the batch exists so that the server's limits
     are checked first."""
     if not data:
-        raise BadRequest("data: no datums given")
+        raise BadRequest("data: no datums given", field="data")
     return len(data), max(d.tokens.size for d in data) + 1
 
 
@@ -104,15 +108,17 @@ def build_batch(data: list[Datum], spec: TinkerLoss) -> dict[str, np.ndarray]:
     for i, datum in enumerate(data):
         n = datum.tokens.size
         if n == 0:
-            raise BadRequest(f"data[{i}].model_input: empty")
+            raise BadRequest(f"data[{i}].model_input: empty", field=f"data[{i}].model_input")
         for name in spec.inputs:
             value = datum.inputs.get(name)
             if value is None:
-                raise BadRequest(f"data[{i}].loss_fn_inputs.{name}: missing; the loss needs it")
+                where = f"data[{i}].loss_fn_inputs.{name}"
+                raise BadRequest(f"{where}: missing; the loss needs it", field=where)
             if value.shape != (n,):
                 raise BadRequest(
                     f"data[{i}].loss_fn_inputs.{name}: expected shape [{n}] (one per model_input "
-                    f"token), got {list(value.shape)}"
+                    f"token), got {list(value.shape)}",
+                    field=f"data[{i}].loss_fn_inputs.{name}",
                 )
         lengths.append(n)
     input_ids = np.zeros((rows, width), dtype=np.int64)

@@ -108,7 +108,8 @@ class TinkerOps:
         session = self.state.session(body.session_id, owner)
         if body.optimizer_config.type != "adamw":
             raise BadRequest(
-                f"optimizer_config.type: {body.optimizer_config.type!r} is not supported; adamw"
+                f"optimizer_config.type: {body.optimizer_config.type!r} is not supported; adamw",
+                field="optimizer_config.type",
             )
         lora = body.lora_config or bodies.LoraConfig(rank=32)
         model_id = f"{session.session_id}:train:{body.model_seq_id}"
@@ -122,7 +123,9 @@ class TinkerOps:
                 MLP_MODULES if lora.train_mlp else []
             )
             if not modules:
-                raise BadRequest("lora_config: train_attn or train_mlp must be true")
+                raise BadRequest(
+                    "lora_config: train_attn or train_mlp must be true", field="lora_config"
+                )
         training = {
             "job_type": "training",
             "model_name": base_model,
@@ -225,13 +228,19 @@ class TinkerOps:
         def prepare():
             p = body.adam_params
             if p is None:
-                raise BadRequest("adam_params: required (only the Adam optimizer is supported)")
+                raise BadRequest(
+                    "adam_params: required (only the Adam optimizer is supported)",
+                    field="adam_params",
+                )
             problem = learning_rate_problem(p.learning_rate)
             if problem is not None:
-                raise BadRequest(f"adam_params.{problem}")
+                raise BadRequest(f"adam_params.{problem}", field=f"adam_params.{problem.field}")
             for name, value in p:  # JSON admits 1e999; an infinite decay wrecks the weights
                 if not math.isfinite(value):
-                    raise BadRequest(f"adam_params.{name}: must be finite, got {value}")
+                    raise BadRequest(
+                        f"adam_params.{name}: must be finite, got {value}",
+                        field=f"adam_params.{name}",
+                    )
             adam = AdamSettings(
                 betas=(p.beta1, p.beta2),
                 eps=p.eps,
@@ -384,7 +393,8 @@ class TinkerOps:
             path = TinkerPath.parse(body.path)
             if path.kind != "weights":
                 raise BadRequest(
-                    f"path: {path} holds sampler weights; load a weights/ (state) path"
+                    f"path: {path} holds sampler weights; load a weights/ (state) path",
+                    field="path",
                 )
             return path, self.checkpoints.resolve(path, owner)
 
@@ -402,7 +412,9 @@ class TinkerOps:
             return self._sequenced(run, body.seq_id, owner, OpName.LOAD_CHECKPOINT, prepare)
         path, directory = checked_path()
         if body.session_id is None or body.model_seq_id is None:
-            raise BadRequest("load_weights: give model_id, or session_id and model_seq_id")
+            raise BadRequest(
+                "load_weights: give model_id, or session_id and model_seq_id", field="model_id"
+            )
         session = self.state.session(body.session_id, owner)
         record = self.checkpoints.run_record(path.model_id, owner)
         base_model = body.base_model or record["base_model"]
@@ -437,7 +449,7 @@ class TinkerOps:
         elif base_model:
             model = base = base_model
         else:
-            raise BadRequest("give model_path or base_model")
+            raise BadRequest("model_path: give model_path or base_model", field="model_path")
         self.model_jobs.sub_job(session, owner, model)
         sampler = Sampler(
             uuid.uuid4().hex, owner, session.session_id, base, model=model, model_path=model_path
@@ -449,11 +461,19 @@ class TinkerOps:
         if body.sampling_session_id is not None:
             sampler = self.state.sampler(body.sampling_session_id, owner)
         else:
-            raise BadRequest("sampling_session_id: required (create a sampling session first)")
+            raise BadRequest(
+                "sampling_session_id: required (create a sampling session first)",
+                field="sampling_session_id",
+            )
         prompt = _prompt_tokens(body.prompt)
         params = _sampling_params(body)
         if body.topk_prompt_logprobs or body.topk_sample_logprobs:
-            raise BadRequest("topk_prompt_logprobs/topk_sample_logprobs: not supported here")
+            raise BadRequest(
+                "topk_prompt_logprobs/topk_sample_logprobs: not supported here",
+                field="topk_prompt_logprobs"
+                if body.topk_prompt_logprobs
+                else "topk_sample_logprobs",
+            )
         # The on-prem generate limits, before anything is started: here without the engine
         # (its context is not known while it loads), again with it when the sample is queued.
         check_generate(self.service, None, SAMPLE_OP, [prompt], params)
@@ -528,7 +548,9 @@ class TinkerOps:
         if seq_id is not None and not _is_seq_id(seq_id):
             # The SDK numbers a training client's requests from 1; it sends 0 only for a
             # caller's missing seq_id, which the Tinker service refuses the same way.
-            raise BadRequest(f"seq_id: must be an integer >= {FIRST_SEQ_ID}, got {seq_id}")
+            raise BadRequest(
+                f"seq_id: must be an integer >= {FIRST_SEQ_ID}, got {seq_id}", field="seq_id"
+            )
         if seq_id is not None:
             known = run.sequencer.known(seq_id)
             if known is not None:
@@ -597,10 +619,13 @@ def _prompt_tokens(model_input: bodies.ModelInput) -> list[int]:
     tokens: list[int] = []
     for i, chunk in enumerate(model_input.chunks):
         if chunk.type != "encoded_text":
-            raise BadRequest(f"prompt.chunks[{i}]: {chunk.type} chunks are not supported")
+            raise BadRequest(
+                f"prompt.chunks[{i}]: {chunk.type} chunks are not supported",
+                field=f"prompt.chunks[{i}]",
+            )
         tokens.extend(chunk.tokens)
     if not tokens:
-        raise BadRequest("prompt: no tokens")
+        raise BadRequest("prompt: no tokens", field="prompt")
     return tokens
 
 

@@ -152,6 +152,8 @@ def assert_refused(answer: httpx.Response, status: int, field_name: str) -> dict
     assert answer.status_code == status, answer.text
     body = answer.json()
     assert field_name in body["message"], body
+    if status == 400:  # bad input names its field; a 413 names its limit instead
+        assert body.get("field") == field_name, body
     return body
 
 
