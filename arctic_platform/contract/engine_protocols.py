@@ -184,3 +184,15 @@ ENGINE_PROTOCOLS: dict[str, type[Engine]] = {
     "sampling": SamplingEngineProtocol,
     "log_prob": LogProbEngineProtocol,
 }
+
+
+def protocol_methods(protocol: type) -> frozenset[str]:
+    """The methods ``protocol`` declares, its bases' included: what a forwarder relays to an
+    engine of that kind (so a method added to the Protocol is relayed without another list)."""
+    return frozenset(
+        name
+        for klass in protocol.__mro__
+        if klass.__module__ == __name__
+        for name, value in vars(klass).items()
+        if callable(value) and not name.startswith("_")
+    )

@@ -1,8 +1,12 @@
 """Engines whose work runs in Ray actors: what a Service holds for a sub-job on the Ray backend.
 
-A :class:`RayTrainingEngine` and a :class:`RayInferenceEngine` have the methods the ops call on the
-local engines (``forward_backward``, ``step``, ``generate``, ...) with the same results, so the
-Service, its queues, its failure handling and both HTTP APIs work unchanged over them.
+A :class:`RayTrainingEngine` and a :class:`RayInferenceEngine` implement the engine Protocols
+(``contract/engine_protocols.py``) with the same results as the local engines, so the Service, its
+queues, its failure handling and every API work unchanged over them. Both reach their actors
+through the workers' one generic relay (``call(method, ...)``, any method of the kind's
+Protocol): a replica proxy is nothing but that relay (``__getattr__``), and the training proxy
+writes out only what data parallelism adds to a method (splitting rows, reducing metrics, which
+ranks a save needs).
 
 Training over N worker actors (each a ``TrainingEngine`` with the rank's data-parallel strategy,
 :mod:`arctic_platform.engine.data_parallel`):
@@ -45,6 +49,7 @@ naming), and an actor on a node that vanished without shutting down is first onl
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 import time
 import uuid
@@ -64,6 +69,7 @@ from arctic_platform.server.dp_split import merge_rows, split_by_tokens, take_ro
 from arctic_platform.server.ray_placement import JobShape, Placement, PlacementWait
 from arctic_platform.server.ray_workers import (
     CONCURRENCY_GROUPS,
+    RELAYED,
     InferenceWorker,
     Rejected,
     Stopped,
@@ -110,6 +116,14 @@ class _Actors:
         self.names = names
         self.nodes = nodes  # each actor's node id (its placement bundle's node), None if unknown
         self.killed = False
+
+    def relay(self, rank: int, method: str, *args: Any, **kwargs: Any) -> Any:
+        """``method`` on ``rank``'s engine through the worker's generic ``call``, with the
+        method's own task name (``TrainingWorker.step``), so Ray's task list and the worker's
+        process title still say which engine method runs."""
+        worker = TrainingWorker if self.role == "training" else InferenceWorker
+        name = f"{worker.__name__}.{method}"
+        return self.handles[rank].call.options(name=name).remote(method, *args, **kwargs)
 
     def describe(self, rank: int) -> str:
         if len(self.handles) == 1:
@@ -326,7 +340,7 @@ class RayTrainingEngine:
 
         request = self._validate(batch, meta, processing, backward=True)
         parts, replies = self._on_shards(
-            "forward_backward", request, batch, meta, processing, with_logprobs
+            "forward_backward", request, batch, meta, processing, with_logprobs=with_logprobs
         )
         sums = _summed(replies[r]["metric_sums"] for r in range(self.workers))
         metrics = finalize_metrics(sums)
@@ -356,8 +370,7 @@ class RayTrainingEngine:
 
     def step(self, learning_rate: float | None = None, *, adam=None) -> dict:
         """The optimizer step on every worker (``adam``: Tinker's per-step AdamW settings)."""
-        replies = self._on_all("step", learning_rate, adam)
-        return replies[0]
+        return self._on_all("step", learning_rate, adam=adam)[0]
 
     # -- checkpoints and weights ----------------------------------------------------------
 
@@ -372,8 +385,13 @@ class RayTrainingEngine:
         ranks = self._gathering_ranks()
         replies = self.actors.gather(
             {
-                r: self.actors.handles[r].save_checkpoint.remote(
-                    None if path is None else str(path), step, export_hf, save_total_limit
+                r: self.actors.relay(
+                    r,
+                    "save_checkpoint",
+                    None if path is None else str(path),
+                    step=step,
+                    export_hf=export_hf,
+                    save_total_limit=save_total_limit,
                 )
                 for r in ranks
             },
@@ -385,7 +403,7 @@ class RayTrainingEngine:
         self, path=None, *, step: int | None = None, optimizer: bool = True
     ) -> dict:
         path = None if path is None else str(path)
-        return self._on_all("load_checkpoint", path, step, optimizer)[0]
+        return self._on_all("load_checkpoint", path, step=step, optimizer=optimizer)[0]
 
     def sync_weights_to(self, target: RayInferenceEngine) -> dict:
         """Stream the current weights into ``target``'s replica through the object store."""
@@ -425,24 +443,26 @@ class RayTrainingEngine:
 
     # -- internals ------------------------------------------------------------------------
 
-    def _on_all(self, method: str, *args: Any) -> dict:
+    def _on_all(self, method: str, *args: Any, **kwargs: Any) -> dict:
+        """Every rank's engine runs ``method`` (the workers' generic relay); replies by rank."""
         return self.actors.gather(
-            {r: getattr(h, method).remote(*args) for r, h in enumerate(self.actors.handles)},
+            {r: self.actors.relay(r, method, *args, **kwargs) for r in range(self.workers)},
             method.replace("_", "-"),
         )
 
     def _on_shards(
-        self, method: str, request, batch: Mapping, meta: Mapping | None, processing, *extra
+        self, method: str, request, batch: Mapping, meta: Mapping | None, processing, **kwargs
     ) -> tuple[list[np.ndarray], dict]:
-        """Each worker runs ``method`` on its shard of ``batch`` (then ``extra`` arguments):
+        """Each worker runs ``method`` on its shard of ``batch`` (with ``kwargs``), stoppable:
         ``(rows per worker, replies)``."""
         parts, shards = self._split(batch, request)
         meta_out = self._worker_meta(request, meta)
         op_id = uuid.uuid4().hex
+        relay = self.actors.relay
         replies = self.actors.gather(
             {
-                r: getattr(h, method).remote(shards[r], meta_out, processing, op_id, *extra)
-                for r, h in enumerate(self.actors.handles)
+                r: relay(r, method, shards[r], meta_out, processing, op_id=op_id, **kwargs)
+                for r in range(self.workers)
             },
             method.replace("_", "-"),
             op_id=op_id,
@@ -513,6 +533,7 @@ class RayInferenceEngine:
     ) -> None:
         import ray
 
+        self.kind = kind
         self._on_close = on_close
         name = _actor_name(sub_job_id, "replica")
         handle = (
@@ -531,27 +552,13 @@ class RayInferenceEngine:
         self.vocab_size = int(started[0]["vocab_size"])
         self.max_model_len = int(started[0]["max_model_len"])
 
-    def generate(self, prompts, sampling_params=None):
-        return self._call("generate", prompts, sampling_params)
-
-    def prompt_logprobs(self, token_ids) -> list[float | None]:
-        return self._call("prompt_logprobs", list(token_ids))
-
-    def log_probs(self, prompts, completions=None, top_k: int = 1):
-        return self._call("log_probs", prompts, completions, top_k)
-
-    def forward(self, batch, meta=None, processing=None) -> dict:
-        batch = to_object_store(dict(batch))
-        return self._call("forward", batch, meta, processing)
-
-    def sleep(self, level: int = 1) -> dict:
-        return self._call("sleep", level)
-
-    def wake(self, tags=None) -> dict:
-        return self._call("wake", tags)
-
-    def reset_prefix_cache(self) -> dict:
-        return self._call("reset_prefix_cache")
+    def __getattr__(self, name: str) -> Any:
+        """Every method of the kind's engine Protocol, relayed to the replica (its generic
+        ``call``): the proxy keeps no copy of the engine's methods."""
+        kind = self.__dict__.get("kind")
+        if kind is None or name not in RELAYED[kind]:
+            raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
+        return functools.partial(self._call, name)
 
     def load_weight_chunks(self, refs: list) -> dict:
         handle = self.actors.handles[0]
@@ -563,12 +570,12 @@ class RayInferenceEngine:
         """Kill the replica and give back the job's placement; idempotent."""
         _close(self)
 
-    def _call(self, method: str, *args: Any) -> Any:
-        handle = self.actors.handles[0]
+    def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """``method`` on the replica's engine, stoppable; tensors cross as numpy arrays."""
         op_id = uuid.uuid4().hex
-        reply = self.actors.gather(
-            {0: handle.call.remote(method, *args, op_id=op_id)}, method, op_id=op_id
-        )[0]
+        args, kwargs = to_object_store(args), to_object_store(kwargs)
+        remote = self.actors.relay(0, method, *args, op_id=op_id, **kwargs)
+        reply = self.actors.gather({0: remote}, method, op_id=op_id)[0]
         return numpy_to_torch(reply, copy_read_only=True)
 
 

@@ -12,8 +12,13 @@ The classes are plain; :mod:`arctic_platform.server.ray_engines` turns them into
   the job (and a dead actor surfaces as ``RayActorError``).
 * Construction does nothing heavy; ``start`` builds the engine, so a failure to build is an
   ordinary error reply rather than an actor that died in its constructor.
-* **Stopping an op in flight.** An op that can stop (training ``forward_backward``/``forward``,
-  a replica's ``call``) gets an ``op_id`` from the proxy and runs inside
+* **One generic relay.** ``call(method, *args, op_id=, **kwargs)`` runs ``engine.<method>`` for
+  any method of the engine Protocol of the worker's kind (``contract/engine_protocols.py``),
+  except those the proxy does itself (``RELAYED``): a method added to a Protocol reaches the
+  actors with no copy of it here. Only what is not an engine call has its own actor method
+  (starting, a training rank's rendezvous and weight export, loading a weight stream).
+* **Stopping an op in flight.** An op that can stop (``forward_backward``, ``forward``, a
+  replica's ``generate``, ...) gets an ``op_id`` from the proxy and runs inside
   :func:`arctic_platform.engine.cancellation.scope` with that op's token (without an id it runs
   to its end); the proxy stops it with ``stop_op(op_id, reason)``, which the actor runs in its
   ``control`` concurrency group (its own thread) while the op's thread keeps the default group.
@@ -29,10 +34,11 @@ import os
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal
+from typing import Any, Literal
 
 import numpy as np
 
+from arctic_platform.contract.engine_protocols import ENGINE_PROTOCOLS, protocol_methods
 from arctic_platform.contract.problems import FieldError
 from arctic_platform.engine import cancellation
 from arctic_platform.engine.cancellation import CancelToken
@@ -46,6 +52,12 @@ from arctic_platform.tensor_tree import to_object_store
 
 # The actors' concurrency groups: ops run one at a time in the default group, ``stop_op`` in this.
 CONCURRENCY_GROUPS = {"control": 1}
+# The Protocol methods the proxy does itself: closing kills the actors; a weight snapshot or sync
+# travels through the object store (``weight_chunks``, ``load_weight_chunks``).
+PROXY_OWN = frozenset({"close", "sync_weights_to", "weight_snapshot"})
+RELAYED: dict[str, frozenset[str]] = {
+    kind: protocol_methods(protocol) - PROXY_OWN for kind, protocol in ENGINE_PROTOCOLS.items()
+}
 
 
 @dataclass(frozen=True)
@@ -119,26 +131,40 @@ def _replying(fn: Callable[[], Any], stops: OpStops | None = None, op_id: str | 
             stops.done(op_id)
 
 
-class _StoppableWorker:
-    """What both actor classes share: the stop tokens of their ops and the ``stop_op`` call."""
+class _EngineWorker:
+    """What both actor classes share: the engine, the relay of its Protocol's methods and the
+    stop tokens of their calls (``stop_op``)."""
+
+    kind: str
 
     def __init__(self) -> None:
+        self.engine: Any = None
         self.stops = OpStops()
+
+    def call(self, method: str, *args: Any, op_id: str | None = None, **kwargs: Any) -> Any:
+        """``engine.<method>(*args, **kwargs)`` for a method of this kind's Protocol; with an
+        ``op_id``, stoppable through :meth:`stop_op`."""
+        if method not in RELAYED[self.kind]:
+            raise AttributeError(f"a {self.kind} engine has no relayed method {method!r}")
+        target = getattr(self.engine, method)
+        args, kwargs = _writable(args), _writable(kwargs)
+        return _replying(lambda: target(*args, **kwargs), self.stops, op_id)
 
     def stop_op(self, op_id: str, reason: str) -> None:
         """Stop the op ``op_id`` at its next check (called in the ``control`` group)."""
         self.stops.stop(op_id, reason)
 
 
-class TrainingWorker(_StoppableWorker):
+class TrainingWorker(_EngineWorker):
     """One rank of a data-parallel training job: a ``TrainingEngine`` composed with the rank's
     :mod:`~arctic_platform.engine.data_parallel` strategy."""
+
+    kind = "training"
 
     def __init__(self, rank: int, world_size: int) -> None:
         super().__init__()
         self.rank = rank
         self.world_size = world_size
-        self.engine = None
         self.store = None  # rank 0's rendezvous store (see ``rendezvous``)
 
     def rendezvous(self, timeout_s: float) -> tuple[str, int]:
@@ -182,42 +208,6 @@ class TrainingWorker(_StoppableWorker):
 
         return _replying(build)
 
-    def forward_backward(
-        self,
-        batch: Mapping | None,
-        meta: Mapping,
-        processing: Mapping,
-        op_id: str | None = None,
-        with_logprobs: bool = False,
-    ) -> Any:
-        return _replying(
-            lambda: self.engine.forward_backward(
-                _writable(batch), meta, processing, with_logprobs=with_logprobs
-            ),
-            self.stops,
-            op_id,
-        )
-
-    def forward(
-        self, batch: Mapping | None, meta: Mapping, processing: Mapping, op_id: str | None = None
-    ) -> Any:
-        return _replying(
-            lambda: self.engine.forward(_writable(batch), meta, processing), self.stops, op_id
-        )
-
-    def step(self, learning_rate: float | None, adam=None) -> Any:
-        return _replying(lambda: self.engine.step(learning_rate, adam=adam))
-
-    def save_checkpoint(self, path, step, export_hf: bool, save_total_limit) -> Any:
-        return _replying(
-            lambda: self.engine.save_checkpoint(
-                path, step=step, export_hf=export_hf, save_total_limit=save_total_limit
-            )
-        )
-
-    def load_checkpoint(self, path, step, optimizer: bool = True) -> Any:
-        return _replying(lambda: self.engine.load_checkpoint(path, step=step, optimizer=optimizer))
-
     def weight_chunks(self, chunk_bytes: int) -> Any:
         """Rank 0: object refs of the weight stream's chunks, put one at a time; others: None."""
         import ray
@@ -228,15 +218,6 @@ class TrainingWorker(_StoppableWorker):
 
         return _replying(export)
 
-    def sleep(self, mode: str) -> Any:
-        return _replying(lambda: self.engine.sleep(mode))
-
-    def wake(self) -> Any:
-        return _replying(self.engine.wake)
-
-    def empty_cache(self) -> Any:
-        return _replying(self.engine.empty_cache)
-
     def stop(self) -> None:
         """Leave the process group so the rank exits cleanly (the actor is killed after)."""
         from arctic_platform.engine.data_parallel import leave_process_group
@@ -246,20 +227,12 @@ class TrainingWorker(_StoppableWorker):
         self.store = None
 
 
-class InferenceWorker(_StoppableWorker):
+class InferenceWorker(_EngineWorker):
     """A sampling replica (a ``SamplingEngine``) or a log-prob replica (a ``LogProbEngine``)."""
-
-    METHODS: ClassVar[dict[str, frozenset[str]]] = {
-        "sampling": frozenset(
-            {"generate", "prompt_logprobs", "sleep", "wake", "reset_prefix_cache"}
-        ),
-        "log_prob": frozenset({"forward", "log_probs"}),
-    }
 
     def __init__(self, kind: Literal["sampling", "log_prob"]) -> None:
         super().__init__()
         self.kind = kind
-        self.engine = None
 
     def start(self, config) -> Any:
         def build() -> dict:
@@ -279,13 +252,6 @@ class InferenceWorker(_StoppableWorker):
 
         return _replying(build)
 
-    def call(self, method: str, *args: Any, op_id: str | None = None) -> Any:
-        """``engine.<method>(*args)`` for the methods the ops use on this kind of engine."""
-        if method not in self.METHODS[self.kind]:
-            raise AttributeError(f"a {self.kind} replica has no method {method!r}")
-        target = getattr(self.engine, method)
-        return _replying(lambda: target(*(_writable(a) for a in args)), self.stops, op_id)
-
     def load_weight_chunks(self, refs: list) -> Any:
         """Load a weight stream whose chunks sit in the object store, fetching one at a time."""
         import ray
@@ -297,9 +263,11 @@ class InferenceWorker(_StoppableWorker):
 
 
 def _writable(value: Any) -> Any:
-    """Copies of read-only arrays (object-store views), recursively through dicts."""
+    """Copies of read-only arrays (object-store views), recursively through dicts and tuples."""
     if isinstance(value, np.ndarray) and not value.flags.writeable:
         return value.copy()
     if isinstance(value, Mapping):
         return {k: _writable(v) for k, v in value.items()}
+    if isinstance(value, tuple):
+        return tuple(_writable(v) for v in value)
     return value

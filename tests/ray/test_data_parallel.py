@@ -299,7 +299,7 @@ def test_bad_input_changes_nothing_on_any_rank(runs, batches, ddp):
     shards = [good, {k: v[2:4] for k, v in bad.items()}]
     replies = ray.get(
         [
-            w.forward_backward.remote(s, meta, {"loss_fn": "verl_grpo"})
+            w.call.remote("forward_backward", s, meta, {"loss_fn": "verl_grpo"})
             for w, s in zip(workers, shards, strict=True)
         ]
     )
