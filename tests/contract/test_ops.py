@@ -127,12 +127,9 @@ NOT_OP_NAMES = {
     ("arctic_platform/recipes/grpo.py", "step"),
     ("arctic_platform/recipes/run_log.py", "step"),
     ("arctic_platform/recipes/trackers/__init__.py", "step"),
-    # Engine methods the Ray workers run (``forward``, ``step``, ``generate``), by method name.
+    # Training-engine methods the Ray proxy relays to its ranks (``forward``, ``step``), by name.
     ("arctic_platform/server/ray_engines.py", "forward"),
     ("arctic_platform/server/ray_engines.py", "step"),
-    ("arctic_platform/server/ray_engines.py", "generate"),
-    ("arctic_platform/server/ray_workers.py", "forward"),
-    ("arctic_platform/server/ray_workers.py", "generate"),
 }
 
 
