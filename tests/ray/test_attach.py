@@ -6,6 +6,7 @@ connect with ``auto`` with and without ``RAY_ADDRESS`` and report the cluster th
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -15,6 +16,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from arctic_platform.client.local_server import free_port
@@ -56,12 +58,15 @@ def stray_cluster():
         stderr=subprocess.DEVNULL,
     )
     yield f"127.0.0.1:{port}"
-    os.killpg(head.pid, signal.SIGTERM)
-    try:
-        head.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        os.killpg(head.pid, signal.SIGKILL)
-        head.wait()
+    # Killed outright, every process it started with it: a graceful ``ray stop`` of the head
+    # takes half a minute, and ``ray stop`` would stop the other test worker's clusters too.
+    cluster = psutil.Process(head.pid).children(recursive=True)
+    os.killpg(head.pid, signal.SIGKILL)
+    for process in cluster:
+        with contextlib.suppress(psutil.Error):
+            process.kill()
+    head.wait()
+    psutil.wait_procs(cluster, timeout=30)
     shutil.rmtree(temp_dir, ignore_errors=True)
 
 
