@@ -133,19 +133,16 @@ async def run_op(
         body = {"level": level}
     if op == OpName.SLEEP_TRAINING and mode is not None and body is None:
         body = {"mode": mode}
-    service = _service(request)
-    sub, op, body = service.dispatch(job_id, op, body, owner=owner)
-    if sub is None:
-        return service.inline_operation(job_id, op, body, owner=owner)
-    result = await asyncio.wrap_future(service.submit(sub, op, body))
-    if op == OpName.GENERATE:  # columns when asked for, else the reference form (vLLM log-probs)
+    started = _service(request).start(job_id, op, body, owner=owner)
+    result = await asyncio.wrap_future(started.future)
+    if started.op == OpName.GENERATE:  # columns when asked for, else the reference form
         reshape = (
             as_columns
             if wants_columns(frame_metadata)
-            else functools.partial(as_reference_logprobs, model_name=sub.spec.model_name)
+            else functools.partial(as_reference_logprobs, model_name=started.sub.spec.model_name)
         )
         result = await run_in_threadpool(reshape, result)
-    return frame_response(result) if op in BINARY_RESULTS else result
+    return frame_response(result) if started.op in BINARY_RESULTS else result
 
 
 def _onprem_info(job: dict, sub: dict) -> dict:

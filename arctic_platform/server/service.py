@@ -94,6 +94,16 @@ class ServiceSettings:
     quota: TenantQuota = field(default_factory=TenantQuota)
 
 
+@dataclass(frozen=True)
+class Started:
+    """An op on its way (:meth:`Service.start`): the sub-job it runs on (None for an inline
+    operation), its name once an ``operation`` envelope is unwrapped, and its future."""
+
+    sub: SubJob | None
+    op: str
+    future: Future
+
+
 class Service:
     """Owns jobs and engines through its parts (see the module doc); every public method is
     thread-safe."""
@@ -307,14 +317,23 @@ class Service:
         ``sub_job`` is None for inline operations (see :meth:`OpExecutor.dispatch`)."""
         return self.executor.dispatch(target, op, body, owner=owner)
 
+    def start(self, target: str, op: str, body: Any, *, owner: str | None) -> Started:
+        """Route ``op`` and set it going: queued on its sub-job, or, for an inline operation,
+        answered now (its future already done). What every adapter that waits for the answer
+        runs (:meth:`execute`, the in-process transport's async path, the on-prem API); the
+        Cortex API records an async request first, so it dispatches and submits itself."""
+        sub, op, body = self.dispatch(target, op, body, owner=owner)
+        if sub is None:
+            answered: Future = Future()
+            answered.set_result(self.inline_operation(target, op, body, owner=owner))
+            return Started(None, op, answered)
+        return Started(sub, op, self.submit(sub, op, body))
+
     def execute(self, target: str, op: str, body: Any, *, owner: str | None = None) -> Any:
         """Run ``op`` to completion (the in-process and Ray paths); job ops included."""
         if op in JOB_OPS:
             return run_job_op(self, op, target, body, owner=owner)
-        sub, op, body = self.dispatch(target, op, body, owner=owner)
-        if sub is None:
-            return self.inline_operation(target, op, body, owner=owner)
-        return self.call(sub, op, body)
+        return result_of(self.start(target, op, body, owner=owner).future)
 
     def inline_operation(self, target: str, op: str, body: Any, *, owner: str | None) -> dict:
         """Operations answered at once, without entering a queue."""

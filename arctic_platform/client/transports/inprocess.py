@@ -66,19 +66,12 @@ class InProcessTransport(Transport):
         """Awaits the sub-job queue's future directly: no thread per call, any event loop."""
         if request.op in JOB_OPS:
             return await super().acall(request)
-        service = self.service
-
-        def submit():
-            sub, op, body = service.dispatch(request.job_id, request.op, request.body, owner=None)
-            if sub is None:
-                return None, service.inline_operation(request.job_id, op, body, owner=None)
-            return service.submit(sub, op, body), None
-
-        future, inline = self._guard(submit, request.op)
-        if future is None:
-            return self._convert(inline)
+        started = self._guard(
+            lambda: self.service.start(request.job_id, request.op, request.body, owner=None),
+            request.op,
+        )
         try:
-            result = await asyncio.wrap_future(future)
+            result = await asyncio.wrap_future(started.future)
         except self._service_error as exc:
             raise server_error(
                 exc.status, exc.code, exc.message, op=request.op, details=exc.details
