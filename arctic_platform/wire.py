@@ -293,6 +293,21 @@ def to_numpy(tensor) -> np.ndarray:
     return packed.raw.view(_numpy_dtype(packed.code)).reshape(packed.shape)
 
 
+def to_torch(array: np.ndarray):
+    """A numpy array as a torch tensor sharing its memory, the ml_dtypes ones (bf16, float8)
+    included: ``torch.from_numpy`` refuses those, so their bytes are viewed as the same-width
+    integer and reinterpreted (the inverse of :func:`to_numpy`). Only for a caller that works in
+    torch: it raises if torch was not imported."""
+    torch = _torch_module()
+    if torch is None:
+        raise RuntimeError("to_torch: torch is not imported")
+    code = _code_of(array.dtype)
+    if code in _TORCH_CARRIER:
+        carried = torch.from_numpy(array.view(_TORCH_CARRIER[code]))
+        return carried.view(getattr(torch, _TORCH_DTYPE_NAMES[code]))
+    return torch.from_numpy(array)
+
+
 class _Encoder:
     """Walks an object into a structure tree and the flat list of tensors it references."""
 

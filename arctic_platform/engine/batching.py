@@ -36,6 +36,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
+from arctic_platform import wire
 from arctic_platform.contract.batch_layout import FLOAT_FIELDS, IGNORE_INDEX, MASK_FIELDS
 from arctic_platform.contract.bodies import longest_row_problem
 from arctic_platform.engine.errors import EngineInputError
@@ -466,9 +467,11 @@ def _tensor(batch: Mapping, name: str, *, required: bool = False) -> torch.Tenso
     value = batch[name]
     if isinstance(value, torch.Tensor):
         return value.detach().cpu()
-    if isinstance(value, np.ndarray) and not value.flags.writeable:
-        value = value.copy()
     try:
+        if isinstance(value, np.ndarray):  # bf16 arrays (ml_dtypes) included
+            if not (value.flags.writeable and value.flags.c_contiguous):
+                value = np.array(value, order="C")
+            return wire.to_torch(value)
         return torch.as_tensor(value)
     except (TypeError, ValueError, RuntimeError) as exc:
         raise EngineInputError(f"batch.{name}", f"not convertible to a tensor ({exc})") from exc

@@ -176,12 +176,13 @@ async def off_loop(nbytes: int, decode: Callable[..., T], *args: Any, **kwargs: 
 
 
 def decode_frame(body: bytes | bytearray, *, what: str, limits: ServerLimits) -> tuple[Any, dict]:
-    """A DSSST1 body as torch tensors, and its op metadata: its header within
+    """A DSSST1 body as numpy arrays (bf16 as ml_dtypes; the engines take either, so the
+    server's edge needs no torch), and its op metadata: its header within
     ``--max-json-mb`` (413), a malformed frame a 400 naming the op. Synchronous: routes call it
     through :func:`frame_of`."""
     limits.check_json(f"{what}: DSSST1 header", wire.header_bytes(body))
     try:
-        return wire.loads_with_metadata(body, tensor_type="torch")
+        return wire.loads_with_metadata(body, tensor_type="numpy")
     except wire.WireError as exc:
         raise BadRequest(f"{what}: malformed DSSST1 body: {exc}") from None
 

@@ -174,3 +174,47 @@ print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))
     assert refused.startswith("processing.loss_fn forward-backward: processing.loss_fn: unknown")
     assert "'grpo_typo'" in refused and "importance_sampling" in refused
     assert loaded == "[]"
+
+
+def test_a_dssst1_forward_backward_on_a_fake_job_loads_no_torch(tmp_path):
+    """The server's edge decodes DSSST1 frames to numpy, so a binary forward-backward reaches a
+    FakeEngine job (bf16 field included) and answers with no torch in the server process: torch
+    is the engines' business, loaded by the ones that compute in it."""
+    code = """
+import sys
+import ml_dtypes
+from pathlib import Path
+import numpy as np
+from starlette.testclient import TestClient
+from arctic_platform import wire
+from arctic_platform.layout import training_batch
+from arctic_platform.server.app import create_app
+from arctic_platform.server.auth import TokenAuth
+from arctic_platform.server.service import Service, ServiceSettings
+from tests.fake_engine import build_fake_engine
+
+service = Service(ServiceSettings(data_dir=Path(sys.argv[1]), device="cpu"),
+                  engine_builder=build_fake_engine)
+app = create_app(service, auth=TokenAuth([]), close_service_on_shutdown=False)
+with TestClient(app) as http:
+    job = http.post("/initialize", json={"model_name": "builtin:tiny"}).json()["job_id"]
+    batch = training_batch([[4, 5], [6]], [[7, 8], [9]], pad_token_id=0, advantages=[1.0, -1.0])
+    batch["advantages"] = batch["advantages"].astype(ml_dtypes.bfloat16)
+    frame = wire.dumps({"batch": batch, "processing": {"loss_fn": "cross_entropy"}})
+    answer = http.post(f"/forward-backward?job_id={job}", content=frame,
+                       headers={"content-type": "application/octet-stream"})
+    print(answer.status_code, "loss" in wire.loads(answer.content))
+service.close()
+print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))
+"""
+    root = Path(arctic_platform.__file__).parent.parent
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        cwd=root,
+        check=True,
+    )
+    answered, loaded = out.stdout.strip().splitlines()[-2:]
+    assert answered == "200 True", out.stdout + out.stderr[-2000:]
+    assert loaded == "[]"

@@ -31,6 +31,21 @@ def test_conversions():
     assert torch.equal(parsed.position_ids[mask.bool()], want[mask.bool()])
 
 
+def test_bf16_arrays_from_the_wire_are_the_bf16_tensors_they_encode():
+    """A DSSST1 frame decodes bf16 to ml_dtypes arrays, which ``torch.as_tensor`` refuses: the
+    batch takes them as the same bf16 values, read-only (a frame's view) or not."""
+    import ml_dtypes
+
+    batch = rl_batch(rows=3, seed=0)
+    want = batch["old_log_probs"].to(torch.bfloat16)
+    as_numpy = {k: v.numpy() for k, v in batch.items()}
+    as_numpy["old_log_probs"] = want.float().numpy().astype(ml_dtypes.bfloat16)
+    as_numpy["old_log_probs"].flags.writeable = False
+    parsed = validate_batch(as_numpy)
+    assert parsed.get("old_log_probs").dtype == torch.float32  # the engine's float fields
+    assert torch.equal(parsed.get("old_log_probs"), want.float())
+
+
 @pytest.mark.parametrize(
     ("change", "field"),
     [
