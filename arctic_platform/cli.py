@@ -254,6 +254,14 @@ def serve(
             "and its connection closed.",
         ),
     ] = ServerLimits.body_read_timeout,
+    header_read_timeout: Annotated[
+        float,
+        typer.Option(
+            help="Seconds a request's head (request line and headers) may take to arrive from "
+            "the connection's opening or the request's first byte; a slower connection is "
+            "closed.",
+        ),
+    ] = ServerLimits.header_read_timeout,
     max_uploads_per_tenant: Annotated[
         int,
         typer.Option(
@@ -334,6 +342,10 @@ def serve(
         raise typer.BadParameter(
             f"--body-read-timeout: must be > 0 seconds, got {body_read_timeout}"
         )
+    if not header_read_timeout > 0:
+        raise typer.BadParameter(
+            f"--header-read-timeout: must be > 0 seconds, got {header_read_timeout}"
+        )
     if job_idle_timeout is not None and not job_idle_timeout > 0:
         raise typer.BadParameter(f"--job-idle-timeout: must be > 0 seconds, got {job_idle_timeout}")
     # After the flags, so a bad one is answered at once; torch is imported by the first engine.
@@ -377,6 +389,7 @@ def serve(
             max_batch_rows=max_batch_rows,
             max_batch_tokens=max_batch_tokens,
             body_read_timeout=body_read_timeout,
+            header_read_timeout=header_read_timeout,
             max_uploads_per_tenant=max_uploads_per_tenant,
             max_chunk_group_mb=max_chunk_group_mb,
             max_json_mb=max_json_mb,

@@ -18,12 +18,17 @@ from arctic_platform.client.local_server import free_port
 
 
 @contextmanager
-def serve_app(app) -> Iterator[str]:
-    """Serve an ASGI ``app`` with uvicorn in a background thread; yield its base URL."""
+def serve_app(app, *, header_read_timeout: float | None = None) -> Iterator[str]:
+    """Serve an ASGI ``app`` with uvicorn in a background thread, speaking HTTP as ``serve``
+    does (:mod:`arctic_platform.server.http_protocol`); yield its base URL."""
     import uvicorn
 
+    from arctic_platform.server.http_protocol import http_protocol
+    from arctic_platform.server.limits import ServerLimits
+
     port = free_port()
-    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", http="httptools")
+    protocol = http_protocol(header_read_timeout or ServerLimits.header_read_timeout)
+    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", http=protocol)
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()

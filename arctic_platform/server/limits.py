@@ -31,6 +31,9 @@ class ServerLimits:
     # take to arrive (256 MiB at under 1 MB/s), and per tenant over all its requests, the bodies
     # being read at once and the MiB held in incomplete Cortex chunk groups.
     body_read_timeout: float = 300.0
+    # Seconds a request's head (request line and headers) may take from the connection's opening
+    # or the request's first byte; a slower connection is closed (server/http_protocol.py).
+    header_read_timeout: float = 30.0
     max_uploads_per_tenant: int = 8
     max_chunk_group_mb: int = 1024
     # MiB of JSON in one body or DSSST1 header (server/http_common.py): parsed JSON costs several

@@ -74,6 +74,9 @@ def serve(
     import uvicorn
 
     from arctic_platform.server.app import create_app
+    from arctic_platform.server.http_protocol import http_protocol
+
+    limits = limits or ServerLimits()
     from arctic_platform.server.service import Service, ServiceSettings
 
     try:
@@ -110,7 +113,7 @@ def serve(
             vllm_python=vllm_python,
             allowed_paths=allowed_paths,
             writable_paths=writable_paths,
-            limits=limits or ServerLimits(),
+            limits=limits,
             max_ops_per_tenant=max_ops_per_tenant or default_share(max_concurrent_ops, auth),
             drain_timeout_s=drain_timeout,
             job_idle_timeout_s=job_idle_timeout_s,
@@ -155,7 +158,7 @@ def serve(
         host=host,
         port=port,
         log_level=log_level,
-        http="httptools",
+        http=http_protocol(limits.header_read_timeout),
         # A backstop: the drain ends every op by ``drain_timeout``; answers need a moment more.
         timeout_graceful_shutdown=drain_timeout + 10,
     )

@@ -16,6 +16,7 @@ import pytest
         (["--placement-timeout", "0"], "--placement-timeout: must be > 0 seconds"),
         (["--sampling-engine", "tpu"], "--sampling-engine: expected torch or vllm, got 'tpu'"),
         (["--body-read-timeout", "-1"], "--body-read-timeout: must be > 0 seconds"),
+        (["--header-read-timeout", "0"], "--header-read-timeout: must be > 0 seconds"),
         (["--job-idle-timeout", "0"], "--job-idle-timeout: must be > 0 seconds"),
     ],
 )
