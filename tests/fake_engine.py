@@ -364,6 +364,8 @@ class FakeSampler(_FakeModel):
 class FakeScorer(_FakeModel):
     """A log-prob sub-job's fake (``LogProbEngineProtocol``)."""
 
+    tokenizer = None  # no Hugging Face tokenizer, as the Ray replica
+
     def forward(self, batch, meta=None, processing=None) -> dict:
         cancellation.check()
         return self.forward_outputs(batch, meta)

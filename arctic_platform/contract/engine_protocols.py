@@ -157,6 +157,10 @@ class SamplingEngineProtocol(Engine, Protocol):
 class LogProbEngineProtocol(Engine, Protocol):
     """A log-prob sub-job's engine (``log-probs``, and ``forward`` on a reference model)."""
 
+    # As a sampling engine's: the tokenizer held in this process, or None (the OpenAI API's
+    # ``echo`` spells scored tokens with it, else with one loaded from the model's folder).
+    tokenizer: Tokenizer | None
+
     def forward(
         self,
         batch: Mapping[str, Any],

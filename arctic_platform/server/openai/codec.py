@@ -15,6 +15,7 @@ import uuid
 from collections.abc import Iterator
 from typing import Any
 
+from arctic_platform.contract.engine_protocols import LogProbEngineProtocol, SamplingEngineProtocol
 from arctic_platform.engine.builtin import resolve_model_path
 from arctic_platform.server.errors import BadRequest
 from arctic_platform.server.openai.bodies import ChatRequest, CompletionRequest
@@ -79,10 +80,10 @@ class Spelling:
         return tokenizer.decode(token_ids, clean_up_tokenization_spaces=False)
 
 
-def tokenizer_of(engine, weights: str):
+def tokenizer_of(engine: SamplingEngineProtocol | LogProbEngineProtocol, weights: str):
     """The tokenizer of the model at ``weights``: the engine's own (ours and vLLM's hold one), or,
     for an engine in a Ray actor (``serve --ray``), one loaded here from the model's folder."""
-    tokenizer = getattr(engine, "tokenizer", None)
+    tokenizer = engine.tokenizer
     return tokenizer if tokenizer is not None else _local_tokenizer(weights)
 
 
