@@ -37,19 +37,20 @@ def to_object_store(value: Any) -> Any:
 
 
 def numpy_to_torch(value: Any, *, copy_read_only: bool = False) -> Any:
-    """``value`` with each numpy array as a torch tensor sharing its memory.
+    """``value`` with each numpy array as a torch tensor sharing its memory (bf16 and float8
+    arrays included, through :func:`arctic_platform.wire.to_torch`).
 
     Arrays from the object store are read-only views; torch has no read-only tensors, so with
     ``copy_read_only`` they are copied first (for tensors that may be written), and otherwise
     wrapped as they are (torch's warning about that is silenced).
     """
     if isinstance(value, np.ndarray):
-        torch = require("torch", "engine", purpose="torch tensors")
+        require("torch", "engine", purpose="torch tensors")  # imported: wire.to_torch uses it
         if copy_read_only and not value.flags.writeable:
             value = value.copy()
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*not writable.*")
-            return torch.from_numpy(np.ascontiguousarray(value))
+            return wire.to_torch(np.ascontiguousarray(value))
     if isinstance(value, Mapping):
         return {k: numpy_to_torch(v, copy_read_only=copy_read_only) for k, v in value.items()}
     if isinstance(value, list):

@@ -92,6 +92,12 @@ _BY_STATUS: dict[int, type[ServerError]] = {
 }
 
 
+def bad_response(message: str, *, op: str | None) -> ServerError:
+    """The error for an answer the client cannot read (not the shape the API promises): a
+    :class:`ServerError` with code ``bad_response`` and no status."""
+    return ServerError(message, status=None, code="bad_response", op=op)
+
+
 def server_error(
     status: int | None,
     code: str | None,

@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Any
 
-from pydantic import BaseModel, ValidationError
+from pydantic import ValidationError
 
 from arctic_platform.client.config import ArcticRLClientConfig
 from arctic_platform.client.errors import (
@@ -29,10 +30,12 @@ from arctic_platform.client.errors import (
     NotFoundError,
     RequestTimeoutError,
     ServerError,
+    bad_response,
     server_error,
 )
 from arctic_platform.client.transport import JobHandles, Request, Transport
-from arctic_platform.contract.job_ops import CreatedJob, JobStatus
+from arctic_platform.contract.job_ids import parent_of
+from arctic_platform.contract.job_ops import JOB_OPS, JobStatus
 from arctic_platform.contract.ops import OpName
 from arctic_platform.contract.states import TERMINAL_JOB_STATES
 
@@ -79,9 +82,7 @@ class JobLifecycle:
 
     def _create(self) -> JobHandles:
         body = self.config.create_job_body()
-        created = _answer(
-            CreatedJob, self.transport.call(Request(OpName.CREATE_JOB, "", body)), OpName.CREATE_JOB
-        )
+        created = self._ask(Request(OpName.CREATE_JOB, "", body))
         self.created = list(created.job_ids)
         for job_id in created.job_ids:
             self._wait_running(job_id, op=OpName.CREATE_JOB)
@@ -91,11 +92,8 @@ class JobLifecycle:
                 setattr(handles, sub.job_type, sub.sub_job_id)
         for role in self.config.jobs():
             if getattr(handles, role) is None:
-                raise ServerError(
-                    f"jobs {created.job_ids} have no {role} sub-job",
-                    status=None,
-                    code="bad_response",
-                    op=OpName.CREATE_JOB,
+                raise bad_response(
+                    f"jobs {created.job_ids} have no {role} sub-job", op=OpName.CREATE_JOB
                 )
         return handles
 
@@ -104,7 +102,7 @@ class JobLifecycle:
         for role, job_id in self.config.attach_ids().items():
             status = self._wait_running(job_id, op=OpName.GET_JOB)
             known = {sub.sub_job_id for sub in status.sub_jobs}
-            if ":" in job_id and job_id not in known:
+            if parent_of(job_id) != job_id and job_id not in known:
                 raise NotFoundError(
                     f"sub-job {job_id!r} is not in job {status.job_id}",
                     status=404,
@@ -121,11 +119,7 @@ class JobLifecycle:
         while True:
             remaining = deadline - time.monotonic()
             body = {"wait_s": max(0.0, min(remaining, LONG_POLL_S))}
-            status = _answer(
-                JobStatus,
-                self.transport.call(Request(OpName.GET_JOB, job_id, body)),
-                OpName.GET_JOB,
-            )
+            status = self._ask(Request(OpName.GET_JOB, job_id, body))
             if status.status == "running":
                 return status
             if status.status in TERMINAL_JOB_STATES:
@@ -143,17 +137,12 @@ class JobLifecycle:
             time.sleep(min(interval, remaining))
             interval = min(interval * POLL_BACKOFF, POLL_MAX_INTERVAL_S)
 
-
-def _answer(model: type[BaseModel], value: object, op: str):
-    """A transport's answer as the op's result model; a malformed one is a ``bad_response``."""
-    if isinstance(value, model):
-        return value
-    try:
-        return model.model_validate(value)
-    except ValidationError as exc:
-        raise ServerError(
-            f"malformed answer: {exc.errors()[0]['msg']}: {str(value)[:200]}",
-            status=None,
-            code="bad_response",
-            op=op,
-        ) from None
+    def _ask(self, request: Request) -> Any:
+        """``request``'s answer read as its job op's result model (``contract/job_ops.py``); a
+        malformed one is a ``bad_response``."""
+        value = self.transport.call(request)
+        try:
+            return JOB_OPS[request.op].result.model_validate(value)
+        except ValidationError as exc:
+            message = f"malformed answer: {exc.errors()[0]['msg']}: {str(value)[:200]}"
+            raise bad_response(message, op=request.op) from None

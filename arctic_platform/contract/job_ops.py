@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from arctic_platform.contract.job_config import SHORT_JOB_TYPE, CreateJobRequest
 from arctic_platform.contract.job_ids import parent_of
 from arctic_platform.contract.ops import OpName, Retry, Role
-from arctic_platform.contract.states import JobState
+from arctic_platform.contract.states import JobState, cortex_name
 
 # The longest a get-job may be held by a server while the job starts (a long poll).
 MAX_WAIT_S = 60.0
@@ -96,11 +96,11 @@ class JobStatus(_Model):
             info = info["job"]
         if not isinstance(info, dict):
             raise ValueError(f"a job's info must be an object, got {type(info).__name__}")
-        status = _unprefixed(info.get("status"), "job_state_")
+        status = cortex_name(info.get("status"), "job_state_")
         subs = [
             {
                 "sub_job_id": str(sub.get("sub_job_id")),
-                "job_type": SHORT_JOB_TYPE.get(_unprefixed(sub.get("job_type"), "job_type_")),
+                "job_type": SHORT_JOB_TYPE.get(cortex_name(sub.get("job_type"), "job_type_")),
             }
             for sub in info.get("sub_jobs") or []
             if isinstance(sub, dict)
@@ -133,11 +133,6 @@ class JobStatus(_Model):
     def created(self) -> CreatedJob:
         """This job as a ``create-job`` answer."""
         return CreatedJob(job_ids=[self.job_id], sub_jobs=self.sub_jobs)
-
-
-def _unprefixed(value: Any, prefix: str) -> str:
-    text = str(value or "").lower()
-    return text[len(prefix) :] if text.startswith(prefix) else text
 
 
 _TABLE = (

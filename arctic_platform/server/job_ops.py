@@ -1,9 +1,10 @@
 """The lifecycle ops (``contract/job_ops.py``) as a Service runs them, and the long poll of a job.
 
 The in-process and Ray backends send ``create-job``, ``get-job`` and ``cancel-job`` to a Service
-like any op (``Service.execute``), answered here with the contract's result models. The on-prem
-and Cortex routes serve the same ops in their APIs' own answer shapes and hold a ``get-job``
-with :func:`settled_info`, which waits on the event loop rather than on a worker thread, so many
+like any op (``Service.execute``), answered here with the contract's result models
+(``Service.get_job(wait_s=)`` holds a get-job on the caller's thread). The on-prem and Cortex
+routes serve the same ops in their APIs' own answer shapes and hold a ``get-job`` with
+:func:`settled_info`, which waits on the event loop rather than on a worker thread, so many
 waiting clients cost no threads.
 """
 
@@ -15,14 +16,13 @@ from typing import Annotated, Any
 
 from fastapi import Query
 
-from arctic_platform.contract.job_ops import MAX_WAIT_S, GetJobBody, JobStatus
+from arctic_platform.contract.job_ops import JOB_OPS, MAX_WAIT_S, JobStatus
 from arctic_platform.contract.ops import OpName
-from arctic_platform.contract.states import LIVE_JOB_STATES
+from arctic_platform.contract.states import STARTING_JOB_STATES
 from arctic_platform.server.op_bodies import parse
 
-# The states a get-job long poll waits through.
-STARTING = frozenset(LIVE_JOB_STATES) - {"running"}
-POLL_S = 0.02
+# How often a waiting get-job looks at its job again.
+JOB_POLL_S = 0.02
 # ``get-job``'s ``wait_s`` as the HTTP routes take it (``?wait_s=``), bounded as the body model.
 WaitS = Annotated[float, Query(ge=0.0, le=MAX_WAIT_S)]
 
@@ -33,12 +33,8 @@ def run_job_op(service: Any, op: str, job_id: str, body: Any, *, owner: str | No
         status = JobStatus.from_info(service.create_job(body, owner=owner))
         return status.created().model_dump(mode="json")
     if op == OpName.GET_JOB:
-        wait_s = parse(GetJobBody, body, what=op).wait_s
-        deadline = time.monotonic() + wait_s
-        info = service.get_job(job_id, owner=owner)
-        while info["status"] in STARTING and time.monotonic() < deadline:
-            time.sleep(POLL_S)
-            info = service.get_job(job_id, owner=owner)
+        wait_s = parse(JOB_OPS[op].request, body, what=op).wait_s
+        info = service.get_job(job_id, owner=owner, wait_s=wait_s)
         return JobStatus.from_info(info).model_dump(mode="json")
     if op == OpName.CANCEL_JOB:
         service.cancel_job(job_id, owner=owner)
@@ -50,7 +46,7 @@ async def settled_info(service: Any, job_id: str, *, owner: str | None, wait_s: 
     """The job's info once it is no longer starting, or after ``wait_s`` (a route's long poll)."""
     deadline = time.monotonic() + wait_s
     info = service.get_job(job_id, owner=owner)
-    while info["status"] in STARTING and time.monotonic() < deadline:
-        await asyncio.sleep(POLL_S)
+    while info["status"] in STARTING_JOB_STATES and time.monotonic() < deadline:
+        await asyncio.sleep(JOB_POLL_S)
         info = service.get_job(job_id, owner=owner)
     return info

@@ -411,12 +411,8 @@ class RayTrainingEngine:
 
     def weight_snapshot(self) -> ChunkWeights:
         """The model cannot be read from here, so the snapshot is taken where it lives: rank 0
-        puts the merged weights' chunks in the object store (:class:`ChunkWeights`)."""
-        return ChunkWeights(self.weight_chunk_refs())
-
-    def weight_chunk_refs(self) -> list:
-        """Object-store refs of the current weights' safetensors chunks, put by rank 0 (every
-        rank gathers with FSDP); they hold those weights for as long as the refs are kept."""
+        puts the merged weights' safetensors chunks in the object store (every rank gathers
+        with FSDP), and the refs hold those weights for as long as they are kept."""
         replies = self.actors.gather(
             {
                 r: self.actors.handles[r].weight_chunks.remote(WEIGHT_CHUNK_BYTES)
@@ -424,7 +420,7 @@ class RayTrainingEngine:
             },
             OpName.WEIGHT_SYNC,
         )
-        return replies[0]
+        return ChunkWeights(replies[0])
 
     # -- colocation -----------------------------------------------------------------------
 

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from arctic_platform.contract.job_ops import JOB_OPS
-from arctic_platform.contract.states import TERMINAL_JOB_STATES
+from arctic_platform.contract.states import STARTING_JOB_STATES, TERMINAL_JOB_STATES
 from arctic_platform.engine.cancellation import CancelToken
 from arctic_platform.server.async_requests import ChunkGroups, RequestStore
 from arctic_platform.server.checkpoint_catalogue import CheckpointCatalogue
@@ -34,7 +34,7 @@ from arctic_platform.server.errors import Conflict, result_of
 from arctic_platform.server.executor import OpExecutor
 from arctic_platform.server.idle_reaper import IdleReaper
 from arctic_platform.server.job_builder import JobBuilder
-from arctic_platform.server.job_ops import run_job_op
+from arctic_platform.server.job_ops import JOB_POLL_S, run_job_op
 from arctic_platform.server.job_registry import JobRegistry, SubJob
 from arctic_platform.server.limits import ServerLimits
 from arctic_platform.server.metrics import ServiceMetrics
@@ -176,8 +176,15 @@ class Service:
         self.builder.start(job)
         return job.info()
 
-    def get_job(self, job_id: str, *, owner: str | None = None) -> dict:
-        return self.paths.redact_all(owner, self.jobs.get(job_id, owner).info())
+    def get_job(self, job_id: str, *, owner: str | None = None, wait_s: float = 0.0) -> dict:
+        """The job's info; while it is starting, held up to ``wait_s`` until it runs or ends
+        (a long poll on this thread: the HTTP routes wait on the event loop instead,
+        ``server/job_ops.settled_info``)."""
+        job = self.jobs.get(job_id, owner)
+        deadline = time.monotonic() + wait_s
+        while job.status in STARTING_JOB_STATES and time.monotonic() < deadline:
+            time.sleep(JOB_POLL_S)
+        return self.paths.redact_all(owner, job.info())
 
     def job_request(self, job_id: str, *, owner: str | None = None) -> dict:
         """The create-job request the job was made from (its configuration)."""
@@ -191,11 +198,9 @@ class Service:
     def wait_until_running(self, job_id: str, *, owner: str | None = None, timeout: float) -> dict:
         """Block until the job runs; raise if it ends or ``timeout`` passes first."""
         job = self.jobs.get(job_id, owner)
-        deadline = time.monotonic() + timeout
-        while job.status not in ("running", *TERMINAL_JOB_STATES):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"job {job_id} is still {job.status} after {timeout:.0f}s")
-            time.sleep(0.02)
+        self.get_job(job_id, owner=owner, wait_s=timeout)
+        if job.status in STARTING_JOB_STATES:
+            raise TimeoutError(f"job {job_id} is still {job.status} after {timeout:.0f}s")
         if job.status != "running":
             raise Conflict(f"job {job_id} is {job.status}: {job.reason}", code=f"job_{job.status}")
         return job.info()

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from arctic_platform.client.transport import Request, Transport
 from tests.live_server import serve_app
 
 TINY = "builtin:tiny"
@@ -56,3 +58,21 @@ def backend_config(kind: str, url: str | None, data_dir: Path, **extra) -> dict:
         raise ValueError(kind)
     backend.update(extra)
     return backend
+
+
+class Recording(Transport):
+    """Delegates to a real transport and records the requests the client hands it."""
+
+    def __init__(self, inner: Transport) -> None:
+        self.inner = inner
+        self.requests: list[Request] = []
+
+    def open(self) -> None:
+        self.inner.open()
+
+    def call(self, request: Request) -> Any:
+        self.requests.append(request)
+        return self.inner.call(request)
+
+    def close(self) -> None:
+        self.inner.close()

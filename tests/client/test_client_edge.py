@@ -17,32 +17,13 @@ from arctic_platform.client import (
     JobNotConfiguredError,
     NotFoundError,
     SyncArcticRLClient,
-    Transport,
     create_arctic_rl_client,
     make_transport,
 )
 from arctic_platform.client.config import load_config
-from tests.client.conftest import TINY, backend_config, make_app
+from tests.client.conftest import TINY, Recording, backend_config, make_app
 from tests.client.grpo import PROMPTS, SAMPLING, build_batch
 from tests.live_server import serve_app
-
-
-class Recording(Transport):
-    """Delegates to a real transport and records the requests the client hands it."""
-
-    def __init__(self, inner: Transport) -> None:
-        self.inner = inner
-        self.requests = []
-
-    def open(self):
-        self.inner.open()
-
-    def call(self, request):
-        self.requests.append(request)
-        return self.inner.call(request)
-
-    def close(self):
-        self.inner.close()
 
 
 @pytest.fixture(scope="module")

@@ -28,31 +28,13 @@ from arctic_platform.client.transport import Request
 from arctic_platform.contract.ops import OpName
 from arctic_platform.server.cortex import PREFIX
 from arctic_platform.server.service import Service, ServiceSettings
-from tests.client.conftest import TINY, backend_config
+from tests.client.conftest import TINY, Recording, backend_config
 from tests.fake_engine import build_fake_engine
 from tests.live_server import serve_app
 from tests.server.conftest import make_app
 from tests.waiting import wait_until
 
 CORTEX = PREFIX.format(database="DB", schema="RL", endpoint="cortex-training")
-
-
-class Recording(Transport):
-    """Delegates to a real transport and records the requests the client hands it."""
-
-    def __init__(self, inner: Transport) -> None:
-        self.inner = inner
-        self.requests: list[Request] = []
-
-    def open(self) -> None:
-        self.inner.open()
-
-    def call(self, request: Request) -> Any:
-        self.requests.append(request)
-        return self.inner.call(request)
-
-    def close(self) -> None:
-        self.inner.close()
 
 
 @pytest.fixture(scope="module")

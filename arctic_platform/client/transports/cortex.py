@@ -56,25 +56,28 @@ from arctic_platform.client.errors import (
     NotFoundError,
     RequestTimeoutError,
     ServerError,
+    bad_response,
     server_error,
 )
 from arctic_platform.client.tensors import resolve_tensor_type
 from arctic_platform.client.transport import Request, Transport
 from arctic_platform.client.transports.http_common import (
+    answer_field,
     connection_error,
     decode_body,
     error_from_fields,
     error_from_response,
     log_failed,
     octet_request,
+    read_job_status,
     retry_wait,
 )
 from arctic_platform.client.transports.liveness import LivenessWatch
 from arctic_platform.contract.job_ids import parent_of
 from arctic_platform.contract.job_ops import JOB_OPS, JobStatus
-from arctic_platform.contract.ops import OPERATION, OpName
+from arctic_platform.contract.ops import OPERATION, OpName, Retry
 from arctic_platform.contract.ops import op as contract_op
-from arctic_platform.contract.states import TERMINAL_JOB_STATES
+from arctic_platform.contract.states import TERMINAL_JOB_STATES, cortex_name
 
 log = logging.getLogger(__name__)
 
@@ -190,43 +193,38 @@ class CortexTransport(Transport):
         if spec.binary_request:
             force_chunk = spec.retry == "chunk_group"
             return self._octet(request, spec.cortex_route, force_chunk=force_chunk)
-        policy = NOT_REPEATABLE if spec.retry == "never" else REPEATABLE
+        policy = _policy(spec.retry)
         return self._submit_json(request.job_id, op, spec.cortex_route, request.body, policy)
 
     def _job_op(self, request: Request) -> Any:
         """A job op on the Cortex routes, answered as the contract's result model."""
         op = request.op
-        route = JOB_OPS[op].cortex
+        spec = JOB_OPS[op]
+        route, policy = spec.cortex, _policy(spec.retry)
         if op == OpName.CREATE_JOB:
-            answer = self._request(
-                route.method,
-                self.backend.prefix + route.path,
-                op=op,
-                policy=NOT_REPEATABLE,
-                json=request.body,
-            )
-            job_id = str(_field(answer, "job_id", op))
+            url = self.backend.prefix + route.path
+            answer = self._request(route.method, url, op=op, policy=policy, json=request.body)
+            job_id = str(answer_field(answer, "job_id", op))
             try:
                 return self._job_status(job_id).created().model_dump(mode="json")
             except BaseException:
-                self._job_op(Request(OpName.CANCEL_JOB, job_id))
+                try:
+                    self._job_op(Request(OpName.CANCEL_JOB, job_id))
+                except ArcticRLError as exc:  # the error worth raising is the first one
+                    log.warning("could not cancel job %s: %s", job_id, exc)
                 raise
-        url = self.backend.prefix + route.path.format(job_id=parent_of(request.job_id))
         if op == OpName.GET_JOB:  # a GET: its body travels as query parameters
             return self._job_status(request.job_id, request.body).model_dump(mode="json")
-        self._request(route.method, url, op=op, policy=NOT_REPEATABLE)
+        url = self.backend.prefix + route.path.format(job_id=parent_of(request.job_id))
+        self._request(route.method, url, op=op, policy=policy)
         return None
 
     def _job_status(self, job_id: str, params: dict | None = None) -> JobStatus:
         route = JOB_OPS[OpName.GET_JOB].cortex
         url = self.backend.prefix + route.path.format(job_id=parent_of(job_id))
-        info = self._request(route.method, url, op=OpName.GET_JOB, policy=REPEATABLE, params=params)
-        try:
-            return JobStatus.from_info(info)
-        except ValueError as exc:
-            raise ServerError(
-                f"malformed job info: {exc}", status=None, code="bad_response", op=OpName.GET_JOB
-            ) from None
+        policy = _policy(JOB_OPS[OpName.GET_JOB].retry)
+        info = self._request(route.method, url, op=OpName.GET_JOB, policy=policy, params=params)
+        return read_job_status(JobStatus.from_info, info)
 
     def _octet(self, request: Request, route: str, *, force_chunk: bool) -> Any:
         op = request.op
@@ -240,7 +238,7 @@ class CortexTransport(Transport):
             answer = self._request(
                 "POST", url, op=op, policy=REPEATABLE, content=content, headers=headers
             )
-            return self._poll(request.job_id, str(_field(answer, "request_id", op)), op)
+            return self._poll(request.job_id, str(answer_field(answer, "request_id", op)), op)
         chunks = wire.encode_byte_chunks(
             b"".join(buffers), kind="request", operation=op, max_bytes=limit, force_chunk=True
         )
@@ -265,22 +263,15 @@ class CortexTransport(Transport):
             )
             request_id = answer.get("request_id") if isinstance(answer, dict) else None
             if request_id is not None and index != len(chunks) - 1:
-                raise ServerError(
-                    f"request_id returned for chunk {index} of {len(chunks)}",
-                    status=None,
-                    code="bad_response",
-                    op=op,
-                )
+                raise bad_response(f"request_id returned for chunk {index} of {len(chunks)}", op=op)
         if request_id is None:
-            raise ServerError(
-                "no request_id after the final chunk", status=None, code="bad_response", op=op
-            )
+            raise bad_response("no request_id after the final chunk", op=op)
         return str(request_id)
 
     def _submit_json(self, job_id: str, op: str, route: str, body: Any, policy: RetryPolicy) -> Any:
         url = f"{self._job_url(job_id)}/{route}"
         answer = self._request("POST", url, op=op, policy=policy, json=body)
-        return self._poll(job_id, str(_field(answer, "request_id", op)), op)
+        return self._poll(job_id, str(answer_field(answer, "request_id", op)), op)
 
     def _operation(self, job_id: str, envelope: dict) -> Any:
         op = str(envelope.get("operation_type", "operation"))
@@ -311,7 +302,7 @@ class CortexTransport(Transport):
             listing = self._request("GET", url, op=op, policy=REPEATABLE)
             found = [
                 c
-                for c in _field(listing, "checkpoints", op)
+                for c in answer_field(listing, "checkpoints", op)
                 if step is None or c.get("global_steps") == step
             ]
             if not found:
@@ -354,7 +345,7 @@ class CortexTransport(Transport):
             cursor = state.get("next_cursor") or None
             if cursor:
                 continue  # more events are waiting: fetch them now
-            status = _state(state.get("status"), "request_state_")
+            status = cortex_name(state.get("status"), "request_state_")
             if status in DONE:
                 return self._result(state, chunks, op)
             if status in FAILED:
@@ -390,12 +381,10 @@ class CortexTransport(Transport):
             try:
                 return wire.decode_result_chunks(chunks, tensor_type=self._tensor_type)
             except wire.WireError as exc:
-                raise ServerError(
-                    f"malformed result chunks: {exc}", status=None, code="bad_response", op=op
-                ) from None
+                raise bad_response(f"malformed result chunks: {exc}", op=op) from None
         result = state.get("result")
         if isinstance(result, dict) and result.get("wire_format") == wire.WIRE_FORMAT_VERSION:
-            payload = bytearray(base64.b64decode(_field(result, "payload_b64", op)))
+            payload = bytearray(base64.b64decode(answer_field(result, "payload_b64", op)))
             return decode_body(payload, "application/octet-stream", self._tensor_type, op=op)
         return {} if result is None else result
 
@@ -449,37 +438,20 @@ def _merge_options(base: dict, extra: dict | None) -> dict:
     return merged
 
 
-def _field(value: Any, name: str, op: str) -> Any:
-    if not isinstance(value, dict) or name not in value:
-        raise ServerError(
-            f"the answer has no {name!r}: {str(value)[:200]}",
-            status=None,
-            code="bad_response",
-            op=op,
-        )
-    return value[name]
-
-
-def _state(value: Any, prefix: str) -> str:
-    text = str(value or "").lower()
-    return text[len(prefix) :] if text.startswith(prefix) else text
+def _policy(retry: Retry) -> RetryPolicy:
+    """The HTTP retry policy of an op's retry class (``contract/ops.py``): only an op safe to
+    repeat is retried after its request may have reached the server."""
+    return NOT_REPEATABLE if retry == "never" else REPEATABLE
 
 
 def _chunk_payload(event: dict, op: str) -> bytearray:
     try:
         payload = bytearray(base64.b64decode(event["payload_b64"]))
     except (KeyError, ValueError, TypeError) as exc:
-        raise ServerError(
-            f"malformed result chunk: {exc}", status=None, code="bad_response", op=op
-        ) from None
+        raise bad_response(f"malformed result chunk: {exc}", op=op) from None
     expected = event.get("payload_sha256")
     if expected is not None and hashlib.sha256(payload).hexdigest() != expected:
-        raise ServerError(
-            "a result chunk does not match its payload_sha256",
-            status=None,
-            code="bad_response",
-            op=op,
-        )
+        raise bad_response("a result chunk does not match its payload_sha256", op=op)
     return payload
 
 

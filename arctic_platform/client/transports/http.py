@@ -26,16 +26,18 @@ from tenacity import Retrying, retry_if_exception_type, stop_after_attempt
 
 from arctic_platform import wire
 from arctic_platform.client.config import ArcticRLClientConfig, HttpBackend
-from arctic_platform.client.errors import ArcticRLError, BackendUnavailableError, ServerError
+from arctic_platform.client.errors import ArcticRLError, BackendUnavailableError
 from arctic_platform.client.local_server import LocalServer
 from arctic_platform.client.tensors import resolve_tensor_type
 from arctic_platform.client.transport import Request, Transport
 from arctic_platform.client.transports.http_common import (
+    answer_field,
     connection_error,
     decode_body,
     error_from_response,
     log_failed,
     octet_request,
+    read_job_status,
     read_response,
     retry_wait,
 )
@@ -153,7 +155,7 @@ class HttpTransport(Transport):
         if op == OpName.GET_JOB:  # a GET: its body travels as query parameters
             params.update(request.body or {})
             answer = self._send(route.method, path, op=op, params=params)
-            return _status(JobStatus.from_onprem, answer)
+            return read_job_status(JobStatus.from_onprem, answer).model_dump(mode="json")
         # The reference server's destroy wants the sub-job's type; ours reads only the id.
         role = {"job_type": role_of(request.job_id)}
         self._send(route.method, path, op=op, params=params, json=role)
@@ -172,14 +174,7 @@ class HttpTransport(Transport):
                     json=spec,
                     timeout=self.backend.job_ready_timeout,
                 )
-                if not isinstance(answer, dict) or "job_id" not in answer:
-                    raise ServerError(
-                        f"the answer has no 'job_id': {str(answer)[:200]}",
-                        status=None,
-                        code="bad_response",
-                        op=OpName.CREATE_JOB,
-                    )
-                sub_job_id = str(answer["job_id"])
+                sub_job_id = str(answer_field(answer, "job_id", OpName.CREATE_JOB))
                 made.append({"sub_job_id": sub_job_id, "job_type": role_of(sub_job_id)})
         except BaseException:
             for sub in made:
@@ -228,13 +223,3 @@ class HttpTransport(Transport):
             raise error_from_response(response.status_code, body, op=op)
         content_type = response.headers.get("content-type", "")
         return decode_body(body, content_type, self._tensor_type, op=op)
-
-
-def _status(read, answer: Any) -> dict:
-    """A job's info read as the contract's ``JobStatus``; a malformed one is a ``bad_response``."""
-    try:
-        return read(answer).model_dump(mode="json")
-    except ValueError as exc:
-        raise ServerError(
-            f"malformed job info: {exc}", status=None, code="bad_response", op=OpName.GET_JOB
-        ) from None

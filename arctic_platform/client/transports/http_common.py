@@ -11,14 +11,21 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import httpx
 from tenacity import wait_exponential, wait_random
 
 from arctic_platform import wire
-from arctic_platform.client.errors import ServerError, TransportError, server_error
+from arctic_platform.client.errors import (
+    ServerError,
+    TransportError,
+    bad_response,
+    server_error,
+)
+from arctic_platform.contract.job_ops import JobStatus
+from arctic_platform.contract.ops import OpName
 
 OCTET = "application/octet-stream"
 PIECE_BYTES = 1 << 20
@@ -75,17 +82,29 @@ def decode_body(body: bytearray, content_type: str, tensor_type: str, *, op: str
         try:
             return wire.loads(body, tensor_type=tensor_type)
         except wire.WireError as exc:
-            raise ServerError(
-                f"malformed DSSST1 response: {exc}", status=None, code="bad_response", op=op
-            ) from None
+            raise bad_response(f"malformed DSSST1 response: {exc}", op=op) from None
     if not body.strip():
         return None
     try:
         return json.loads(body)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ServerError(
-            f"malformed JSON response: {exc}", status=None, code="bad_response", op=op
-        ) from None
+        raise bad_response(f"malformed JSON response: {exc}", op=op) from None
+
+
+def answer_field(value: Any, name: str, op: str) -> Any:
+    """Field ``name`` of a JSON answer; an answer without it is a ``bad_response``."""
+    if not isinstance(value, dict) or name not in value:
+        raise bad_response(f"the answer has no {name!r}: {str(value)[:200]}", op=op)
+    return value[name]
+
+
+def read_job_status(read: Callable[[Any], JobStatus], info: Any) -> JobStatus:
+    """A job's info as the contract's ``JobStatus`` (``read``: the reader of the API's shape,
+    ``JobStatus.from_info`` or ``from_onprem``); an unreadable one is a ``bad_response``."""
+    try:
+        return read(info)
+    except ValueError as exc:
+        raise bad_response(f"malformed job info: {exc}", op=OpName.GET_JOB) from None
 
 
 def log_failed(response: httpx.Response, op: str) -> None:
