@@ -1,15 +1,21 @@
 """The one checkpoint catalogue: which checkpoints each job saved, and where.
 
-Records live in the metadata store (``store.py``), so a restarted server still lists them and
-can start a new job from one; a record is served only while its folder exists and only to its
-job's owner (``PathPolicy``). At start the catalogue also tidies what earlier servers left:
-checkpoints of the layout before tenant folders, and saves a killed process did not finish.
+Every save is recorded here, whichever API asked for it: the on-prem and Cortex ``save`` op and
+the Tinker API's named saves (``tinker/checkpoints.py``, under ids ``<kind>-<name>``), so each is
+listed, downloaded, deleted and expired the same way, through any surface. Records live in the
+metadata store (``store.py``), so a restarted server still lists them and can start a new job
+from one; a record is served only while its folder exists and only to its job's owner
+(``PathPolicy``). A record may carry an expiry (Tinker's TTL): once past it, the checkpoint is
+deleted the next time its job's checkpoints are looked at. At start the catalogue also tidies
+what earlier servers left: checkpoints of the layout before tenant folders, and saves a killed
+process did not finish.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterable
 from pathlib import Path
 
 from arctic_platform.contract.job_config import SubJobConfig
@@ -35,8 +41,17 @@ class CheckpointCatalogue:
         self.jobs = jobs
         self.data_dir = data_dir
 
-    def record(self, sub: SubJob, saved: dict, checkpoint_type: str, avg_loss) -> dict:
-        """Catalogue what ``sub``'s engine just saved (``saved``: its id, path and step)."""
+    def record(
+        self,
+        sub: SubJob,
+        saved: dict,
+        checkpoint_type: str,
+        avg_loss: float | None = None,
+        *,
+        expires_at: float | None = None,
+    ) -> dict:
+        """Catalogue what ``sub``'s engine just saved (``saved``: its id, path and step),
+        replacing a record of the same id; ``expires_at``: when it is deleted (None: never)."""
         record = {
             "job_id": sub.job_id,
             "checkpoint_id": saved["checkpoint_id"],
@@ -46,30 +61,52 @@ class CheckpointCatalogue:
             "avg_loss": avg_loss,
             "checkpoint_type": checkpoint_type,
             "created_at": time.time(),
+            "expires_at": expires_at,
         }
         self.store.put_checkpoint(record)
         return record
 
+    def records(self, job_id: str, *, owner: str | None) -> list[dict]:
+        """Records of ``owner``'s job ``job_id`` whose folders exist, oldest first (expired
+        ones are deleted first)."""
+        self.jobs.get(job_id, owner)
+        return self._live(job_id)
+
+    def _live(self, job_id: str) -> list[dict]:
+        now, live = time.time(), []
+        for record in self.store.checkpoints(job_id):
+            if record["expires_at"] is not None and record["expires_at"] <= now:
+                self.store.delete_checkpoint(job_id, record["checkpoint_id"])
+                remove_published(Path(record["path"]))
+                log.info("deleted %s: its TTL ran out", record["path"])
+            elif Path(record["path"]).exists():
+                live.append(record)
+        return live
+
     def summaries(self, job_id: str, *, owner: str | None) -> list[dict]:
         """The job's checkpoints whose folders exist, without their paths."""
-        self.jobs.get(job_id, owner)
         return [
             {k: c[k] for k in ("checkpoint_id", "global_steps", "avg_loss", "checkpoint_type")}
             | {"created_at": c["created_at"]}
-            for c in self.store.checkpoints(job_id)
-            if Path(c["path"]).exists()
+            for c in self.records(job_id, owner=owner)
         ]
 
     def get(self, job_id: str, checkpoint_id: str, *, owner: str | None) -> dict:
         """The record of ``checkpoint_id`` in ``owner``'s job ``job_id`` (NotFound unless its
         folder exists)."""
-        self.jobs.get(job_id, owner)
-        for record in self.store.checkpoints(job_id):
-            if record["checkpoint_id"] == checkpoint_id and Path(record["path"]).exists():
+        for record in self.records(job_id, owner=owner):
+            if record["checkpoint_id"] == checkpoint_id:
                 return record
         raise NotFound(
             f"checkpoint {checkpoint_id!r} not found in job {job_id}", field="checkpoint_id"
         )
+
+    def set_expiry(
+        self, job_id: str, checkpoint_id: str, expires_at: float | None, *, owner: str | None
+    ) -> None:
+        """Delete the checkpoint at ``expires_at`` (None: keep it)."""
+        record = self.get(job_id, checkpoint_id, owner=owner)
+        self.store.put_checkpoint(record | {"expires_at": expires_at})
 
     def files(self, job_id: str, checkpoint_id: str, *, owner: str | None) -> list[dict]:
         """Files of a checkpoint: ``filename`` (relative), absolute ``path``, ``size_bytes``."""
@@ -103,8 +140,8 @@ class CheckpointCatalogue:
         found = [
             c
             for job_id in candidates
-            for c in self.store.checkpoints(job_id)
-            if c["checkpoint_id"] == info.checkpoint_id and Path(c["path"]).exists()
+            for c in self._live(job_id)
+            if c["checkpoint_id"] == info.checkpoint_id
         ]
         where = f"{field}.source_checkpoint_info"
         named = f"checkpoint {info.checkpoint_id!r} in " + (
@@ -157,5 +194,9 @@ class CheckpointCatalogue:
         folders = set(self.paths.root.glob(f"*/{CHECKPOINTS_DIR}/*"))
         for job in self.jobs.all():
             folders.update(Path(c["path"]).parent for c in self.store.checkpoints(job.job_id))
+        self.recover(folders)
+
+    def recover(self, folders: Iterable[Path]) -> None:
+        """Undo killed saves' leftovers in ``folders`` (the Tinker API adds its run folders)."""
         for path in recover(folders):
             log.info("recovered %s, left by a save that did not finish", path)

@@ -1,10 +1,11 @@
 """Job and checkpoint metadata that outlives the server process (SQLite in the data dir).
 
 Engines live in memory and die with the process; what a user needs after a restart is the list of
-jobs (with how they ended) and their checkpoints, so a new job can start from one, and which Tinker
-session ids this server issued, so a session lost in a restart is told it ended (410) rather than
-that it never existed (404). SQLite is in the
-standard library, transactional and safe against a crash mid-write.
+jobs (with how they ended) and their checkpoints, so a new job can start from one; the Tinker
+training runs (so their checkpoints load and list after it); and which Tinker session ids this
+server issued, so a session lost in a restart is told it ended (410) rather than that it never
+existed (404). SQLite is in the standard library, transactional and safe against a crash
+mid-write.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ CREATE TABLE IF NOT EXISTS checkpoints (
     avg_loss REAL,
     checkpoint_type TEXT NOT NULL,
     created_at REAL NOT NULL,
+    expires_at REAL,
     PRIMARY KEY (job_id, checkpoint_id)
 );
 CREATE TABLE IF NOT EXISTS tinker_sessions (
@@ -43,7 +45,30 @@ CREATE TABLE IF NOT EXISTS tinker_sessions (
     owner TEXT,
     created_at REAL NOT NULL
 );
+CREATE TABLE IF NOT EXISTS tinker_runs (
+    model_id TEXT PRIMARY KEY,
+    owner TEXT,
+    job_id TEXT NOT NULL,
+    base_model TEXT NOT NULL,
+    lora_rank INTEGER NOT NULL,
+    created_at REAL NOT NULL
+);
 """
+# Columns added to a table after its first release: (table, column, declaration). A store made
+# by an earlier version gains them at open; their rows read the column as NULL.
+_ADDED_COLUMNS = (("checkpoints", "expires_at", "REAL"),)
+_CHECKPOINT_KEYS = (
+    "job_id",
+    "checkpoint_id",
+    "sub_job_id",
+    "path",
+    "global_steps",
+    "avg_loss",
+    "checkpoint_type",
+    "created_at",
+    "expires_at",
+)
+_TINKER_RUN_KEYS = ("model_id", "owner", "job_id", "base_model", "lora_rank", "created_at")
 
 
 class MetadataStore:
@@ -55,6 +80,10 @@ class MetadataStore:
         self._db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.executescript(_SCHEMA)
+        for table, column, declaration in _ADDED_COLUMNS:
+            present = {row[1] for row in self._db.execute(f"PRAGMA table_info({table})")}
+            if column not in present:
+                self._db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {declaration}")
 
     def close(self) -> None:
         with self._lock:
@@ -91,38 +120,21 @@ class MetadataStore:
         return out
 
     def put_checkpoint(self, record: dict[str, Any]) -> None:
+        """Insert or replace one checkpoint row (``expires_at`` may be absent: never)."""
+        row = tuple(record.get(key) for key in _CHECKPOINT_KEYS)
+        marks = ", ".join("?" * len(_CHECKPOINT_KEYS))
         with self._lock:
-            self._db.execute(
-                "INSERT OR REPLACE INTO checkpoints VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                (
-                    record["job_id"],
-                    record["checkpoint_id"],
-                    record["sub_job_id"],
-                    record["path"],
-                    record["global_steps"],
-                    record["avg_loss"],
-                    record["checkpoint_type"],
-                    record["created_at"],
-                ),
-            )
+            self._db.execute(f"INSERT OR REPLACE INTO checkpoints VALUES ({marks})", row)
 
     def checkpoints(self, job_id: str) -> list[dict[str, Any]]:
+        """The job's checkpoint rows, oldest first."""
         with self._lock:
             rows = self._db.execute(
-                "SELECT checkpoint_id, sub_job_id, path, global_steps, avg_loss, checkpoint_type,"
-                " created_at FROM checkpoints WHERE job_id = ? ORDER BY created_at",
+                f"SELECT {', '.join(_CHECKPOINT_KEYS)} FROM checkpoints WHERE job_id = ?"
+                " ORDER BY created_at",
                 (job_id,),
             ).fetchall()
-        keys = (
-            "checkpoint_id",
-            "sub_job_id",
-            "path",
-            "global_steps",
-            "avg_loss",
-            "checkpoint_type",
-            "created_at",
-        )
-        return [dict(zip(keys, row, strict=True)) for row in rows]
+        return [dict(zip(_CHECKPOINT_KEYS, row, strict=True)) for row in rows]
 
     def delete_checkpoint(self, job_id: str, checkpoint_id: str) -> None:
         with self._lock:
@@ -146,3 +158,27 @@ class MetadataStore:
                 (session_id,),
             ).fetchone()
         return None if row is None else {"owner": row[0], "created_at": row[1]}
+
+    def put_tinker_run(self, record: dict[str, Any]) -> None:
+        """Insert or replace a Tinker training run's record (its job, base model, LoRA rank)."""
+        row = tuple(record[key] for key in _TINKER_RUN_KEYS)
+        with self._lock:
+            self._db.execute("INSERT OR REPLACE INTO tinker_runs VALUES (?, ?, ?, ?, ?, ?)", row)
+
+    def tinker_run(self, model_id: str) -> dict[str, Any] | None:
+        with self._lock:
+            row = self._db.execute(
+                f"SELECT {', '.join(_TINKER_RUN_KEYS)} FROM tinker_runs WHERE model_id = ?",
+                (model_id,),
+            ).fetchone()
+        return None if row is None else dict(zip(_TINKER_RUN_KEYS, row, strict=True))
+
+    def tinker_runs(self, owner: str | None) -> list[dict[str, Any]]:
+        """``owner``'s Tinker training runs, oldest first."""
+        with self._lock:
+            rows = self._db.execute(
+                f"SELECT {', '.join(_TINKER_RUN_KEYS)} FROM tinker_runs"
+                " WHERE owner IS ? ORDER BY created_at",
+                (owner,),
+            ).fetchall()
+        return [dict(zip(_TINKER_RUN_KEYS, row, strict=True)) for row in rows]

@@ -1,41 +1,59 @@
-"""``tinker://`` paths and where their checkpoints live on disk.
+"""``tinker://`` paths onto the Service's one checkpoint catalogue.
 
 ``tinker://<model_id>/weights/<name>`` is a training state (LoRA weights + AdamW state, written by
 ``save_state``), ``tinker://<model_id>/sampler_weights/<name>`` merged weights a sampler loads
 (``save_weights_for_sampler``, exported in HF format) and ``.../external_weights/<name>`` merged
-HF weights for download (``save_weights_external``). All live in the owner's tenant folder
-(``<data_dir>/tenants/<owner>/tinker/runs/<model_id>/<kind>/<name>/``, so the Service's path
-policy lets that owner's samplers load them) with a ``run.json`` per run (its base model, LoRA
-rank and owner), so checkpoints, their listing and ``create_training_client_from_state`` survive
-a server restart.
+HF weights for download (``save_weights_external``). Each is a record of the run's job in
+:class:`~arctic_platform.server.checkpoint_catalogue.CheckpointCatalogue` (id ``<kind>-<name>``,
+its TTL the record's expiry), so the on-prem and Cortex checkpoint routes list, download and
+delete them too; the run itself (its job, base model and LoRA rank) is a row of the metadata
+store, so checkpoints, their listing and ``create_training_client_from_state`` survive a server
+restart. The folders live in the owner's tenant space
+(``<data_dir>/tenants/<owner>/tinker/runs/<model_id>/<kind>/<name>/``), so the Service's path
+policy lets that owner's samplers load them.
 
-Saves, overwrites and deletes go through :mod:`arctic_platform.engine.checkpoint_staging`: a
-checkpoint is written beside its name and swapped in by rename, so a server killed at any moment
-leaves each name holding a complete version (the old one until the new one is in place), and
-:meth:`CheckpointStore.recover` undoes a killed save's leftovers at start. A checkpoint is listed
-only when it loads; one that is missing or incomplete is a 404.
+Saves and overwrites go through :mod:`arctic_platform.engine.checkpoint_staging`: a checkpoint is
+written beside its name and swapped in by rename, so a server killed at any moment leaves each
+name holding a complete version (the old one until the new one is in place), and the catalogue
+undoes a killed save's leftovers at start. A checkpoint is listed only when it loads; one that is
+missing or incomplete is a 404. Servers before the catalogue kept a ``run.json`` and an
+``expiry.json`` per run: :meth:`TinkerCheckpoints.adopt_legacy` moves those into it at start.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
+from arctic_platform.contract.job_ids import sub_job_id
 from arctic_platform.engine import checkpoint_layout as layout
 from arctic_platform.engine import checkpoint_staging as staging
 from arctic_platform.engine.errors import CheckpointNotFound
 from arctic_platform.server import paths
+from arctic_platform.server.checkpoint_catalogue import CheckpointCatalogue
 from arctic_platform.server.errors import BadRequest, Conflict, NotFound
+from arctic_platform.server.job_registry import SubJob
+from arctic_platform.server.store import MetadataStore
+
+log = logging.getLogger(__name__)
 
 SCHEME = "tinker://"
 # The SDK's documented TTL range: one hour to ten years.
 TTL_RANGE_S = (3600, 10 * 365 * 24 * 3600)
 KIND_TYPES = {"weights": "training", "sampler_weights": "sampler", "external_weights": "external"}
+# Each kind's type in the catalogue, in the on-prem save's terms (``SaveBody.checkpoint_type``): a
+# training state resumes a run; the other two are merged weights.
+CATALOGUE_TYPES = {
+    "weights": "resumable",
+    "sampler_weights": "weights-only",
+    "external_weights": "weights-only",
+}
 
 
 @dataclass(frozen=True)
@@ -58,6 +76,12 @@ class TinkerPath:
     def __str__(self) -> str:
         return f"{SCHEME}{self.model_id}/{self.kind}/{self.name}"
 
+    @property
+    def checkpoint_id(self) -> str:
+        """Its id in the catalogue (no ``/``: the on-prem and Cortex routes take it as one
+        path segment)."""
+        return f"{self.kind}-{self.name}"
+
 
 def check_name(name: str | None, *, field: str = "path") -> str:
     """``name`` if it can name a checkpoint folder (the server's one rule, ``paths.check_name``,
@@ -75,98 +99,100 @@ def check_ttl(ttl_seconds: int | None) -> None:
         )
 
 
-class CheckpointStore:
-    """Run records and checkpoint folders, under each owner's root (see module doc)."""
+class TinkerCheckpoints:
+    """Tinker's runs and named checkpoints, kept by the metadata store and the Service's
+    checkpoint catalogue (see module doc)."""
 
-    def __init__(self, root_of: Callable[[str | None], Path]) -> None:
+    def __init__(
+        self,
+        catalogue: CheckpointCatalogue,
+        store: MetadataStore,
+        root_of: Callable[[str | None], Path],
+    ) -> None:
+        self._catalogue = catalogue
+        self._store = store
         self._root_of = root_of
 
     def _run_dir(self, owner: str | None, model_id: str) -> Path:
         return self._root_of(owner) / "runs" / model_id.replace(":", "_")
 
-    def record_run(self, model_id: str, *, owner: str | None, base_model: str, rank: int) -> None:
-        directory = self._run_dir(owner, model_id)
-        directory.mkdir(parents=True, exist_ok=True)
+    def record_run(
+        self, model_id: str, *, owner: str | None, job_id: str, base_model: str, rank: int
+    ) -> None:
         record = {
             "model_id": model_id,
             "owner": owner,
+            "job_id": job_id,
             "base_model": base_model,
             "lora_rank": rank,
             "created_at": time.time(),
         }
-        staging.write_text_atomic(directory / "run.json", json.dumps(record))
+        self._store.put_tinker_run(record)
 
     def run_record(self, model_id: str, owner: str | None) -> dict:
         """The run's record; 404 if unknown or another owner's."""
-        path = self._run_dir(owner, model_id) / "run.json"
-        record = json.loads(path.read_text()) if path.is_file() else None
+        record = self._store.tinker_run(model_id)
         if record is None or record["owner"] != owner:
             raise NotFound(f"training run {model_id!r} not found")
         return record
 
     def runs(self, owner: str | None) -> list[dict]:
-        records = [json.loads(p.read_text()) for p in self._root_of(owner).glob("runs/*/run.json")]
-        return sorted((r for r in records if r["owner"] == owner), key=lambda r: r["created_at"])
+        return self._store.tinker_runs(owner)
 
-    @contextlib.contextmanager
-    def saving(self, path: TinkerPath, owner: str | None, *, overwrite: bool) -> Iterator[Path]:
-        """The folder to write ``path``'s new version into; published under ``path`` when the
-        body ends, replacing an existing version only then (``overwrite``: else a 409)."""
+    def save(
+        self,
+        path: TinkerPath,
+        owner: str | None,
+        sub: SubJob,
+        write: Callable[[Path], dict],
+        *,
+        overwrite: bool,
+        ttl_seconds: int | None,
+    ) -> None:
+        """Write ``path``'s new version with ``write(folder)`` (the engine's save, returning
+        its ``global_step``), publish it under its name (replacing an existing version only
+        then; without ``overwrite`` a 409) and catalogue it as ``sub``'s."""
+        check_ttl(ttl_seconds)
         directory = self._run_dir(owner, path.model_id) / path.kind / path.name
-        if directory.exists() and not overwrite:
+        if not overwrite and self._find(path, owner) is not None:
             raise Conflict(f"checkpoint {path} already exists; pass overwrite=True")
         with staging.staged(directory) as folder:
-            yield folder
-
-    def recover(self, roots: Iterable[Path]) -> list[Path]:
-        """Undo what killed saves left under the Tinker folders ``roots`` (one per owner): in
-        each run's kind folders and in each checkpoint's own folder."""
-        folders = []
-        for root in roots:
-            for kind in KIND_TYPES:
-                folders += root.glob(f"runs/*/{kind}")
-                folders += root.glob(f"runs/*/{kind}/*")
-        return staging.recover(folders)
+            saved = write(folder)
+        self._catalogue.record(
+            sub,
+            {
+                "checkpoint_id": path.checkpoint_id,
+                "path": str(directory),
+                "global_step": saved["global_step"],
+            },
+            CATALOGUE_TYPES[path.kind],
+            expires_at=_expiry(ttl_seconds),
+        )
 
     def set_ttl(self, path: TinkerPath, owner: str | None, ttl_seconds: int | None) -> None:
-        """Expire ``path`` ``ttl_seconds`` from now (None: never). An expired checkpoint is
-        deleted the next time its run's checkpoints are looked at."""
+        """Expire ``path`` ``ttl_seconds`` from now (None: never)."""
         check_ttl(ttl_seconds)
         self.resolve(path, owner)
-        expiry = self._expiry(owner, path.model_id)
-        key = f"{path.kind}/{path.name}"
-        if ttl_seconds is None:
-            expiry.pop(key, None)
-        else:
-            expiry[key] = time.time() + ttl_seconds
-        self._write_expiry(owner, path.model_id, expiry)
+        job_id = self.run_record(path.model_id, owner)["job_id"]
+        self._catalogue.set_expiry(job_id, path.checkpoint_id, _expiry(ttl_seconds), owner=owner)
 
-    def _write_expiry(self, owner: str | None, model_id: str, expiry: dict[str, float]) -> None:
-        file = self._run_dir(owner, model_id) / "expiry.json"
-        staging.write_text_atomic(file, json.dumps(expiry))
-
-    def _expiry(self, owner: str | None, model_id: str) -> dict[str, float]:
-        file = self._run_dir(owner, model_id) / "expiry.json"
-        return json.loads(file.read_text()) if file.is_file() else {}
-
-    def _sweep(self, owner: str | None, model_id: str) -> None:
-        expiry = self._expiry(owner, model_id)
-        expired = [key for key, at in expiry.items() if at <= time.time()]
-        for key in expired:
-            staging.remove_published(self._run_dir(owner, model_id) / key)
-            del expiry[key]
-        if expired:
-            self._write_expiry(owner, model_id, expiry)
+    def _find(self, path: TinkerPath, owner: str | None) -> dict | None:
+        """The catalogue's record of ``path`` (None if absent or expired)."""
+        job_id = self.run_record(path.model_id, owner)["job_id"]
+        found = [
+            r
+            for r in self._catalogue.records(job_id, owner=owner)
+            if r["checkpoint_id"] == path.checkpoint_id
+        ]
+        return found[0] if found else None
 
     def resolve(self, path: TinkerPath, owner: str | None) -> Path:
         """The saved checkpoint folder of ``path`` (``.../checkpoint-<step>``); 404 if absent."""
-        self.run_record(path.model_id, owner)
-        self._sweep(owner, path.model_id)
-        directory = self._run_dir(owner, path.model_id) / path.kind / path.name
-        try:
-            return layout.resolve_checkpoint(directory, None)
-        except CheckpointNotFound:
-            raise NotFound(f"checkpoint {path} not found") from None
+        record = self._find(path, owner)
+        with contextlib.suppress(CheckpointNotFound):
+            if record is not None:
+                return layout.resolve_checkpoint(record["path"], None)
+        raise NotFound(f"checkpoint {path} not found")
 
     def sampler_model_dir(self, path: TinkerPath, owner: str | None) -> Path:
         """The HF folder a sampler loads for a ``sampler_weights`` path."""
@@ -176,7 +202,7 @@ class CheckpointStore:
                 "(save_weights_for_sampler)",
                 field="model_path",
             )
-        hf = self.resolve(path, owner) / "hf"
+        hf = self.resolve(path, owner) / layout.HF_EXPORT_DIR
         if not (hf / "config.json").is_file():
             raise NotFound(f"checkpoint {path} has no exported weights")
         return hf
@@ -185,38 +211,102 @@ class CheckpointStore:
         """The HF files of an ``external_weights`` checkpoint, by path relative to its root."""
         if path.kind != "external_weights":
             raise BadRequest(f"{path}: only external_weights checkpoints are downloadable")
-        root = self.resolve(path, owner) / "hf"
+        root = self.resolve(path, owner) / layout.HF_EXPORT_DIR
         return {str(p.relative_to(root)): p for p in sorted(root.rglob("*")) if p.is_file()}
 
     def list(self, model_id: str, owner: str | None) -> list[dict]:
         """``Checkpoint`` objects of a run, oldest first."""
-        self.run_record(model_id, owner)
-        self._sweep(owner, model_id)
-        expiry = self._expiry(owner, model_id)
+        job_id = self.run_record(model_id, owner)["job_id"]
         found = []
-        for kind, ctype in KIND_TYPES.items():
-            for directory in (self._run_dir(owner, model_id) / kind).glob("*"):
-                if directory.name.startswith(".") or not layout.is_loadable(directory):
-                    continue  # a save under way, or a checkpoint whose files are gone
-                files = [p for p in directory.rglob("*") if p.is_file()]
-                found.append(
-                    {
-                        "checkpoint_id": f"{kind}/{directory.name}",
-                        "checkpoint_type": ctype,
-                        "time": _iso(directory.stat().st_mtime),
-                        "tinker_path": str(TinkerPath(model_id, kind, directory.name)),
-                        "size_bytes": sum(p.stat().st_size for p in files),
-                        "public": False,
-                        "expires_at": _iso(expiry[f"{kind}/{directory.name}"])
-                        if f"{kind}/{directory.name}" in expiry
-                        else None,
-                    }
-                )
-        return sorted(found, key=lambda c: c["time"])
+        for record in self._catalogue.records(job_id, owner=owner):
+            path = _tinker_path(model_id, record)
+            if path is None or not layout.is_loadable(record["path"]):
+                continue  # an on-prem save of the run's job, or a checkpoint whose files are gone
+            files = [p for p in Path(record["path"]).rglob("*") if p.is_file()]
+            found.append(
+                {
+                    "checkpoint_id": f"{path.kind}/{path.name}",
+                    "checkpoint_type": KIND_TYPES[path.kind],
+                    "time": _iso(record["created_at"]),
+                    "tinker_path": str(path),
+                    "size_bytes": sum(p.stat().st_size for p in files),
+                    "public": False,
+                    "expires_at": None
+                    if record["expires_at"] is None
+                    else _iso(record["expires_at"]),
+                }
+            )
+        return found
 
     def delete(self, path: TinkerPath, owner: str | None) -> None:
         self.resolve(path, owner)
-        staging.remove_published(self._run_dir(owner, path.model_id) / path.kind / path.name)
+        job_id = self.run_record(path.model_id, owner)["job_id"]
+        self._catalogue.delete(job_id, path.checkpoint_id, owner=owner)
+
+    def recover(self, roots: Iterable[Path]) -> None:
+        """Undo what killed saves left under the Tinker folders ``roots`` (one per owner): in
+        each run's kind folders, where a first save of a name has no record yet."""
+        self._catalogue.recover(
+            folder
+            for root in roots
+            for kind in KIND_TYPES
+            for folder in root.glob(f"runs/*/{kind}")
+        )
+
+    def adopt_legacy(self, roots: Iterable[Path], job_of: Callable[[dict], str | None]) -> None:
+        """Move the ``run.json`` / ``expiry.json`` records of servers before the catalogue (under
+        the Tinker folders ``roots``) into the store and the catalogue. ``job_of(run)`` finds the
+        run's job; a run whose job this server does not know stays unlisted, and the log names
+        it for the operator."""
+        for file in sorted(p for root in roots for p in root.glob("runs/*/run.json")):
+            run = json.loads(file.read_text())
+            job_id = job_of(run)
+            if job_id is None:
+                log.warning("%s: its job is not known here; its checkpoints are not served", file)
+                continue
+            expiry_file = file.with_name("expiry.json")
+            expiry = json.loads(expiry_file.read_text()) if expiry_file.is_file() else {}
+            self._store.put_tinker_run(run | {"job_id": job_id})
+            for kind, checkpoint_type in CATALOGUE_TYPES.items():
+                for folder in sorted((file.parent / kind).glob("*")):
+                    if folder.name.startswith(".") or not layout.is_loadable(folder):
+                        continue
+                    self._store.put_checkpoint(
+                        {
+                            "job_id": job_id,
+                            "checkpoint_id": TinkerPath(
+                                run["model_id"], kind, folder.name
+                            ).checkpoint_id,
+                            "sub_job_id": sub_job_id(job_id, "training", 0),
+                            "path": str(folder),
+                            "global_steps": _step(folder),
+                            "checkpoint_type": checkpoint_type,
+                            "created_at": folder.stat().st_mtime,
+                            "expires_at": expiry.get(f"{kind}/{folder.name}"),
+                        }
+                    )
+            expiry_file.unlink(missing_ok=True)
+            file.unlink()
+            log.info("catalogued the checkpoints of Tinker run %s", run["model_id"])
+
+
+def _tinker_path(model_id: str, record: dict) -> TinkerPath | None:
+    """The ``tinker://`` path of a catalogue record of ``model_id``'s job (None: not a Tinker
+    save; no kind is a prefix of another)."""
+    for kind in KIND_TYPES:
+        if record["checkpoint_id"].startswith(prefix := f"{kind}-"):
+            return TinkerPath(model_id, kind, record["checkpoint_id"][len(prefix) :])
+    return None
+
+
+def _step(folder: Path) -> int:
+    """The step of the checkpoint a folder's ``latest`` names."""
+    name = layout.resolve_checkpoint(folder, None).name
+    return int(layout.CHECKPOINT_PATTERN.match(name).group(1))
+
+
+def _expiry(ttl_seconds: int | None) -> float | None:
+    return None if ttl_seconds is None else time.time() + ttl_seconds
 
 
 def _iso(timestamp: float) -> str:

@@ -34,7 +34,7 @@ from arctic_platform.server.ops import check_context, check_generate
 from arctic_platform.server.service import Service
 from arctic_platform.server.tinker import bodies, codec, losses
 from arctic_platform.server.tinker.checkpoints import (
-    CheckpointStore,
+    TinkerCheckpoints,
     TinkerPath,
     check_name,
     check_ttl,
@@ -67,17 +67,28 @@ class TinkerOps:
         self.state = TinkerState(service.store)
         self.reaper = SessionReaper(self.state, self.finish_session, session_timeout_s)
         self.futures = FutureStore()
-        self.checkpoints = CheckpointStore(
-            lambda owner: service.paths.tenant_root(owner) / TINKER_DIR
+        self.checkpoints = TinkerCheckpoints(
+            service.checkpoints,
+            service.store,
+            lambda owner: service.paths.tenant_root(owner) / TINKER_DIR,
         )
-        for path in self.checkpoints.recover(service.paths.root.glob(f"*/{TINKER_DIR}")):
-            log.info("recovered %s, left by a save that did not finish", path)
+        self.checkpoints.recover(service.paths.root.glob(f"*/{TINKER_DIR}"))
+        self.checkpoints.adopt_legacy(service.paths.root.glob(f"*/{TINKER_DIR}"), self._job_of)
         # Waits that are not engine work (engines loading, chained ops) run here.
         self._waiters = ThreadPoolExecutor(max_workers=8, thread_name_prefix="tinker-wait")
         self.model_jobs = ModelSamplingJobs(service)
         self._batcher = SampleBatcher()
         # sampling sub-job -> the (run, snapshot) whose weights it holds; written on its queue
         self._loaded_snapshots: dict[str, tuple[str, int]] = {}
+
+    def _job_of(self, run: dict) -> str | None:
+        """The id of the job a run of an earlier server made (the newest of that name)."""
+        made = [
+            job
+            for job in self.service.jobs.all()
+            if job.owner == run["owner"] and job.experiment_name == _experiment(run["model_id"])
+        ]
+        return max(made, key=lambda job: job.created_at).job_id if made else None
 
     def start(self) -> None:
         """Start the background work (the stale-session reaper); the app does at startup."""
@@ -143,7 +154,7 @@ class TinkerOps:
         if lora.seed is not None:
             training["seed"] = lora.seed
         request = {
-            "experiment_name": f"tinker {model_id}",
+            "experiment_name": _experiment(model_id),
             "sub_job_configs": [training, {"job_type": "sampling", "model_name": base_model}],
         }
         info = self.service.create_job(request, owner=owner)
@@ -157,7 +168,9 @@ class TinkerOps:
             job_id=info["job_id"],
         )
         self.state.add_run(run)
-        self.checkpoints.record_run(model_id, owner=owner, base_model=base_model, rank=lora.rank)
+        self.checkpoints.record_run(
+            model_id, owner=owner, job_id=run.job_id, base_model=base_model, rank=lora.rank
+        )
         return run
 
     def _wait_for_run(self, run: TrainingRun, owner, answer) -> str:
@@ -336,20 +349,22 @@ class TinkerOps:
         def prepare():
             check_ttl(body.ttl_seconds)
             path = TinkerPath(run.model_id, kind, check_name(name))
+            sub = self.service.resolve(run.training_sub_job, owner=owner)
 
             def runner(engine) -> OpResult:
-                with self.checkpoints.saving(path, owner, overwrite=overwrite) as folder:
-                    engine.save_checkpoint(folder, export_hf=export_hf)
-                self._expire(path, owner, body.ttl_seconds)
+                self.checkpoints.save(
+                    path,
+                    owner,
+                    sub,
+                    lambda folder: engine.save_checkpoint(folder, export_hf=export_hf),
+                    overwrite=overwrite,
+                    ttl_seconds=body.ttl_seconds,
+                )
                 return OpResult(json={"path": str(path), **answer(path)})
 
             return runner
 
         return self._sequenced(run, body.seq_id, owner, OpName.SAVE, prepare)
-
-    def _expire(self, path: TinkerPath, owner, ttl_seconds: int | None) -> None:
-        if ttl_seconds is not None:
-            self.checkpoints.set_ttl(path, owner, ttl_seconds)
 
     def _sync_to_sampler(self, run: TrainingRun, owner):
         """``save_weights_and_get_sampling_client``: a snapshot of the trainer's weights (its
@@ -650,3 +665,8 @@ def _sampling_params(body: bodies.SampleBody) -> dict:
     elif stop:
         params["stop"] = list(stop)
     return params
+
+
+def _experiment(model_id: str) -> str:
+    """The experiment name of a training run's job (how a run of an earlier server finds it)."""
+    return f"tinker {model_id}"

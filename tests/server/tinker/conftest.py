@@ -41,6 +41,23 @@ def server_url(server_app):
 
 
 @pytest.fixture(scope="module")
+def alice(server_url):
+    """Alice's plain HTTP client (:mod:`.plain_http`)."""
+    from tests.server.tinker.plain_http import TinkerHttp
+
+    client = TinkerHttp(server_url, ALICE)
+    yield client
+    client.close()
+
+
+@pytest.fixture(scope="module")
+def run(alice):
+    """``(session id, model id)`` of a training run of Alice's on the tiny model."""
+    session = alice.session()
+    return session, alice.training_run(session, TINY)
+
+
+@pytest.fixture(scope="module")
 def service_client(server_url):
     client = tinker.ServiceClient(base_url=server_url, api_key=ALICE)
     yield client

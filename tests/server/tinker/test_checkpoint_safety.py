@@ -9,8 +9,8 @@ import shutil
 import pytest
 
 from arctic_platform.engine import checkpoint_layout as layout
-from tests.server.tinker.conftest import ALICE, TINY, encode
-from tests.server.tinker.plain_http import PROTOBUF, TinkerHttp
+from tests.server.tinker.conftest import encode
+from tests.server.tinker.plain_http import PROTOBUF
 
 pytestmark = pytest.mark.slow  # merged HF exports of every kind of save
 
@@ -24,19 +24,6 @@ BAD_NAMES = {
     "slash": "a/b",
     "dot-dot": "..",
 }
-
-
-@pytest.fixture(scope="module")
-def alice(server_url):
-    client = TinkerHttp(server_url, ALICE)
-    yield client
-    client.close()
-
-
-@pytest.fixture(scope="module")
-def run(alice):
-    session = alice.session()
-    return session, alice.training_run(session, TINY)
 
 
 def data_dir(server_app) -> str:

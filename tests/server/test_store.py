@@ -1,0 +1,41 @@
+"""The metadata store opens the SQLite file of an earlier version: a table made before a column
+was added gains it, and the rows it held read the new column as unset."""
+
+from __future__ import annotations
+
+import sqlite3
+
+from arctic_platform.server.store import MetadataStore
+
+# The checkpoints table as the versions before checkpoint expiry made it.
+BEFORE_EXPIRY = """
+CREATE TABLE checkpoints (
+    job_id TEXT NOT NULL,
+    checkpoint_id TEXT NOT NULL,
+    sub_job_id TEXT NOT NULL,
+    path TEXT NOT NULL,
+    global_steps INTEGER NOT NULL,
+    avg_loss REAL,
+    checkpoint_type TEXT NOT NULL,
+    created_at REAL NOT NULL,
+    PRIMARY KEY (job_id, checkpoint_id)
+);
+INSERT INTO checkpoints
+    VALUES ('j1', 'checkpoint-3', 'j1:training:0', '/x', 3, 0.5, 'resumable', 1.0);
+"""
+
+
+def test_a_store_of_an_earlier_version_gains_the_expiry_column(tmp_path):
+    file = tmp_path / "metadata.sqlite3"
+    with sqlite3.connect(file) as db:
+        db.executescript(BEFORE_EXPIRY)
+    store = MetadataStore(file)
+    (old,) = store.checkpoints("j1")
+    assert old["checkpoint_id"] == "checkpoint-3" and old["global_steps"] == 3
+    assert old["expires_at"] is None
+    store.put_checkpoint(old | {"checkpoint_id": "checkpoint-4", "expires_at": 99.0})
+    store.close()
+
+    reopened = MetadataStore(file)  # a second open adds nothing twice
+    assert [c["expires_at"] for c in reopened.checkpoints("j1")] == [None, 99.0]
+    reopened.close()
