@@ -8,9 +8,9 @@ per-sub-job op queues and the same failure handling.
 
 The actor is threaded, so a long op on one job does not block others (or status queries); the
 Service's own queues keep each sub-job's ops in order. Replies are tagged rather than raised:
-``("ok", value)``, ``("error", {status, code, message, details})`` for a Service error (the
-client raises its matching exception) or ``("timeout", message)``; exceptions could not cross the
-actor boundary faithfully. Tensors in results cross as numpy arrays.
+``("ok", value)`` or ``("error", {status, code, message, details})``, the HTTP APIs' error body,
+which the client turns into the same exception as an HTTP error (exceptions could not cross the
+actor boundary faithfully). Tensors in results cross as numpy arrays.
 
 The actor runs on the node of the process that creates it (its ``data_dir`` is that process's
 path) and asks for no CPU, so it never competes with engines for resources. Engine actors it
@@ -84,8 +84,6 @@ class ServerState:
 
         try:
             return ("ok", to_object_store(fn()))
-        except TimeoutError as exc:
-            return ("timeout", str(exc))
         except Exception as exc:
             if not isinstance(exc, ServiceError):
                 request_id = uuid.uuid4().hex

@@ -27,7 +27,7 @@ from typing import Any
 
 from arctic_platform._extras import require
 from arctic_platform.client.config import ArcticRLClientConfig, RayBackend
-from arctic_platform.client.errors import RequestTimeoutError, TransportError, server_error
+from arctic_platform.client.errors import TransportError, server_error
 from arctic_platform.client.tensors import resolve_tensor_type
 from arctic_platform.client.transport import Request, Transport
 from arctic_platform.tensor_tree import numpy_to_torch, to_object_store
@@ -128,8 +128,6 @@ class RayTransport(Transport):
         kind, value = reply
         if kind == "ok":
             return value
-        if kind == "timeout":
-            raise RequestTimeoutError(value)
         raise server_error(
             value["status"], value["code"], value["message"], op=op, details=value["details"]
         )
