@@ -26,7 +26,9 @@ Each :class:`Op` says what an op is on every side of the wire:
   sub-job's queue, polled), ``"quick"`` (answered inline after running on the queue), ``"inline"``
   (answered at once without a queue), or None (not an operation type);
 * ``client_op``: whether the client sends it as itself (the others it sends only inside an
-  ``operation`` envelope, or not at all: streaming generation).
+  ``operation`` envelope, or not at all: streaming generation);
+* ``keeps_engine_state`` (derived from ``retry``): whether a failure of it part-way leaves its
+  engine as it was, so that an unexpected one costs the request, not the job.
 
 Nothing here imports torch, FastAPI or the server: the client-only install reads it too.
 """
@@ -106,6 +108,13 @@ class Op:
     retry: Retry = "never"
     operation: OperationKind | None = None
     client_op: bool = True
+
+    @property
+    def keeps_engine_state(self) -> bool:
+        """Whether the op leaves its engine's state as it found it, even when it fails part-way:
+        the ops with no lasting effect, and a save (it only reads the engine). What an
+        unexpected failure of such an op costs is the request, not the job."""
+        return self.retry == "safe" or self.name is OpName.SAVE
 
 
 # -- the op bodies (in the table's order) ------------------------------------------------------

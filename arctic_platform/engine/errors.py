@@ -1,14 +1,32 @@
-"""Errors the engines raise for bad input.
+"""Errors the engines raise, and which of them leave an engine unusable.
 
 Every engine validates what it is given before touching model or optimizer state, and reports the
 offending field by name. The server maps the contract's :class:`FieldError` (of which
-:class:`EngineInputError` is the engines' kind) to an HTTP 4xx; anything else an engine raises is a
-failure of the job itself.
+:class:`EngineInputError` is the engines' kind) to an HTTP 4xx. Anything else an engine raises
+fails the request; it fails the job too when the op may have changed the engine's state part-way,
+or when :func:`breaks_engine` says the engine cannot serve again (the executor's ``_guarded``).
 """
 
 from __future__ import annotations
 
+import sys
+
 from arctic_platform.contract.problems import FieldError
+
+
+class EngineBroken(RuntimeError):
+    """The engine cannot run another op: its process or one of its workers died, or a
+    data-parallel rank failed while its peers may wait for it. The job fails, whatever the op."""
+
+
+def breaks_engine(error: BaseException) -> bool:
+    """Whether ``error`` leaves the engine that raised it unusable: :class:`EngineBroken`, or a
+    device fault (``torch.AcceleratorError``: a device-side assert, an illegal memory access),
+    after which the device's context is lost. Torch is looked up, not imported: an error from a
+    process without torch cannot be a device fault."""
+    torch = sys.modules.get("torch")
+    device_fault = torch is not None and isinstance(error, torch.AcceleratorError)
+    return isinstance(error, EngineBroken) or device_fault
 
 
 class EngineInputError(FieldError):

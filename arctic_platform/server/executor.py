@@ -21,7 +21,7 @@ from typing import Any
 
 from arctic_platform.contract.job_config import SHORT_JOB_TYPE
 from arctic_platform.contract.job_ids import parent_of
-from arctic_platform.contract.ops import INLINE_OPERATIONS, OPERATION, OPERATION_TYPES, OpName
+from arctic_platform.contract.ops import INLINE_OPERATIONS, OPERATION, OPERATION_TYPES, OPS, OpName
 from arctic_platform.contract.problems import FieldError
 from arctic_platform.engine import cancellation
 from arctic_platform.engine.cancellation import CancelToken
@@ -177,12 +177,16 @@ class OpExecutor:
         self, job: Job, sub: SubJob, op: str, runner, stops: tuple[CancelToken, ...]
     ) -> Any:
         """Run ``runner`` as ``op`` of ``job``: bad input, a missing checkpoint, a refused
-        checkpoint write and a stop fail only the request; anything else fails the job. Messages
-        name paths as the owner may see them (``PathPolicy.redact``)."""
+        checkpoint write and a stop fail only the request. So does any other exception of an op
+        that keeps its engine's state (``Op.keeps_engine_state``) unless it broke the engine
+        (``engine.errors.breaks_engine``): it is raised as it is, for each surface's one answer
+        to an exception nobody anticipated. Anything else fails the job. Messages name paths as
+        the owner may see them (``PathPolicy.redact``)."""
         from arctic_platform.engine.errors import (
             CheckpointNotFound,
             CheckpointWriteError,
             SamplerStateError,
+            breaks_engine,
         )
 
         redact = partial(self.paths.redact, job.owner)
@@ -213,6 +217,12 @@ class OpExecutor:
                 raise Conflict(f"{op}: {exc}", code="weights_incomplete") from None
             except Exception as exc:
                 reason = redact(f"{op} failed on {sub.sub_job_id}: {type(exc).__name__}: {exc}")
+                spec = OPS.get(op)
+                if spec is not None and spec.keeps_engine_state and not breaks_engine(exc):
+                    # The engine is as it was: only the request fails, answered as each surface
+                    # answers an exception nobody anticipated (a 500 naming its request id).
+                    self.jobs.log(job, f"{reason}; the job goes on")
+                    raise
                 self.jobs.log(job, reason + "\n" + traceback.format_exc(limit=8))
                 self.jobs.fail(job, reason)
                 raise EngineFailure(reason) from exc

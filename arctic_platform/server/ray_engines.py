@@ -35,7 +35,9 @@ job's actors; an op whose actors die that way ends as stopped too.
 
 Failures: replies are gathered as they arrive, and the first worker that died
 (``RayActorError``, or its reply lost with its node) or raised ends the op with
-:class:`WorkerFailure` naming the worker; the Service then marks the job failed and releases its
+:class:`WorkerFailure` naming the worker (:class:`WorkerRaised` when it raised and every other
+rank answered: the actors are alive and idle, and an op that keeps its engine's state fails
+alone, as in the server's process); the Service then marks the job failed and releases its
 engines, which kills the job's remaining actors (a rank waiting in a collective for a dead peer
 included) and frees its placement group. Other jobs are untouched. When a node of the job is lost
 (Ray reports it dead) the error is :class:`NodeLost`, naming the node's id and address and the
@@ -65,6 +67,7 @@ from arctic_platform.contract.job_config import API_JOB_TYPE
 from arctic_platform.contract.ops import OpName
 from arctic_platform.contract.results import FORWARD_OUTPUTS, loss_fields
 from arctic_platform.engine import cancellation
+from arctic_platform.engine.errors import EngineBroken
 from arctic_platform.server.dp_split import merge_rows, split_by_tokens, take_rows
 from arctic_platform.server.ray_placement import JobShape, Placement, PlacementWait
 from arctic_platform.server.ray_workers import (
@@ -96,8 +99,15 @@ def _unreachable(error: Exception) -> bool:
     return isinstance(error, ray.exceptions.ActorUnavailableError)
 
 
-class WorkerFailure(RuntimeError):
-    """A worker actor died or raised: the job cannot continue (the Service fails it)."""
+class WorkerFailure(EngineBroken):
+    """A worker actor died, or raised while a peer rank may be waiting for it: the job cannot
+    continue (the Service fails it)."""
+
+
+class WorkerRaised(RuntimeError):
+    """A worker raised and every other rank of the op answered: its actors are alive and idle,
+    so, as for an engine in the server's process, the op says whether the job goes on
+    (``Op.keeps_engine_state``)."""
 
 
 class NodeLost(WorkerFailure):
@@ -175,10 +185,11 @@ class _Actors:
         _raise_rejection(replies.values())
         return replies
 
-    def _failure(self, rank: int, exc: Exception, what: str, pending: dict) -> WorkerFailure:
+    def _failure(self, rank: int, exc: Exception, what: str, pending: dict) -> RuntimeError:
         """The error that ends ``what`` now that ``rank`` failed with ``exc`` (a Ray error),
         ``pending`` (``{ref: rank}``) not having answered: a lost node, else a dead peer of a
-        rank that raised, else ``rank``'s own failure (see module doc)."""
+        rank that raised, else ``rank``'s own failure (see module doc): :class:`WorkerRaised`
+        when it raised and no peer is left waiting."""
         import ray
 
         raised = isinstance(exc, ray.exceptions.RayTaskError)
@@ -197,7 +208,8 @@ class _Actors:
         if deaths:
             dead, error = min(deaths.items())
             return WorkerFailure(f"{self.describe(dead)} died during {what}: {_first_line(error)}")
-        return WorkerFailure(
+        failure = WorkerFailure if pending else WorkerRaised
+        return failure(
             f"{self.describe(rank)} failed during {what}: "
             f"{type(cause).__name__}: {_first_line(cause)}"
         )

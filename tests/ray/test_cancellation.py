@@ -11,11 +11,14 @@ with the same 409.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 
 from arctic_platform.engine.cancellation import CancelToken
 from arctic_platform.layout import training_batch
+from arctic_platform.server.ray_engines import WorkerRaised
 from arctic_platform.server.service import Service, ServiceSettings
 from tests.server.conftest import sub_job
 from tests.server.test_fair_sharing import ENDLESS, ended_by, endless_generate, started
@@ -106,6 +109,22 @@ def test_a_stopped_fwd_bwd_adds_no_gradient_on_any_rank(service, job_id, tmp_pat
     # Both ranks are free and in step: the next request runs to its end on each.
     answer = service.submit(sub, "forward-backward", SMALL).result(timeout=120)
     assert np.isfinite(answer["loss"])
+
+
+def test_a_replica_that_raises_fails_the_request_and_the_job_goes_on(service, job_id, monkeypatch):
+    """The replica's engine raises (a keyword its ``generate`` does not take stands in for a
+    bug): its actor is alive and idle, so, as in the server's process, a generate (which keeps
+    its engine's state) fails alone and the job goes on."""
+    engine = service.resolve(job_id, owner=None, kind="sampling").engine
+    buggy = functools.partial(engine._call, "generate", unknown_keyword=True)
+    monkeypatch.setattr(engine, "generate", buggy, raising=False)
+    body = {"prompts": ["1+2="], "sampling_params": {"max_tokens": 2}}
+    with pytest.raises(WorkerRaised, match="TypeError"):
+        service.execute(job_id, "generate", body)
+    assert service.get_job(job_id)["status"] == "running"
+    monkeypatch.undo()
+    (answer,) = service.execute(job_id, "generate", body)["results"]
+    assert len(answer["token_ids"]) == 2
 
 
 def test_cancelling_the_job_stops_its_running_generate(service, job_id):

@@ -170,9 +170,10 @@ def test_initialization_failure_keeps_the_reason_and_the_server_alive(service):
 def test_an_engine_failure_marks_the_job_failed_with_its_reason(service, running_job):
     sampler = service.resolve(running_job, owner=None, kind="sampling")
 
-    # Break the engine for real: a model whose forward raises.
+    # Break the engine for real: a model whose forward raises what torch raises for a device
+    # fault (after which the device's context is lost: the job cannot go on, whatever the op).
     def explode(*args, **kwargs):
-        raise RuntimeError("CUDA error: device-side assert (simulated hardware fault)")
+        raise torch.AcceleratorError("CUDA error: device-side assert (simulated hardware fault)")
 
     sampler.engine.model.forward = explode
     with pytest.raises(EngineFailure, match="device-side assert"):

@@ -30,13 +30,14 @@ from pathlib import Path
 from typing import Any
 
 from arctic_platform.engine import cancellation
+from arctic_platform.engine.errors import EngineBroken
 
 WORKER_SCRIPT = Path(__file__).with_name("worker.py")
 _POLL_S = 0.1  # how often a wait for a reply checks the process and the op's cancel tokens
 _LOG_TAIL_BYTES = 4000
 
 
-class VllmWorkerDied(RuntimeError):
+class VllmWorkerDied(EngineBroken):
     """The vLLM process is gone; the sampling job cannot continue."""
 
 
