@@ -15,6 +15,7 @@ from contextlib import contextmanager
 import httpx
 
 from arctic_platform.client.local_server import free_port
+from tests.waiting import wait_until
 
 
 @contextmanager
@@ -32,11 +33,12 @@ def serve_app(app, *, header_read_timeout: float | None = None) -> Iterator[str]
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        if time.monotonic() > deadline or not thread.is_alive():
-            raise RuntimeError("the test server did not start")
-        time.sleep(0.01)
+
+    def started() -> bool:
+        assert thread.is_alive(), "the test server's thread ended"
+        return server.started
+
+    wait_until(started, what="the test server starting", timeout_s=30, interval_s=0.01)
     try:
         yield f"http://127.0.0.1:{port}"
     finally:
@@ -66,18 +68,20 @@ def serve_process(data_dir, *extra: str, env: dict | None = None):
         command, env={**os.environ, **(env or {})}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
     )
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while True:
+
+    def healthy() -> bool:
+        assert process.poll() is None, "the server exited"
         try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                break
+            return httpx.get(f"{url}/health", timeout=1).status_code == 200
         except httpx.TransportError:
-            pass
-        if process.poll() is not None or time.monotonic() > deadline:
-            output = process.stdout.read().decode(errors="replace")
-            process.kill()
-            raise RuntimeError(f"server did not start:\n{output}")
-        time.sleep(0.1)
+            return False
+
+    try:
+        wait_until(healthy, what="the server's /health", timeout_s=60, interval_s=0.1)
+    except AssertionError as exc:
+        process.kill()
+        output = process.stdout.read().decode(errors="replace")
+        raise RuntimeError(f"server did not start ({exc}):\n{output}") from None
     try:
         yield process, url
     finally:

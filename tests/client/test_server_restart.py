@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import threading
-import time
 
 from arctic_platform.client import create_arctic_rl_client
 from arctic_platform.client.errors import ConflictError
 from tests.client.conftest import TINY, backend_config, make_app
 from tests.live_server import serve_app
+from tests.waiting import wait_until
 
 
 class RestartGate:
@@ -71,10 +71,12 @@ def test_an_op_whose_server_restarted_reports_that_the_job_ended(tmp_path):
 
         waiting = threading.Thread(target=generate)
         waiting.start()
-        deadline = time.monotonic() + 120
-        while not first.busy():  # the generate is submitted
-            assert time.monotonic() < deadline and waiting.is_alive()
-            time.sleep(0.02)
+
+        def submitted() -> bool:
+            assert waiting.is_alive(), errors
+            return first.busy()
+
+        wait_until(submitted, what="the generate submitted")
         app.down = True
         first.close(drain_timeout=0)  # the server goes down with the op in flight ...
         second = Service(ServiceSettings(data_dir=data, device="cpu"))

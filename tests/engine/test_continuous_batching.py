@@ -9,7 +9,6 @@ differently).
 """
 
 import threading
-import time
 from concurrent.futures import Future
 
 import pytest
@@ -20,6 +19,7 @@ from arctic_platform.engine.config import ModelConfig, SamplingEngineConfig
 from arctic_platform.engine.models import load_causal_lm
 from arctic_platform.engine.sampler import SamplingEngine
 from arctic_platform.engine.weights import export_weights
+from tests.waiting import wait_until
 
 MODEL = ModelConfig(name="builtin:tiny")
 LONG_PROMPT = "The cat"
@@ -48,14 +48,6 @@ def engine(weights):
     engine = SamplingEngine(SamplingEngineConfig(model=MODEL))
     engine.load_weights(weights)
     return engine
-
-
-def _wait_for(predicate, what: str) -> None:
-    deadline = time.monotonic() + WAIT_S
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"waited {WAIT_S} s for {what}")
-        time.sleep(0.005)
 
 
 def _in_thread(fn, *args, token=None) -> Future:
@@ -134,8 +126,8 @@ def _long_then_joining(engine, joining_prompt, *, then=None, token_long=None, to
     waiting = engine.batch_state()["waiting_calls"]
     forwards.on(
         3,
-        lambda: _wait_for(
-            lambda: engine.batch_state()["waiting_calls"] > waiting, "the joining call queued"
+        lambda: wait_until(
+            lambda: engine.batch_state()["waiting_calls"] > waiting, what="the joining call queued"
         ),
     )
     for n, fn in (then or {}).items():
@@ -168,7 +160,7 @@ def test_a_finished_call_leaves_and_returns_before_the_long_one(engine):
     seen = {}
 
     def short_is_back():
-        _wait_for(lambda: short.done(), "the short call to return while the long one decodes")
+        wait_until(lambda: short.done(), what="the short call to return while the long one decodes")
         seen.update(engine.batch_state(), long_done=long.done())
 
     long, short = _long_then_joining(engine, "a", then={12: short_is_back})
@@ -217,9 +209,9 @@ def test_a_weight_load_waits_for_the_running_call_and_the_next_call_sees_it(engi
         long = _in_thread(engine.generate, [LONG_PROMPT], LONG)
         assert forwards.on(3).wait(WAIT_S)
         load = _in_thread(engine.load_weights, new_weights)
-        _wait_for(lambda: engine.batch_state()["waiting_exclusive"] == 1, "the load queued")
+        wait_until(lambda: engine.batch_state()["waiting_exclusive"] == 1, what="the load queued")
         later = _in_thread(engine.generate, [prompt], params)
-        _wait_for(lambda: engine.batch_state()["waiting_calls"] == 1, "the later call queued")
+        wait_until(lambda: engine.batch_state()["waiting_calls"] == 1, what="the later call queued")
         assert not load.done()  # the load waits for the running call
         released.set()
         _assert_same(long.result(WAIT_S), long_old)

@@ -13,13 +13,13 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import psutil
 import pytest
 
 from arctic_platform.client.local_server import free_port
+from tests.waiting import wait_until
 
 pytest.importorskip("ray")
 pytestmark = pytest.mark.slow
@@ -74,15 +74,20 @@ def joined(env_extra: dict) -> tuple[str, str]:
     """``(gcs address, log)`` of a fresh driver connecting with ``auto``."""
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env.update(RAY_AUTH_MODE="disabled", **env_extra)
-    deadline = time.monotonic() + 120
-    while True:  # the head may still be starting: retry until it answers
+    runs = []
+
+    def driven() -> subprocess.CompletedProcess | None:
+        """One run of the driver; None while it fails (the head may still be starting)."""
         result = subprocess.run(
             [sys.executable, "-c", DRIVER], env=env, capture_output=True, text=True, timeout=300
         )
-        if result.returncode == 0 or time.monotonic() > deadline:
-            break
-        time.sleep(1)
-    assert result.returncode == 0, result.stderr[-2000:]
+        runs.append(result)
+        return result if result.returncode == 0 else None
+
+    try:
+        result = wait_until(driven, what="a driver joining", interval_s=1)
+    except AssertionError:
+        raise AssertionError(runs[-1].stderr[-2000:]) from None
     address = next(line.split()[1] for line in result.stdout.splitlines() if line.startswith("GCS"))
     return address, result.stderr
 

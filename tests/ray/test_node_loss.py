@@ -28,11 +28,11 @@ The module checks, last, that no process of the cluster is left behind.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import tempfile
 import threading
-import time
 
 import numpy as np
 import pytest
@@ -183,9 +183,14 @@ def cluster():
                 ray.shutdown()
                 cluster.shutdown()
             finally:
-                deadline = time.monotonic() + 60
-                while (left := cluster_processes(temp_dir)) and time.monotonic() < deadline:
-                    time.sleep(0.2)
+                with contextlib.suppress(AssertionError):  # the stragglers are killed below
+                    wait_until(
+                        lambda: not cluster_processes(temp_dir),
+                        what="the cluster's processes ending",
+                        timeout_s=60,
+                        interval_s=0.2,
+                    )
+                left = cluster_processes(temp_dir)
                 for process in left:  # ours (they carry our RAY_TMPDIR); reported below
                     process.kill()
                 shutil.rmtree(temp_dir, ignore_errors=True)

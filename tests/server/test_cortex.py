@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import base64
-import time
 
 import httpx
 import pytest
@@ -37,26 +36,30 @@ def create(http, request=None) -> str:
 def wait(http, job_id: str, request_id: str):
     """Poll like a Cortex client: drain result chunks by cursor, decode the result."""
     chunks, cursor = [], None
-    deadline = time.monotonic() + 120
-    while True:
-        params = {"cursor": cursor} if cursor else {}
-        body = http.get(f"{CORTEX}/{job_id}/requests/{request_id}", params=params).json()
-        for event in body["events"]:
-            if event["type"] == "result_chunk":
-                chunks.append(base64.b64decode(event["payload_b64"]))
-        if body["next_cursor"]:
+
+    def finished() -> dict | None:
+        nonlocal cursor
+        while True:  # every page of events, then the request's status
+            params = {"cursor": cursor} if cursor else {}
+            body = http.get(f"{CORTEX}/{job_id}/requests/{request_id}", params=params).json()
+            chunks.extend(
+                base64.b64decode(e["payload_b64"])
+                for e in body["events"]
+                if e["type"] == "result_chunk"
+            )
+            if not body["next_cursor"]:
+                break
             cursor = body["next_cursor"]
-            continue
-        if body["status"] == "done":
-            if chunks:
-                return wire.decode_result_chunks(chunks, tensor_type="torch")
-            result = body["result"]
-            if isinstance(result, dict) and result.get("wire_format") == "DSSST1":
-                return wire.loads(base64.b64decode(result["payload_b64"]), tensor_type="torch")
-            return result
-        assert body["status"] in ("pending", "running"), body
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
+        assert body["status"] in ("pending", "running", "done"), body
+        return body if body["status"] == "done" else None
+
+    body = wait_until(finished, what=f"request {request_id}")
+    if chunks:
+        return wire.decode_result_chunks(chunks, tensor_type="torch")
+    result = body["result"]
+    if isinstance(result, dict) and result.get("wire_format") == "DSSST1":
+        return wire.loads(base64.b64decode(result["payload_b64"]), tensor_type="torch")
+    return result
 
 
 def post_chunks(http, job_id: str, route: str, chunks: list[bytes]) -> list[httpx.Response]:
@@ -258,13 +261,15 @@ def test_generate_stream_events_drain_by_server_cursor(http, service):
     ).json()
     assert reply["count"] == 3
     events = []
-    deadline = time.monotonic() + 60
-    while not events or events[-1]["type"] != "done":
+
+    def done() -> bool:
         body = http.get(
             f"{CORTEX}/{job_id}/requests/{reply['request_id']}", params={"max_events": 2}
         ).json()
-        events += body["events"]
-        assert time.monotonic() < deadline
+        events.extend(body["events"])
+        return bool(events) and events[-1]["type"] == "done"
+
+    wait_until(done, what="the stream's done event", timeout_s=60)
     assert [e["type"] for e in events] == ["result", "result", "result", "done"]
     assert [e["index"] for e in events[:3]] == [0, 1, 2]
     direct = service.resolve(job_id, owner=None, kind="sampling").engine.generate(

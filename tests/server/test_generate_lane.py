@@ -17,16 +17,9 @@ import pytest
 from arctic_platform import wire
 from arctic_platform.server.sub_job_queue import SubJobQueue
 from tests.server.conftest import OCTET, TINY
+from tests.waiting import wait_until
 
 WAIT_S = 60
-
-
-def _wait_for(predicate, what: str) -> None:
-    deadline = time.monotonic() + WAIT_S
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"waited {WAIT_S} s for {what}")
-        time.sleep(0.005)
 
 
 def test_shared_ops_overlap_and_exclusive_ops_keep_arrival_order():
@@ -47,7 +40,7 @@ def test_shared_ops_overlap_and_exclusive_ops_keep_arrival_order():
     r2 = queue.submit(op("r2"), shared=True)
     w = queue.submit(op("w"))
     r3 = queue.submit(op("r3"), shared=True)
-    _wait_for(lambda: order[:2] in (["r1+", "r2+"], ["r2+", "r1+"]), "both readers running")
+    wait_until(lambda: order[:2] in (["r1+", "r2+"], ["r2+", "r1+"]), what="both readers running")
     time.sleep(0.05)
     assert len(order) == 2  # the writer waits for the readers before it, the reader after it too
     gates["r1"].set()
@@ -56,7 +49,7 @@ def test_shared_ops_overlap_and_exclusive_ops_keep_arrival_order():
     assert not w.running()  # r2 still runs
     gates["r2"].set()
     assert r2.result(WAIT_S) == "r2"
-    _wait_for(lambda: "w+" in order, "the writer to start")
+    wait_until(lambda: "w+" in order, what="the writer to start")
     time.sleep(0.05)
     assert "r3+" not in order  # a later reader waits for the writer
     gates["w"].set()
@@ -83,7 +76,7 @@ def test_at_most_max_shared_ops_run_and_the_rest_stay_cancellable():
         return run
 
     futures = [queue.submit(op(i), shared=True) for i in range(5)]
-    _wait_for(lambda: len(started) == 2, "two shared ops running")
+    wait_until(lambda: len(started) == 2, what="two shared ops running")
     time.sleep(0.05)
     assert sorted(started) == [0, 1]
     queue.shutdown(wait=False, cancel_futures=True)
@@ -143,9 +136,9 @@ def test_two_generates_on_one_job_join_one_decode_with_sequential_results(http, 
         forwards["count"] += 1
         if forwards["count"] == 3:  # prefill + 2 decode steps of the first generate
             reached.set()
-            _wait_for(
+            wait_until(
                 lambda: engine.batch_state()["waiting_calls"] == 1,
-                "the second generate to reach the engine while the first decodes",
+                what="the second generate to reach the engine while the first decodes",
             )
 
     hook = engine.model.register_forward_pre_hook(hold_until_the_second_arrives)

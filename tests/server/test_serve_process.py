@@ -73,8 +73,10 @@ def test_two_clients_on_two_jobs_at_once_then_restart(tmp_path):
         assert results[0][-1] < results[0][0]  # and training works
         with httpx.Client(base_url=url, timeout=120) as http:
             job_id = http.post(CORTEX, json=job_request("training")).json()["job_id"]
-            while http.get(f"{CORTEX}/{job_id}").json()["status"] != "running":
-                time.sleep(0.05)
+            wait_until(
+                lambda: http.get(f"{CORTEX}/{job_id}").json()["status"] == "running",
+                what="the job running",
+            )
             saved = wait_request(
                 http, job_id, http.post(f"{CORTEX}/{job_id}/save", json={}).json()["request_id"]
             )
@@ -88,9 +90,13 @@ def test_two_clients_on_two_jobs_at_once_then_restart(tmp_path):
             "source_job_id": job_id,
         }
         new_id = http.post(CORTEX, json={"sub_job_configs": [spec]}).json()["job_id"]
-        while (status := http.get(f"{CORTEX}/{new_id}").json()["status"]) != "running":
-            assert status in ("pending", "initializing"), http.get(f"{CORTEX}/{new_id}").json()
-            time.sleep(0.05)
+
+        def resumed() -> bool:
+            job = http.get(f"{CORTEX}/{new_id}").json()
+            assert job["status"] in ("pending", "initializing", "running"), job
+            return job["status"] == "running"
+
+        wait_until(resumed, what="the job started from the checkpoint running")
 
 
 def test_sigterm_finishes_the_op_in_flight_then_exits(tmp_path):

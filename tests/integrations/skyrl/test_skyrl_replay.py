@@ -15,10 +15,11 @@ import os
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
+
+from tests.waiting import wait_until
 
 pytest.importorskip("ray")
 pytestmark = pytest.mark.slow
@@ -75,13 +76,11 @@ def replay(protocol: str, folder: Path) -> dict:
     )
     assert result.returncode == 0, result.stderr[-3000:]
     answer = json.loads(result.stdout.strip().splitlines()[-1])
-    deadline = time.monotonic() + 120
-    while processes_in(folder) or listening(answer["gcs_address"]):
-        assert time.monotonic() < deadline, (
-            f"left behind by the {protocol} driver: {processes_in(folder)}, "
-            f"Ray GCS {answer['gcs_address']} listening: {listening(answer['gcs_address'])}"
-        )
-        time.sleep(0.2)
+    wait_until(
+        lambda: not processes_in(folder) and not listening(answer["gcs_address"]),
+        what=f"the {protocol} driver's processes and Ray GCS {answer['gcs_address']} gone",
+        interval_s=0.2,
+    )
     return answer
 
 
