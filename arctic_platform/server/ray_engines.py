@@ -86,6 +86,9 @@ START_TIMEOUT_S = 600.0
 STOP_POLL_S = 0.1
 COLLECTIVE_TIMEOUT_S = 1800.0
 WEIGHT_CHUNK_BYTES = 64 * 1024 * 1024
+# Calls a replica actor runs at once (threads): overlapping generates, which the Service bounds
+# by its concurrency slots first (see RayInferenceEngine).
+REPLICA_CALLS = 64
 # How long a failure waits for Ray's verdict on a peer or a node (see module doc). Ray's default
 # health checks (first after 5 s, then every 3 s, 5 misses of up to 10 s each) declare a node
 # whose raylet is gone dead after 20-65 s; 30 s missed it on a loaded CI machine.
@@ -522,9 +525,15 @@ class RayTrainingEngine:
 
 
 class RayInferenceEngine:
-    """A sampling or log-prob sub-job served by one replica actor."""
+    """A sampling or log-prob sub-job served by one replica actor.
 
-    # The replica actor runs one call at a time, so generates on it do not overlap.
+    The actor takes up to :data:`REPLICA_CALLS` calls at once, so that when its engine decodes
+    concurrent calls together (our sampler's running batch) the Service's overlapping generates
+    join one decode there as they do in the server's process: ``concurrent_generate`` is the
+    replica engine's. Every other op stays alone on the sub-job's queue, so only generates
+    overlap in the actor; a stop has its own concurrency group."""
+
+    # Until the replica says otherwise (at start), its generates do not overlap.
     concurrent_generate = False
     # The model's tokenizer lives in the actor with the engine, not here (``tokenize`` is a 400).
     tokenizer = None
@@ -546,7 +555,7 @@ class RayInferenceEngine:
         name = _actor_name(sub_job_id, "replica")
         handle = (
             ray.remote(concurrency_groups=CONCURRENCY_GROUPS)(InferenceWorker)
-            .options(name=name, **placement.options(kind, index))
+            .options(name=name, max_concurrency=REPLICA_CALLS, **placement.options(kind, index))
             .remote(kind)
         )
         self.actors = _Actors(sub_job_id, kind, [handle], [name], [placement.node_of(kind, index)])
@@ -559,6 +568,7 @@ class RayInferenceEngine:
             raise
         self.vocab_size = int(started[0]["vocab_size"])
         self.max_model_len = int(started[0]["max_model_len"])
+        self.concurrent_generate = bool(started[0]["concurrent_generate"])
 
     def __getattr__(self, name: str) -> Any:
         """Every method of the kind's engine Protocol, relayed to the replica (its generic

@@ -248,6 +248,7 @@ class InferenceWorker(_EngineWorker):
                 "vocab_size": self.engine.vocab_size,
                 "max_model_len": self.engine.max_model_len,
                 "pid": os.getpid(),
+                "concurrent_generate": self.kind == "sampling" and self.engine.concurrent_generate,
             }
 
         return _replying(build)

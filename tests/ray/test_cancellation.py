@@ -111,6 +111,26 @@ def test_a_stopped_fwd_bwd_adds_no_gradient_on_any_rank(service, job_id, tmp_pat
     assert np.isfinite(answer["loss"])
 
 
+def test_a_generate_joins_the_replicas_running_decode(service, job_id):
+    """The replica takes calls side by side, so a short generate that arrives while a long one
+    decodes joins that decode and returns first, as on our sampler in the server's process
+    (before, the actor ran one call at a time and the short one waited for the long)."""
+    sub = service.resolve(job_id, owner=None, kind="sampling")
+    assert sub.engine.concurrent_generate
+    stop = CancelToken()
+    long_params = {"max_tokens": 1000, "ignore_eos": True, "temperature": 1.0}
+    long = service.submit(
+        sub, "generate", {"prompts": ["1+2="], "sampling_params": long_params}, stop=stop
+    )
+    started(service, long, job_id)
+    short = {"prompts": ["1+2="], "sampling_params": {"max_tokens": 3, "ignore_eos": True}}
+    (answer,) = service.submit(sub, "generate", short).result(timeout=120)["results"]
+    assert len(answer["token_ids"]) == 3
+    assert not long.done()  # the short one came back while the long one decoded
+    stop.cancel("done with it")
+    ended_by(long, "op_cancelled")
+
+
 def test_a_replica_that_raises_fails_the_request_and_the_job_goes_on(service, job_id, monkeypatch):
     """The replica's engine raises (a keyword its ``generate`` does not take stands in for a
     bug): its actor is alive and idle, so, as in the server's process, a generate (which keeps
@@ -118,7 +138,7 @@ def test_a_replica_that_raises_fails_the_request_and_the_job_goes_on(service, jo
     engine = service.resolve(job_id, owner=None, kind="sampling").engine
     buggy = functools.partial(engine._call, "generate", unknown_keyword=True)
     monkeypatch.setattr(engine, "generate", buggy, raising=False)
-    body = {"prompts": ["1+2="], "sampling_params": {"max_tokens": 2}}
+    body = {"prompts": ["1+2="], "sampling_params": {"max_tokens": 2, "ignore_eos": True}}
     with pytest.raises(WorkerRaised, match="TypeError"):
         service.execute(job_id, "generate", body)
     assert service.get_job(job_id)["status"] == "running"
