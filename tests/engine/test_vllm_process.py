@@ -12,6 +12,7 @@ import importlib.util
 import os
 import signal
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -39,6 +40,25 @@ def test_errors_inside_the_worker_come_back_and_it_keeps_serving(worker):
             worker.call("start", timeout=120, model="m", engine_args={})
         assert info.value.kind == "ModuleNotFoundError"
     assert worker.call("shutdown", timeout=60) == {"stopped": True}
+
+
+def test_concurrent_calls_each_get_their_own_reply(worker):
+    """Threads call at once (generates that decode together do): each reply reaches the call it
+    answers, here told apart by the op each names (an unknown op's error names it)."""
+    ops = [f"no_such_op_{i}" for i in range(8)]
+    with ThreadPoolExecutor(len(ops)) as pool:
+        errors = list(pool.map(lambda op: _error_of(worker, op), ops))
+    for op, error in zip(ops, errors, strict=True):
+        assert isinstance(error, VllmWorkerError) and op in str(error), (op, error)
+    assert worker.call("shutdown", timeout=60) == {"stopped": True}
+
+
+def _error_of(worker: WorkerProcess, op: str) -> Exception | None:
+    try:
+        worker.call(op, timeout=60)
+    except Exception as exc:
+        return exc
+    return None
 
 
 def test_a_killed_worker_raises_died_with_its_signal(worker):

@@ -186,3 +186,34 @@ def test_a_cancelled_generate_is_aborted_in_the_vllm_process(engine):
     assert isinstance(stopped, cancellation.OpCancelled), "the generation ran to its end"
     assert stopped.reason == "request r1 was cancelled"
     assert engine.generate(PROMPTS[:2], GREEDY) == before
+
+
+def test_a_generate_joins_one_that_is_decoding_and_a_stop_ends_only_its_own(engine):
+    """Calls decode together in the vLLM process: a short call that arrives while a long one
+    decodes comes back first, with what it gives alone; stopping the long one then leaves the
+    engine answering as before (before, calls ran one at a time and the short one waited)."""
+    short = {**GREEDY, "max_tokens": 6}
+    alone = engine.generate(PROMPTS[2:4], short)
+    token = CancelToken()
+    long = {"n": 4, "max_tokens": 400, "ignore_eos": True, "temperature": 1.0}
+    outcome: list = []
+    decoding = threading.Event()
+
+    def run() -> None:
+        with cancellation.scope(token):
+            decoding.set()
+            try:
+                outcome.append(engine.generate(PROMPTS[:1], long))
+            except cancellation.OpCancelled as exc:
+                outcome.append(exc)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    decoding.wait(timeout=60)
+    assert engine.generate(PROMPTS[2:4], short) == alone
+    assert thread.is_alive() and not outcome, "the long call ended before the short one"
+    token.cancel("done with it")
+    thread.join(timeout=120)
+    (stopped,) = outcome
+    assert isinstance(stopped, cancellation.OpCancelled) and stopped.reason == "done with it"
+    assert engine.generate(PROMPTS[2:4], short) == alone

@@ -38,6 +38,7 @@ import dataclasses
 import logging
 import shutil
 import tempfile
+import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -86,8 +87,9 @@ _SEED_MODULUS = 1 << 63  # vLLM seeds a torch.Generator: a non-negative 63-bit s
 class VllmSamplingEngine:
     """A sampling engine whose generation runs in a vLLM process (see the module docstring)."""
 
-    # One generate call at a time reaches the vLLM process (its own scheduler batches within one).
-    concurrent_generate = False
+    # Generate calls run side by side: the vLLM process decodes them together (its running batch,
+    # ``worker.py``), so a call that arrives while another decodes joins it.
+    concurrent_generate = True
 
     def __init__(self, config: SamplingEngineConfig) -> None:
         from transformers import AutoConfig
@@ -146,6 +148,8 @@ class VllmSamplingEngine:
             self.close()
             raise
         self._asleep: set[str] = set()
+        # The tokenizer, the seed stream and waking: one generate call at a time.
+        self._validating = threading.Lock()
         log.info("vLLM engine ready: %s (pid %d)", self.info, self._process.pid)
 
     def _start_transfer(self, dropped: Sequence[str] = ()) -> None:
@@ -219,12 +223,14 @@ class VllmSamplingEngine:
         sampling_params: Mapping | SamplingParams | Sequence[Mapping | None] | None = None,
     ) -> list[dict]:
         """Complete every prompt ``n`` times; one output dict per prompt and sample, in order."""
-        requests = self._shaper.validate(prompts, sampling_params)
-        self._check_weights()
-        self._shaper.assign_seeds(requests)
-        if self._asleep:
-            log.warning("generate() on a sleeping sampler: waking it (%s)", sorted(self._asleep))
-            self.wake()
+        with self._validating:
+            requests = self._shaper.validate(prompts, sampling_params)
+            self._check_weights()
+            self._shaper.assign_seeds(requests)
+            if self._asleep:
+                asleep = sorted(self._asleep)
+                log.warning("generate() on a sleeping sampler: waking it (%s)", asleep)
+                self.wake()
         results = self._process.call(
             "generate",
             requests=[

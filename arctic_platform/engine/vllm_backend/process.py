@@ -1,17 +1,18 @@
 """The vLLM worker process: started from the operator's interpreter, supervised, talked to.
 
 The channel is a Unix socket pair: the child gets one end as an inherited file descriptor, and
-every message either way is one JSON object on one line. Calls are strictly one at a time (a
-sampling sub-job runs its ops in order), so a reply always belongs to the last request.
+every message either way is one JSON object on one line. Each request carries a sequence number
+that its reply repeats, so several threads may call at once (generates that decode together in
+the worker, see ``worker.py``): a reader thread hands each reply to the call waiting for it.
 
-Stopping: each request carries a sequence number. While it waits for a reply the parent looks at
-the cancel tokens of the op it runs (:mod:`arctic_platform.engine.cancellation`); once one is set
-it sends a ``stop`` line for that request (which gets no reply), and a ``{"stopped": reason}``
-reply raises :class:`~arctic_platform.engine.cancellation.OpCancelled`.
+Stopping: while it waits for its reply a call looks at the cancel tokens of the op it runs
+(:mod:`arctic_platform.engine.cancellation`); once one is set it sends a ``stop`` line for its
+request (which gets no reply), and a ``{"stopped": reason}`` reply raises
+:class:`~arctic_platform.engine.cancellation.OpCancelled`.
 
-Supervision: while waiting for a reply the parent also watches the process, so a worker that dies
-(killed, out of memory, crashed in native code) raises :class:`VllmWorkerDied` with its exit
-status and the tail of its log instead of hanging the job. The worker runs in its own session and
+Supervision: while waiting a call also watches the process, so a worker that dies (killed, out of
+memory, crashed in native code) raises :class:`VllmWorkerDied` with its exit status and the tail
+of its log instead of hanging the job. The worker runs in its own session and
 the whole process group is killed on close, so processes vLLM started itself go with it.
 """
 
@@ -20,12 +21,13 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import select
 import signal
 import socket
 import subprocess
+import threading
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -68,8 +70,9 @@ class WorkerProcess:
             )
         theirs.close()
         self._sock = ours
-        self._buffer = bytearray()
-        self._seq = 0
+        self._sending = threading.Lock()
+        self._replies = _Replies()
+        threading.Thread(target=self._read, name="vllm-replies", daemon=True).start()
 
     @property
     def pid(self) -> int:
@@ -80,19 +83,22 @@ class WorkerProcess:
 
     def call(self, op: str, timeout: float | None = None, **args: Any) -> Any:
         """Send ``op`` with ``args`` and wait for its result (``timeout`` seconds, or forever
-        while the process lives)."""
-        self._seq += 1
+        while the process lives); other threads may call meanwhile."""
+        seq, reply = self._replies.expect()
         try:
-            self._send({"op": op, "args": args, "seq": self._seq})
-        except OSError:
-            raise self._died(op) from None
-        reply = json.loads(self._read_line(op, timeout))
-        if "stopped" in reply:
-            raise cancellation.OpCancelled(reply["stopped"])
-        if "error" in reply:
-            error = reply["error"]
+            try:
+                self._send({"op": op, "args": args, "seq": seq})
+            except OSError:
+                raise self._died(op) from None
+            answer = self._wait(op, seq, reply, timeout)
+        finally:
+            self._replies.drop(seq)
+        if "stopped" in answer:
+            raise cancellation.OpCancelled(answer["stopped"])
+        if "error" in answer:
+            error = answer["error"]
             raise VllmWorkerError(op, error["type"], error["message"])
-        return reply["result"]
+        return answer["result"]
 
     def close(self, timeout: float = 10.0) -> None:
         """Ask the worker to exit, then make sure its whole process group is gone."""
@@ -100,37 +106,48 @@ class WorkerProcess:
             with contextlib.suppress(VllmWorkerDied, VllmWorkerError, TimeoutError):
                 self.call("shutdown", timeout=timeout)
         self._kill_group()
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)  # ends the reader thread's wait
         self._sock.close()
 
     def _send(self, message: dict) -> None:
-        self._sock.sendall(json.dumps(message).encode() + b"\n")
+        with self._sending:
+            self._sock.sendall(json.dumps(message).encode() + b"\n")
 
-    def _read_line(self, op: str, timeout: float | None) -> bytes:
+    def _wait(self, op: str, seq: int, reply: _Reply, timeout: float | None) -> dict:
+        """The reply to request ``seq``, sending its stop when its op is cancelled."""
         deadline = None if timeout is None else time.monotonic() + timeout
         stop_sent = False
-        while b"\n" not in self._buffer:
+        while not reply.arrived.wait(_POLL_S):
             if deadline is not None and time.monotonic() > deadline:
                 raise TimeoutError(f"vLLM worker: no reply to {op} within {timeout:.0f} s")
             reason = None if stop_sent else cancellation.requested()
             if reason is not None:
                 with contextlib.suppress(OSError):  # a dead worker is reported below
-                    self._send({"op": "stop", "seq": self._seq, "reason": reason})
+                    self._send({"op": "stop", "seq": seq, "reason": reason})
                 stop_sent = True
-            ready, _, _ = select.select([self._sock], [], [], _POLL_S)
-            if not ready:
-                if not self.alive():
-                    raise self._died(op)
-                continue
-            try:
-                data = self._sock.recv(1 << 20)
-            except OSError:  # reset by a peer that died with our request unread
-                data = b""
-            if not data:
+            if self._replies.closed or not self.alive():
                 raise self._died(op)
-            self._buffer += data
-        line, _, rest = self._buffer.partition(b"\n")
-        self._buffer = bytearray(rest)
-        return bytes(line)
+        if not reply.answer:  # woken because the socket closed: no reply will come
+            raise self._died(op)
+        return reply.answer
+
+    def _read(self) -> None:
+        """The reader thread: each reply line to the call that waits for it, until the socket
+        closes (the worker died or the job closed it)."""
+        buffer = bytearray()
+        try:
+            while data := self._sock.recv(1 << 20):
+                buffer += data
+                *lines, rest = buffer.split(b"\n")
+                buffer = bytearray(rest)
+                for line in lines:
+                    answer = json.loads(line)
+                    self._replies.deliver(answer.pop("seq"), answer)
+        except OSError:  # reset by a worker that died, or closed by ``close``
+            pass
+        finally:
+            self._replies.close()
 
     def _died(self, op: str) -> VllmWorkerDied:
         try:
@@ -158,3 +175,45 @@ class WorkerProcess:
             os.killpg(self._proc.pid, signal.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):
             self._proc.wait(timeout=10)
+
+
+@dataclass
+class _Reply:
+    arrived: threading.Event = field(default_factory=threading.Event)
+    answer: dict = field(default_factory=dict)
+
+
+class _Replies:
+    """The calls waiting for replies, by sequence number (thread-safe)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._seq = 0
+        self._waiting: dict[int, _Reply] = {}
+        self.closed = False
+
+    def expect(self) -> tuple[int, _Reply]:
+        """A new sequence number and where its reply will arrive."""
+        with self._lock:
+            self._seq += 1
+            reply = self._waiting[self._seq] = _Reply()
+            return self._seq, reply
+
+    def deliver(self, seq: int, answer: dict) -> None:
+        with self._lock:
+            reply = self._waiting.get(seq)  # None: its call timed out and left
+        if reply is not None:
+            reply.answer = answer
+            reply.arrived.set()
+
+    def drop(self, seq: int) -> None:
+        with self._lock:
+            self._waiting.pop(seq, None)
+
+    def close(self) -> None:
+        """No reply will come any more: wake every waiting call (it finds the worker dead)."""
+        self.closed = True
+        with self._lock:
+            waiting = list(self._waiting.values())
+        for reply in waiting:
+            reply.arrived.set()

@@ -2,12 +2,18 @@
 
 It imports only the standard library and vLLM (the interpreter is a separate environment that
 does not have our package), reads one JSON request per line from the socket ``FD`` and writes one
-JSON reply per line: ``{"result": ...}``, ``{"error": {"type", "message"}}`` or, for a generation
-stopped part-way, ``{"stopped": reason}``. Each request carries a sequence number ``seq``; the
-line ``{"op": "stop", "seq": N, "reason": ...}`` (no reply) asks request ``N`` to stop. A reader
-thread takes lines off the socket, so a stop arrives while the op runs; ``generate`` drives the
-engine a step at a time (``LLMEngine.add_request``/``step``) and, once asked, aborts its requests
-with ``LLMEngine.abort_request`` between steps, leaving the engine idle for the next op.
+JSON reply per line: ``{"seq", "result"}``, ``{"seq", "error": {"type", "message"}}`` or, for a
+generation stopped part-way, ``{"seq", "stopped": reason}``. Each request carries a sequence
+number ``seq``, which its reply repeats; the line ``{"op": "stop", "seq": N, "reason": ...}`` (no
+reply) asks request ``N`` to stop. A reader thread takes lines off the socket, so requests and
+stops arrive while the engine works.
+
+``generate`` calls decode together (:class:`Decoding`): a call's requests join the engine's
+running batch when the call arrives (``LLMEngine.add_request``), even while other calls decode,
+the engine steps while any call has requests left (``step``), and each call is answered when its
+last request finishes, so a short call is not held up by a long one. A stop aborts that call's
+requests between steps (``abort_request``). Every other op runs alone: it waits for the calls
+decoding when it arrives to finish (the job already sends none while generates run).
 
 Prompts arrive as token ids that the sampling job already validated; results go back in the shape
 of our sampler's outputs (see ``arctic_platform.engine.sampler``), so the job returns the same
@@ -46,18 +52,19 @@ class Worker:
         self.llm = None
         self.model = None
         self.engine_args: dict = {}
-        self.current = -1  # seq of the request being run
-        self.stop_seq = -1  # seq of the last request asked to stop, and why
-        self.stop_reason = ""
+        self.current = -1  # seq of the op running alone
+        self._stops: dict[int, str] = {}  # seq -> why it was asked to stop
 
     def stop(self, seq: int, reason: str) -> None:
         """Called by the reader thread: request ``seq`` stops at its next decode step."""
-        self.stop_reason = reason
-        self.stop_seq = seq
+        self._stops[seq] = reason
 
-    def _check_stop(self) -> None:
-        if self.stop_seq == self.current:
-            raise Stopped(self.stop_reason)
+    def stop_reason(self, seq: int) -> str | None:
+        return self._stops.get(seq)
+
+    def forget(self, seq: int) -> None:
+        """Request ``seq`` was answered: a stop for it no longer matters."""
+        self._stops.pop(seq, None)
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -112,49 +119,23 @@ class Worker:
 
     # -- ops -------------------------------------------------------------------------------
 
-    def generate(self, requests: list[dict]) -> list[list[dict]]:
-        """One list of sample outputs per request (``prompt_token_ids``, ``params``)."""
-        outputs = self._run(requests)
-        return [
-            [_sample(c, r["params"].get("logprobs")) for c in sorted(o.outputs, key=_index)]
-            for o, r in zip(outputs, requests, strict=True)
-        ]
-
     def prompt_logprobs(self, prompt_token_ids: list[int]) -> list[float | None]:
         """Each prompt token's log-prob given the tokens before it (None for the first): vLLM's
         ``prompt_logprobs`` of a one-token request at temperature 1 (the raw distribution)."""
         params = {"max_tokens": 1, "temperature": 1.0, "prompt_logprobs": 0, "detokenize": False}
-        (output,) = self._run([{"prompt_token_ids": prompt_token_ids, "params": params}])
+        decoding = Decoding(self)
+        decoding.add(self.current, [{"prompt_token_ids": prompt_token_ids, "params": params}])
+        while decoding.calls:
+            for _, kind, value in decoding.advance():
+                if kind == "stopped":
+                    raise Stopped(value)
+                if kind == "error":
+                    raise value
+                _, (output,) = value
         return [
             None if position is None else float(position[token].logprob)
             for token, position in zip(prompt_token_ids, output.prompt_logprobs, strict=True)
         ]
-
-    def _run(self, requests: list[dict]) -> list:
-        """vLLM's ``RequestOutput`` of each request, in order: what ``LLM.generate`` does, a step
-        at a time so that a stop can abort the requests between decode steps (see module doc)."""
-        from vllm import SamplingParams
-        from vllm.sampling_params import RequestOutputKind
-
-        engine = self.llm.llm_engine
-        ids: list[str] = []
-        finished: dict = {}
-        try:
-            for index, request in enumerate(requests):
-                params = SamplingParams(**request["params"])
-                params.output_kind = RequestOutputKind.FINAL_ONLY  # as LLM.generate asks
-                ids.append(f"{self.current}-{index}")
-                prompt = {"prompt_token_ids": request["prompt_token_ids"]}
-                engine.add_request(ids[-1], prompt, params)
-            while engine.has_unfinished_requests():
-                self._check_stop()
-                for output in engine.step():
-                    if output.finished:
-                        finished[output.request_id] = output
-        except BaseException:
-            engine.abort_request([i for i in ids if i not in finished], internal=False)
-            raise
-        return [finished[i] for i in ids]
 
     def reload(self, model: str) -> dict:
         """Load the weights of ``model`` (the staged directory) into the running engine."""
@@ -191,6 +172,86 @@ class Worker:
 
     def reset_prefix_cache(self) -> dict:
         return {"reset": bool(self.llm.reset_prefix_cache())}
+
+
+class Decoding:
+    """The calls decoding together in the engine (see module doc): ``add`` a call's requests,
+    ``advance`` the engine a step at a time and collect the calls that ended."""
+
+    def __init__(self, worker: Worker) -> None:
+        self.worker = worker
+        self.calls: dict[int, list[dict]] = {}  # seq -> its requests
+        self._done: dict[int, dict] = {}  # seq -> engine request id -> its final output
+        self._call_of: dict[str, int] = {}  # engine request id -> seq
+
+    def add(self, seq: int, requests: list[dict]) -> None:
+        """Put the call's requests (``prompt_token_ids``, ``params``) into the running batch."""
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        engine = self.worker.llm.llm_engine
+        ids: list[str] = []
+        try:
+            for index, request in enumerate(requests):
+                params = SamplingParams(**request["params"])
+                params.output_kind = RequestOutputKind.FINAL_ONLY  # as LLM.generate asks
+                ids.append(f"{seq}-{index}")
+                prompt = {"prompt_token_ids": request["prompt_token_ids"]}
+                engine.add_request(ids[-1], prompt, params)
+        except BaseException:
+            engine.abort_request(ids, internal=False)
+            raise
+        self.calls[seq], self._done[seq] = requests, {}
+        self._call_of.update(dict.fromkeys(ids, seq))
+
+    def advance(self) -> list[tuple[int, str, object]]:
+        """Stop the calls asked to, step the engine once, and return ``(seq, kind, value)`` for
+        each call that ended: ``("result", (its requests, their outputs in order))``,
+        ``("stopped", reason)``, or, when the step raised, ``("error", the exception)`` for every
+        call."""
+        ended: list[tuple[int, str, object]] = []
+        for seq in list(self.calls):
+            if (reason := self.worker.stop_reason(seq)) is not None:
+                self._end(seq)
+                ended.append((seq, "stopped", reason))
+        if not self.calls:
+            return ended
+        try:
+            outputs = self.worker.llm.llm_engine.step()
+        except Exception as exc:
+            for seq in list(self.calls):
+                self._end(seq)
+                ended.append((seq, "error", exc))
+            return ended
+        for output in outputs:
+            seq = self._call_of.pop(output.request_id, None) if output.finished else None
+            if seq is not None:
+                self._done[seq][output.request_id] = output
+        for seq, requests in list(self.calls.items()):
+            done = self._done[seq]
+            if len(done) == len(requests):
+                results = [done[f"{seq}-{i}"] for i in range(len(requests))]
+                self._end(seq)
+                ended.append((seq, "result", (requests, results)))
+        return ended
+
+    def _end(self, seq: int) -> None:
+        """Drop the call, aborting what it has left in the engine."""
+        requests, done = self.calls.pop(seq), self._done.pop(seq)
+        left = [f"{seq}-{i}" for i in range(len(requests)) if f"{seq}-{i}" not in done]
+        for request_id in left:
+            self._call_of.pop(request_id, None)
+        if left:
+            self.worker.llm.llm_engine.abort_request(left, internal=False)
+        self.worker.forget(seq)
+
+
+def _samples(requests: list[dict], outputs: list) -> list[list[dict]]:
+    """One list of sample outputs per request, in the shape of our sampler's."""
+    return [
+        [_sample(c, r["params"].get("logprobs")) for c in sorted(o.outputs, key=_index)]
+        for o, r in zip(outputs, requests, strict=True)
+    ]
 
 
 def known_engine_args(
@@ -260,6 +321,7 @@ def serve(fd: int) -> None:
     sock = socket.socket(fileno=fd)
     reader, writer = sock.makefile("rb"), sock.makefile("wb")
     worker = Worker()
+    decoding = Decoding(worker)
     requests: queue.Queue = queue.Queue()
 
     def read() -> None:
@@ -272,22 +334,53 @@ def serve(fd: int) -> None:
                 requests.put(request)
         requests.put(None)  # the job closed the socket
 
-    threading.Thread(target=read, name="requests", daemon=True).start()
-    while (request := requests.get()) is not None:
-        op = request["op"]
-        worker.current = request.get("seq", -1)
-        try:
-            reply = {"result": getattr(worker, op)(**request.get("args", {}))}
-        except Stopped as exc:
-            reply = {"stopped": str(exc)}
-        except Exception as exc:
-            traceback.print_exc()
-            reply = {"error": {"type": type(exc).__name__, "message": str(exc)}}
-        writer.write(json.dumps(reply).encode() + b"\n")
+    def reply(seq: int, answer: dict) -> None:
+        writer.write(json.dumps({"seq": seq, **answer}).encode() + b"\n")
         writer.flush()
+
+    def advance() -> None:
+        for seq, kind, value in decoding.advance():
+            if kind == "result":
+                reply(seq, {"result": _samples(*value)})
+            else:
+                reply(seq, {"stopped": value} if kind == "stopped" else _failure(value))
+
+    threading.Thread(target=read, name="requests", daemon=True).start()
+    while True:
+        try:  # wait for work only when nothing decodes
+            request = requests.get(block=not decoding.calls)
+        except queue.Empty:
+            advance()
+            continue
+        if request is None:
+            break
+        op, seq = request["op"], request.get("seq", -1)
+        if op == "generate":  # joins the calls decoding; the next step takes it in
+            try:
+                decoding.add(seq, request["args"]["requests"])
+            except Exception as exc:
+                reply(seq, _failure(exc))
+            continue
+        while decoding.calls:  # any other op runs alone
+            advance()
+        worker.current = seq
+        try:
+            answer = {"result": getattr(worker, op)(**request.get("args", {}))}
+        except Stopped as exc:
+            answer = {"stopped": str(exc)}
+        except Exception as exc:
+            answer = _failure(exc)
+        worker.forget(seq)
+        reply(seq, answer)
         if op == "shutdown":
             return
     worker.shutdown()
+
+
+def _failure(exc: BaseException) -> dict:
+    """The reply of an op that raised (its traceback goes to the worker's log)."""
+    traceback.print_exception(exc)
+    return {"error": {"type": type(exc).__name__, "message": str(exc)}}
 
 
 if __name__ == "__main__":

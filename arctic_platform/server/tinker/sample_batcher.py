@@ -20,7 +20,8 @@ instead of the full gap after the last one. What is sampled does not change, onl
 starts.
 
 On a sampler whose running batch lets calls join mid-decode (the executor's ``overlaps``: our
-torch sampler), none of that waiting is needed: a drain starts at once, its generate runs beside
+torch sampler, in this process or a Ray replica, and the vLLM engine), none of that waiting is
+needed: a drain starts at once, its generate runs beside
 the sub-job's other generates, and a request that arrives a few milliseconds later starts its
 own drain, which joins the running decode at its next step. Drains that first load a snapshot's
 weights (``before``) still run alone and linger, as a weight load must not interleave with other
