@@ -162,23 +162,30 @@ def test_sleep_wake_and_prefix_cache_on_cpu(engine):
     assert engine.generate(PROMPTS[:1], GREEDY)[0]["token_ids"]
 
 
+def in_thread(engine, prompts, params, token: CancelToken) -> tuple[threading.Thread, list]:
+    """``engine.generate`` running in a thread under ``token``; the list gets its outcome (its
+    result, or the ``OpCancelled`` that ended it)."""
+    outcome: list = []
+
+    def run() -> None:
+        with cancellation.scope(token):
+            try:
+                outcome.append(engine.generate(prompts, params))
+            except cancellation.OpCancelled as exc:
+                outcome.append(exc)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread, outcome
+
+
 def test_a_cancelled_generate_is_aborted_in_the_vllm_process(engine):
     """A cancel token set while a long generation runs stops it (vLLM aborts its requests), and
     the engine then answers the next request as before."""
     before = engine.generate(PROMPTS[:2], GREEDY)
     token = CancelToken()
     endless = {"n": 256, "max_tokens": 400, "ignore_eos": True, "temperature": 1.0}
-    outcome: list = []
-
-    def run() -> None:
-        with cancellation.scope(token):
-            try:
-                outcome.append(engine.generate(PROMPTS[:1], endless))
-            except cancellation.OpCancelled as exc:
-                outcome.append(exc)
-
-    thread = threading.Thread(target=run)
-    thread.start()
+    thread, outcome = in_thread(engine, PROMPTS[:1], endless, token)
     token.cancel("request r1 was cancelled")
     thread.join(timeout=120)
     assert not thread.is_alive()
@@ -196,20 +203,7 @@ def test_a_generate_joins_one_that_is_decoding_and_a_stop_ends_only_its_own(engi
     alone = engine.generate(PROMPTS[2:4], short)
     token = CancelToken()
     long = {"n": 4, "max_tokens": 400, "ignore_eos": True, "temperature": 1.0}
-    outcome: list = []
-    decoding = threading.Event()
-
-    def run() -> None:
-        with cancellation.scope(token):
-            decoding.set()
-            try:
-                outcome.append(engine.generate(PROMPTS[:1], long))
-            except cancellation.OpCancelled as exc:
-                outcome.append(exc)
-
-    thread = threading.Thread(target=run)
-    thread.start()
-    decoding.wait(timeout=60)
+    thread, outcome = in_thread(engine, PROMPTS[:1], long, token)
     assert engine.generate(PROMPTS[2:4], short) == alone
     assert thread.is_alive() and not outcome, "the long call ended before the short one"
     token.cancel("done with it")
