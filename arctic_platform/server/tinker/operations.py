@@ -43,6 +43,7 @@ from arctic_platform.server.tinker.futures import FutureStore, OpResult
 from arctic_platform.server.tinker.model_samplers import ModelSamplingJobs
 from arctic_platform.server.tinker.sample_batcher import SampleBatcher
 from arctic_platform.server.tinker.session_reaper import SESSION_TIMEOUT_S, SessionReaper
+from arctic_platform.server.tinker.snapshot_loads import SnapshotLoad, SnapshotWeights
 from arctic_platform.server.tinker.state import FIRST_SEQ_ID, Sampler, TinkerState, TrainingRun
 
 log = logging.getLogger(__name__)
@@ -78,8 +79,7 @@ class TinkerOps:
         self._waiters = ThreadPoolExecutor(max_workers=8, thread_name_prefix="tinker-wait")
         self.model_jobs = ModelSamplingJobs(service)
         self._batcher = SampleBatcher()
-        # sampling sub-job -> the (run, snapshot) whose weights it holds; written on its queue
-        self._loaded_snapshots: dict[str, tuple[str, int]] = {}
+        self._snapshot_weights = SnapshotWeights()
 
     def _job_of(self, run: dict) -> str | None:
         """The id of the job a run of an earlier server made (the newest of that name)."""
@@ -386,21 +386,13 @@ class TinkerOps:
 
         return runner
 
-    def _snapshot_loader(self, sampler: Sampler, owner):
-        """``(batch key, load)`` for a snapshot sampler: ``load(engine)`` runs on the sampling
-        sub-job's queue before a batch of this snapshot and loads its weights unless they are
-        the ones loaded."""
+    def _snapshot_loader(self, sampler: Sampler, owner) -> tuple[str, SnapshotLoad]:
+        """``(batch key, load)`` for a snapshot sampler: what its drains do about the sampling
+        sub-job's weights (``snapshot_loads.py``)."""
         model_id, number = sampler.snapshot
         run = self.state.run(model_id, owner)
         snapshot = run.snapshot(number)  # a dropped snapshot is refused before a request id
-        wanted = (model_id, number)
-
-        def load(engine) -> None:
-            if self._loaded_snapshots.get(sampler.sub_job_id) == wanted:
-                return
-            snapshot.load_into(engine)
-            self._loaded_snapshots[sampler.sub_job_id] = wanted
-
+        load = self._snapshot_weights.load_of(sampler.sub_job_id, (model_id, number), snapshot)
         return f"{sampler.sub_job_id}@{number}", load
 
     def load_weights(self, body: bodies.LoadWeightsBody, owner: str | None) -> str:
@@ -522,7 +514,7 @@ class TinkerOps:
             submit = partial(executor.submit_runner, sub, OpName.GENERATE)
             joins = executor.overlaps(sub, OpName.GENERATE)
             done = self._batcher.add(
-                sub, prompt, params, want_prompt_logprobs, submit, joins=joins, key=key, before=load
+                sub, prompt, params, want_prompt_logprobs, submit, joins=joins, key=key, load=load
             )
             count = partial(self.service.metrics.add_tokens, OpName.GENERATE)
             done.add_done_callback(lambda f: _sample_result(f, outer, count))

@@ -23,9 +23,10 @@ On a sampler whose running batch lets calls join mid-decode (the executor's ``ov
 torch sampler, in this process or a Ray replica, and the vLLM engine), none of that waiting is
 needed: a drain starts at once, its generate runs beside
 the sub-job's other generates, and a request that arrives a few milliseconds later starts its
-own drain, which joins the running decode at its next step. Drains that first load a snapshot's
-weights (``before``) still run alone and linger, as a weight load must not interleave with other
-drains' decodes.
+own drain, which joins the running decode at its next step. A drain that first loads a
+snapshot's weights (``load``, ``snapshot_loads.py``) still runs alone and lingers, as a weight
+load must not interleave with other drains' decodes; the drains after it of the same snapshot
+need no load and join the decode.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from typing import Any
 from arctic_platform.contract.problems import FieldError
 from arctic_platform.contract.sampling_params import SamplingParams
 from arctic_platform.server.errors import BadRequest, Conflict
+from arctic_platform.server.tinker.snapshot_loads import SnapshotLoad
 
 LINGER_GAP_S = 0.03
 LINGER_MAX_S = 0.3
@@ -79,6 +81,7 @@ class SampleBatcher:
         linger_settle_s: float = LINGER_SETTLE_S,
     ):
         self._lock = threading.Lock()
+        self._queuing = threading.Lock()  # deciding a drain's weights and queueing it
         self._queues: dict[str, _Queue] = {}
         # sampling sub-job -> how many requests its last drains collected (module doc)
         self._bursts: dict[str, deque[int]] = {}
@@ -96,15 +99,15 @@ class SampleBatcher:
         *,
         joins: bool = False,
         key: str | None = None,
-        before: Callable[[Any], None] | None = None,
+        load: SnapshotLoad | None = None,
     ) -> Future:
         """Queue a request on sampling sub-job ``sub``; resolves to ``(outputs, prompt_lps)``.
 
         ``submit(runner, alone=)`` queues ``runner`` on the sub-job (the Service's guarded
         queue); a drain is queued whenever the queue goes from empty to non-empty. ``joins``:
         the sub-job's generates join one running decode (module doc). Requests batch by ``key``
-        (default: the sub-job); ``before(engine)`` runs first in the drain, before it lingers (a
-        sampler snapshot loads its weights there while the group still arrives).
+        (default: the sub-job); ``load``: the snapshot whose weights the drain needs, loaded
+        first in a drain that must (before it lingers, while the group still arrives).
         """
         engine = sub.engine
         try:
@@ -126,17 +129,23 @@ class SampleBatcher:
             start = not queue.scheduled
             queue.scheduled = True
         if start:
-            linger = before is not None or not joins
             taken: list[_Pending] = []  # what this drain took, for _fail_all
-            drained = submit(
-                lambda: self._drain(queue, engine, before, linger, taken), alone=before is not None
-            )
+            with self._queuing:  # a drain's plan for the weights holds at its place in the queue
+                loads = load is not None and load.plan()
+                linger = loads or not joins
+                drained = submit(
+                    lambda: self._drain(queue, engine, load, loads, linger, taken), alone=loads
+                )
             drained.add_done_callback(lambda f: self._fail_all(queue, f, taken))
         return item.future
 
-    def _drain(self, queue: _Queue, engine, before, linger: bool, taken: list) -> None:
-        if before is not None:  # the batch's weights load while its requests still arrive
-            before(engine)
+    def _drain(
+        self, queue: _Queue, engine, load: SnapshotLoad | None, loads: bool, linger: bool, taken
+    ) -> None:
+        if loads:  # the batch's weights load while its requests still arrive
+            load.load(engine)
+        elif load is not None:
+            load.check()
         with queue.lock:
             if linger:
                 self._linger(queue)

@@ -9,8 +9,9 @@ import pytest
 
 from arctic_platform.engine.config import ModelConfig, SamplingEngineConfig
 from arctic_platform.engine.sampler import SamplingEngine
-from arctic_platform.server.errors import BadRequest
+from arctic_platform.server.errors import BadRequest, Conflict
 from arctic_platform.server.tinker.sample_batcher import SampleBatcher
+from arctic_platform.server.tinker.snapshot_loads import SnapshotWeights
 
 
 @pytest.fixture(scope="module")
@@ -171,10 +172,24 @@ def test_a_drained_queue_is_dropped_and_its_key_batches_again(engine):
     assert calls == [2, 2, 2, 1]
 
 
+class FakeSnapshot:
+    """A snapshot's weights (``WeightSnapshot``) that records the engines it was loaded into."""
+
+    def __init__(self, *, fails: bool = False) -> None:
+        self.fails = fails
+        self.loaded_into: list = []
+
+    def load_into(self, engine) -> None:
+        if self.fails:
+            raise RuntimeError("the load failed part-way")
+        self.loaded_into.append(engine)
+
+
 def test_on_a_running_batch_each_drain_starts_at_once_and_only_weight_loads_run_alone(engine):
     """``joins``: the sampler's running batch takes late requests mid-decode, so a drain does not
-    linger (with an hour's gap it would never end) and runs beside others; a drain that loads a
-    snapshot's weights first still runs alone."""
+    linger (with an hour's gap it would never end) and runs beside others; only a drain that must
+    load a snapshot's weights first runs alone: a later drain of the snapshot loaded (or queued
+    to load) needs no load and joins too."""
     import threading
 
     sub, calls = counting_sub(engine, "j:sampling:4")
@@ -195,11 +210,33 @@ def test_on_a_running_batch_each_drain_starts_at_once_and_only_weight_loads_run_
     params = {"n": 1, "max_tokens": 2, "seed": 0}
     first = batcher.add(sub, [10], params, False, submit, joins=True)
     assert first.result(timeout=60)[0][0]["token_ids"]
-    loaded = []
     batcher = SampleBatcher()
-    second = batcher.add(
-        sub, [11], params, False, submit, joins=True, key="snapshot", before=loaded.append
-    )
-    assert second.result(timeout=60)[0][0]["token_ids"]
-    assert alone_flags == [False, True] and loaded == [sub.engine]
-    assert calls == [1, 1]
+    weights = SnapshotWeights()
+    one, two = FakeSnapshot(), FakeSnapshot()
+    for number, snapshot in ((1, one), (1, one), (2, two), (1, one)):
+        load = weights.load_of(sub.sub_job_id, ("run", number), snapshot)
+        sampled = batcher.add(
+            sub, [11], params, False, submit, joins=True, key=f"s{number}", load=load
+        )
+        assert sampled.result(timeout=60)[0][0]["token_ids"]
+    assert alone_flags == [False, True, False, True, True]
+    assert one.loaded_into == [sub.engine, sub.engine] and two.loaded_into == [sub.engine]
+    assert calls == [1, 1, 1, 1, 1]
+
+
+def test_a_drain_that_planned_on_a_load_that_failed_is_refused_and_the_next_loads_again():
+    weights = SnapshotWeights()
+    broken, engine = FakeSnapshot(fails=True), object()
+    loading, after = (weights.load_of("j:sampling:0", ("run", 1), broken) for _ in "ab")
+    assert loading.plan() and not after.plan()  # the second finds the first's load queued
+    with pytest.raises(RuntimeError, match="failed part-way"):
+        loading.load(engine)
+    with pytest.raises(Conflict, match="snapshot 1 of run could not be loaded") as refused:
+        after.check()
+    assert refused.value.status == 409
+    good = FakeSnapshot()
+    again = weights.load_of("j:sampling:0", ("run", 1), good)
+    assert again.plan()  # the failed load left no plan: this drain loads
+    again.load(engine)
+    again.check()
+    assert good.loaded_into == [engine]
