@@ -24,7 +24,7 @@ import re
 import shutil
 import tempfile
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 from arctic_platform.engine.errors import CheckpointWriteError
@@ -60,17 +60,21 @@ def publish(staging: Path, final: Path) -> None:
 
 
 @contextlib.contextmanager
-def staged(final: Path) -> Iterator[Path]:
-    """A staging folder for ``final`` (its parent created), published when the body ends; on
-    an error it is removed and ``final`` is as it was. An ``OSError`` (disk full, a name the
-    filesystem refuses) is raised as :class:`CheckpointWriteError`."""
+def staged(
+    final: Path, *, publisher: Callable[[Path, Path], object] | None = None
+) -> Iterator[Path]:
+    """A staging folder for ``final`` (its parent created), published when the body ends (by
+    ``publisher(staging, final)``, which calls :func:`publish`: a caller records the checkpoint
+    in the same step there); on an error it is removed and ``final`` is as it was. An
+    ``OSError`` (disk full, a name the filesystem refuses) is raised as
+    :class:`CheckpointWriteError`."""
     with writing():
         final.parent.mkdir(parents=True, exist_ok=True)
         recover([final.parent])
         staging = new_staging_dir(final.parent, final.name)
         try:
             yield staging
-            publish(staging, final)
+            (publisher or publish)(staging, final)
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
             raise

@@ -22,11 +22,18 @@ class EngineBroken(RuntimeError):
 def breaks_engine(error: BaseException) -> bool:
     """Whether ``error`` leaves the engine that raised it unusable: :class:`EngineBroken`, or a
     device fault (``torch.AcceleratorError``: a device-side assert, an illegal memory access),
-    after which the device's context is lost. Torch is looked up, not imported: an error from a
-    process without torch cannot be a device fault."""
+    after which the device's context is lost; torch before 2.8 raises those as a
+    ``RuntimeError`` whose message starts ``CUDA error``. Torch is looked up, not imported: an
+    error from a process without torch cannot be a device fault."""
+    if isinstance(error, EngineBroken):
+        return True
     torch = sys.modules.get("torch")
-    device_fault = torch is not None and isinstance(error, torch.AcceleratorError)
-    return isinstance(error, EngineBroken) or device_fault
+    if torch is None:
+        return False
+    accelerator_error = getattr(torch, "AcceleratorError", None)
+    if accelerator_error is not None:
+        return isinstance(error, accelerator_error)
+    return isinstance(error, RuntimeError) and str(error).startswith("CUDA error")
 
 
 class EngineInputError(FieldError):

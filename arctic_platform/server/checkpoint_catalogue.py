@@ -14,12 +14,14 @@ process did not finish.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Iterable
 from pathlib import Path
 
 from arctic_platform.contract.job_config import SubJobConfig
 from arctic_platform.engine.checkpoint_layout import is_loadable
+from arctic_platform.engine.checkpoint_staging import publish as publish_folder
 from arctic_platform.engine.checkpoint_staging import recover, remove_published
 from arctic_platform.server.errors import BadRequest, NotFound
 from arctic_platform.server.job_registry import JobRegistry, SubJob
@@ -40,6 +42,7 @@ class CheckpointCatalogue:
         self.paths = paths
         self.jobs = jobs
         self.data_dir = data_dir
+        self._expiring = threading.Lock()  # an expiry's delete, a save's publish (see publish)
 
     def record(
         self,
@@ -66,6 +69,26 @@ class CheckpointCatalogue:
         self.store.put_checkpoint(record)
         return record
 
+    def publish(
+        self,
+        staging: Path,
+        final: Path,
+        sub: SubJob,
+        saved: dict,
+        checkpoint_type: str,
+        *,
+        expires_at: float | None = None,
+    ) -> dict:
+        """Publish a staged checkpoint folder as ``final`` and record it (``saved``: its id and
+        step) in one step against the TTL expiry, which deletes a record and then its folder in
+        one step too: so the expiry of an earlier version never removes a folder a save has just
+        published under the same name."""
+        with self._expiring:
+            publish_folder(staging, final)
+            return self.record(
+                sub, {**saved, "path": str(final)}, checkpoint_type, expires_at=expires_at
+            )
+
     def records(self, job_id: str, *, owner: str | None) -> list[dict]:
         """Records of ``owner``'s job ``job_id`` whose folders exist, oldest first (expired
         ones are deleted first)."""
@@ -76,12 +99,20 @@ class CheckpointCatalogue:
         now, live = time.time(), []
         for record in self.store.checkpoints(job_id):
             if record["expires_at"] is not None and record["expires_at"] <= now:
-                self.store.delete_checkpoint(job_id, record["checkpoint_id"])
-                remove_published(Path(record["path"]))
-                log.info("deleted %s: its TTL ran out", record["path"])
+                self._expire(job_id, record)
             elif Path(record["path"]).exists():
                 live.append(record)
         return live
+
+    def _expire(self, job_id: str, record: dict) -> None:
+        """Delete an expired checkpoint: only the caller whose delete took this version's row
+        removes its folder (not a second reader of the same row, nor after a save replaced it),
+        and not while a save publishes (:meth:`publish`)."""
+        with self._expiring:
+            version = record["created_at"]
+            if self.store.delete_checkpoint(job_id, record["checkpoint_id"], created_at=version):
+                remove_published(Path(record["path"]))
+                log.info("deleted %s: its TTL ran out", record["path"])
 
     def summaries(self, job_id: str, *, owner: str | None) -> list[dict]:
         """The job's checkpoints whose folders exist, without their paths."""

@@ -67,7 +67,7 @@ from arctic_platform.contract.job_config import API_JOB_TYPE
 from arctic_platform.contract.ops import OpName
 from arctic_platform.contract.results import FORWARD_OUTPUTS, loss_fields
 from arctic_platform.engine import cancellation
-from arctic_platform.engine.errors import EngineBroken
+from arctic_platform.engine.errors import EngineBroken, breaks_engine
 from arctic_platform.server.dp_split import merge_rows, split_by_tokens, take_rows
 from arctic_platform.server.ray_placement import JobShape, Placement, PlacementWait
 from arctic_platform.server.ray_workers import (
@@ -108,9 +108,9 @@ class WorkerFailure(EngineBroken):
 
 
 class WorkerRaised(RuntimeError):
-    """A worker raised and every other rank of the op answered: its actors are alive and idle,
-    so, as for an engine in the server's process, the op says whether the job goes on
-    (``Op.keeps_engine_state``)."""
+    """A worker raised, with an error that did not break its engine (``breaks_engine``), and
+    every other rank of the op answered: its actors are alive and idle, so, as for an engine in
+    the server's process, the op says whether the job goes on (``Op.keeps_engine_state``)."""
 
 
 class NodeLost(WorkerFailure):
@@ -211,7 +211,7 @@ class _Actors:
         if deaths:
             dead, error = min(deaths.items())
             return WorkerFailure(f"{self.describe(dead)} died during {what}: {_first_line(error)}")
-        failure = WorkerFailure if pending else WorkerRaised
+        failure = WorkerFailure if pending or breaks_engine(cause) else WorkerRaised
         return failure(
             f"{self.describe(rank)} failed during {what}: "
             f"{type(cause).__name__}: {_first_line(cause)}"

@@ -82,21 +82,28 @@ class Stopped:
 
 class OpStops:
     """The stop tokens of one actor's ops, by op id. A stop may arrive before its op starts (the
-    op then stops at its first check) or after it ended (the token is dropped with the oldest)."""
+    op then stops at its first check) or after it ended: beyond :data:`KEEP` such tokens of ops
+    not running, the oldest is dropped; a running op's token never is (a replica runs many at
+    once)."""
 
     KEEP = 64
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._tokens: dict[str, CancelToken] = {}
+        self._running: set[str] = set()
 
-    def token(self, op_id: str) -> CancelToken:
+    def token(self, op_id: str, *, running: bool = False) -> CancelToken:
+        """``op_id``'s token (made on first use); ``running``: the op starts now."""
         with self._lock:
+            if running:
+                self._running.add(op_id)
             token = self._tokens.get(op_id)
             if token is None:
                 token = self._tokens[op_id] = CancelToken()
-                while len(self._tokens) > self.KEEP:
-                    del self._tokens[next(iter(self._tokens))]
+                idle = [i for i in self._tokens if i not in self._running]
+                for stale in idle[: max(0, len(idle) - self.KEEP)]:
+                    del self._tokens[stale]
             return token
 
     def stop(self, op_id: str, reason: str) -> None:
@@ -105,12 +112,13 @@ class OpStops:
     def done(self, op_id: str) -> None:
         with self._lock:
             self._tokens.pop(op_id, None)
+            self._running.discard(op_id)
 
 
 def _replying(fn: Callable[[], Any], stops: OpStops | None = None, op_id: str | None = None) -> Any:
     """``fn()`` with results as numpy, refusals as :class:`Rejected` and, when ``op_id`` names a
     stoppable op, a stop as :class:`Stopped` (see module doc)."""
-    tokens = () if op_id is None or stops is None else (stops.token(op_id),)
+    tokens = () if op_id is None or stops is None else (stops.token(op_id, running=True),)
     try:
         with cancellation.scope(*tokens):
             return to_object_store(fn())

@@ -136,12 +136,17 @@ class MetadataStore:
             ).fetchall()
         return [dict(zip(_CHECKPOINT_KEYS, row, strict=True)) for row in rows]
 
-    def delete_checkpoint(self, job_id: str, checkpoint_id: str) -> None:
+    def delete_checkpoint(
+        self, job_id: str, checkpoint_id: str, *, created_at: float | None = None
+    ) -> bool:
+        """Delete the row (only the version made at ``created_at``, when given: not one that
+        replaced it since it was read); whether a row went."""
+        query = "DELETE FROM checkpoints WHERE job_id = ? AND checkpoint_id = ?"
+        values: tuple = (job_id, checkpoint_id)
+        if created_at is not None:
+            query, values = query + " AND created_at = ?", (*values, created_at)
         with self._lock:
-            self._db.execute(
-                "DELETE FROM checkpoints WHERE job_id = ? AND checkpoint_id = ?",
-                (job_id, checkpoint_id),
-            )
+            return self._db.execute(query, values).rowcount > 0
 
     def put_tinker_session(self, session_id: str, owner: str | None, created_at: float) -> None:
         with self._lock:

@@ -13,6 +13,7 @@ import os
 import signal
 import sys
 from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
 
 import pytest
 
@@ -70,3 +71,53 @@ def test_a_killed_worker_raises_died_with_its_signal(worker):
     ):
         worker.call("reset_prefix_cache", timeout=60)
     assert not worker.alive()
+
+
+class FakeLLMEngine:
+    """Stands in for vLLM's ``LLMEngine`` (this interpreter has no vLLM): ``step`` as given,
+    aborts recorded."""
+
+    def __init__(self, step) -> None:
+        self.step = step
+        self.aborted: list[str] = []
+
+    def abort_request(self, ids: list[str], internal: bool) -> None:
+        self.aborted += ids
+
+
+def decoding_over(engine: FakeLLMEngine, calls: dict):
+    from arctic_platform.engine.vllm_backend import worker as script
+
+    holder = script.Worker()
+    holder.llm = SimpleNamespace(llm_engine=engine)
+    decoding = script.Decoding(holder)
+    for seq, (ids, answer) in calls.items():
+        decoding.calls[seq] = script._Call(ids, answer)
+        decoding._call_of.update(dict.fromkeys(ids, seq))
+    return decoding
+
+
+def test_a_failed_decode_step_fails_every_call_and_marks_the_engine_broken():
+    def step():
+        raise RuntimeError("the scheduler's state is corrupt")
+
+    engine = FakeLLMEngine(step)
+    decoding = decoding_over(engine, {1: (["1-0", "1-1"], list), 2: (["2-0"], list)})
+    replies = dict(decoding.advance())
+    assert set(replies) == {1, 2} and not decoding.calls
+    for reply in replies.values():
+        assert reply["error"]["broken"] and "corrupt" in reply["error"]["message"]
+    assert sorted(engine.aborted) == ["1-0", "1-1", "2-0"]
+
+
+def test_a_call_whose_answer_cannot_be_read_fails_alone():
+    def step():
+        return [SimpleNamespace(request_id=i, finished=True) for i in ("1-0", "2-0")]
+
+    def unreadable(outputs):
+        raise KeyError("logprobs")
+
+    decoding = decoding_over(FakeLLMEngine(step), {1: (["1-0"], unreadable), 2: (["2-0"], len)})
+    replies = dict(decoding.advance())
+    assert replies[1]["error"]["type"] == "KeyError" and not replies[1]["error"]["broken"]
+    assert replies[2] == {"result": 1}

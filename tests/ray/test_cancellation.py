@@ -17,8 +17,9 @@ import numpy as np
 import pytest
 
 from arctic_platform.engine.cancellation import CancelToken
+from arctic_platform.engine.errors import EngineBroken
 from arctic_platform.layout import training_batch
-from arctic_platform.server.ray_engines import WorkerRaised
+from arctic_platform.server.ray_engines import WorkerFailure, WorkerRaised, _Actors
 from arctic_platform.server.service import Service, ServiceSettings
 from tests.server.conftest import sub_job
 from tests.server.test_fair_sharing import ENDLESS, ended_by, endless_generate, started
@@ -145,6 +146,21 @@ def test_a_replica_that_raises_fails_the_request_and_the_job_goes_on(service, jo
     monkeypatch.undo()
     (answer,) = service.execute(job_id, "generate", body)["results"]
     assert len(answer["token_ids"]) == 2
+
+
+@pytest.mark.parametrize(
+    ("cause", "expected"),
+    [(ValueError("a bug"), WorkerRaised), (EngineBroken("vLLM failed a step"), WorkerFailure)],
+    ids=["a-bug", "engine-broken"],
+)
+def test_what_a_replica_that_raised_costs(cause, expected):
+    """A replica's exception as Ray hands it over (no peer waits for it): the op alone fails
+    (``WorkerRaised``) unless the exception broke its engine (``WorkerFailure``: the job)."""
+    ray = pytest.importorskip("ray")
+    actors = _Actors("j:sampling:0", "sampling", [None], ["replica"], [None])
+    raised = ray.exceptions.RayTaskError("call", "traceback", cause)
+    failure = actors._failure(0, raised, "generate", {})
+    assert type(failure) is expected and "generate" in str(failure)
 
 
 def test_cancelling_the_job_stops_its_running_generate(service, job_id):

@@ -39,3 +39,19 @@ def test_a_store_of_an_earlier_version_gains_the_expiry_column(tmp_path):
     reopened = MetadataStore(file)  # a second open adds nothing twice
     assert [c["expires_at"] for c in reopened.checkpoints("j1")] == [None, 99.0]
     reopened.close()
+
+
+def test_a_delete_of_one_version_leaves_the_version_that_replaced_it(tmp_path):
+    """The TTL expiry deletes the version it read: a save that replaced it since keeps its row,
+    and a second delete of the same version takes nothing (so it removes no folder)."""
+    store = MetadataStore(tmp_path / "metadata.sqlite3")
+    old = {"job_id": "j1", "checkpoint_id": "weights-a", "sub_job_id": "j1:training:0"}
+    old |= {"path": "/x", "global_steps": 1, "checkpoint_type": "resumable", "created_at": 1.0}
+    store.put_checkpoint(old | {"expires_at": 2.0})
+    store.put_checkpoint(old | {"created_at": 5.0})  # a save replaced it
+    assert not store.delete_checkpoint("j1", "weights-a", created_at=1.0)
+    assert [c["created_at"] for c in store.checkpoints("j1")] == [5.0]
+    assert store.delete_checkpoint("j1", "weights-a", created_at=5.0)
+    assert not store.delete_checkpoint("j1", "weights-a", created_at=5.0)
+    assert store.checkpoints("j1") == []
+    store.close()

@@ -52,6 +52,11 @@ class VllmWorkerError(RuntimeError):
         self.message = message
 
 
+class VllmEngineBroken(VllmWorkerError, EngineBroken):
+    """vLLM's engine failed a decode step: the process lives, but what the failed step left in
+    the engine is not known, so the sampling job cannot continue (the Service fails it)."""
+
+
 class WorkerProcess:
     """One running worker script and the socket to it."""
 
@@ -97,7 +102,8 @@ class WorkerProcess:
             raise cancellation.OpCancelled(answer["stopped"])
         if "error" in answer:
             error = answer["error"]
-            raise VllmWorkerError(op, error["type"], error["message"])
+            failure = VllmEngineBroken if error.get("broken") else VllmWorkerError
+            raise failure(op, error["type"], error["message"])
         return answer["result"]
 
     def close(self, timeout: float = 10.0) -> None:

@@ -8,12 +8,15 @@ number ``seq``, which its reply repeats; the line ``{"op": "stop", "seq": N, "re
 reply) asks request ``N`` to stop. A reader thread takes lines off the socket, so requests and
 stops arrive while the engine works.
 
-``generate`` calls decode together (:class:`Decoding`): a call's requests join the engine's
-running batch when the call arrives (``LLMEngine.add_request``), even while other calls decode,
-the engine steps while any call has requests left (``step``), and each call is answered when its
-last request finishes, so a short call is not held up by a long one. A stop aborts that call's
-requests between steps (``abort_request``). Every other op runs alone: it waits for the calls
-decoding when it arrives to finish (the job already sends none while generates run).
+``generate`` and ``prompt_logprobs`` calls decode together (:class:`Decoding`,
+``DECODING_OPS``): a call's requests join the engine's running batch when the call arrives
+(``LLMEngine.add_request``), even while other calls decode, the engine steps while any call has
+requests left (``step``), and each call is answered when its last request finishes, so a short
+call is not held up by a long one. A stop aborts that call's requests between steps
+(``abort_request``); a step that raises fails every call decoding with ``"broken": true`` (what
+the failed step left in the engine is not known: the job's side fails the job). Every other op
+runs alone: it waits for the calls decoding when it arrives to finish (the job already sends
+none while generates run).
 
 Prompts arrive as token ids that the sampling job already validated; results go back in the shape
 of our sampler's outputs (see ``arctic_platform.engine.sampler``), so the job returns the same
@@ -39,10 +42,7 @@ import socket
 import sys
 import threading
 import traceback
-
-
-class Stopped(Exception):
-    """The running request was asked to stop (its reason is the message)."""
+from collections.abc import Callable
 
 
 class Worker:
@@ -52,7 +52,6 @@ class Worker:
         self.llm = None
         self.model = None
         self.engine_args: dict = {}
-        self.current = -1  # seq of the op running alone
         self._stops: dict[int, str] = {}  # seq -> why it was asked to stop
 
     def stop(self, seq: int, reason: str) -> None:
@@ -119,24 +118,6 @@ class Worker:
 
     # -- ops -------------------------------------------------------------------------------
 
-    def prompt_logprobs(self, prompt_token_ids: list[int]) -> list[float | None]:
-        """Each prompt token's log-prob given the tokens before it (None for the first): vLLM's
-        ``prompt_logprobs`` of a one-token request at temperature 1 (the raw distribution)."""
-        params = {"max_tokens": 1, "temperature": 1.0, "prompt_logprobs": 0, "detokenize": False}
-        decoding = Decoding(self)
-        decoding.add(self.current, [{"prompt_token_ids": prompt_token_ids, "params": params}])
-        while decoding.calls:
-            for _, kind, value in decoding.advance():
-                if kind == "stopped":
-                    raise Stopped(value)
-                if kind == "error":
-                    raise value
-                _, (output,) = value
-        return [
-            None if position is None else float(position[token].logprob)
-            for token, position in zip(prompt_token_ids, output.prompt_logprobs, strict=True)
-        ]
-
     def reload(self, model: str) -> dict:
         """Load the weights of ``model`` (the staged directory) into the running engine."""
         self.llm.collective_rpc("reload_weights", kwargs={"weights_path": model})
@@ -176,19 +157,19 @@ class Worker:
 
 class Decoding:
     """The calls decoding together in the engine (see module doc): ``add`` a call's requests,
-    ``advance`` the engine a step at a time and collect the calls that ended."""
+    ``advance`` the engine a step at a time and collect the answers of the calls that ended."""
 
     def __init__(self, worker: Worker) -> None:
         self.worker = worker
-        self.calls: dict[int, list[dict]] = {}  # seq -> its requests
-        self._done: dict[int, dict] = {}  # seq -> engine request id -> its final output
+        self.calls: dict[int, _Call] = {}  # seq -> the call
         self._call_of: dict[str, int] = {}  # engine request id -> seq
 
-    def add(self, seq: int, requests: list[dict]) -> None:
-        """Put the call's requests (``prompt_token_ids``, ``params``) into the running batch."""
+    def add(self, seq: int, op: str, args: dict) -> None:
+        """Put the requests of decoding op ``op`` (``DECODING_OPS``) into the running batch."""
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
+        requests, answer = DECODING_OPS[op](**args)
         engine = self.worker.llm.llm_engine
         ids: list[str] = []
         try:
@@ -201,19 +182,18 @@ class Decoding:
         except BaseException:
             engine.abort_request(ids, internal=False)
             raise
-        self.calls[seq], self._done[seq] = requests, {}
+        self.calls[seq] = _Call(ids, answer)
         self._call_of.update(dict.fromkeys(ids, seq))
 
-    def advance(self) -> list[tuple[int, str, object]]:
-        """Stop the calls asked to, step the engine once, and return ``(seq, kind, value)`` for
-        each call that ended: ``("result", (its requests, their outputs in order))``,
-        ``("stopped", reason)``, or, when the step raised, ``("error", the exception)`` for every
-        call."""
-        ended: list[tuple[int, str, object]] = []
+    def advance(self) -> list[tuple[int, dict]]:
+        """Stop the calls asked to, step the engine once, and return the reply of each call that
+        ended: its answer, its stop, or, when the step raised, an error for every call that marks
+        the engine broken (what a failed step left in it is not known)."""
+        ended: list[tuple[int, dict]] = []
         for seq in list(self.calls):
             if (reason := self.worker.stop_reason(seq)) is not None:
                 self._end(seq)
-                ended.append((seq, "stopped", reason))
+                ended.append((seq, {"stopped": reason}))
         if not self.calls:
             return ended
         try:
@@ -221,24 +201,25 @@ class Decoding:
         except Exception as exc:
             for seq in list(self.calls):
                 self._end(seq)
-                ended.append((seq, "error", exc))
+                ended.append((seq, _failure(exc, broken=True)))
             return ended
         for output in outputs:
             seq = self._call_of.pop(output.request_id, None) if output.finished else None
             if seq is not None:
-                self._done[seq][output.request_id] = output
-        for seq, requests in list(self.calls.items()):
-            done = self._done[seq]
-            if len(done) == len(requests):
-                results = [done[f"{seq}-{i}"] for i in range(len(requests))]
+                self.calls[seq].done[output.request_id] = output
+        for seq, call in list(self.calls.items()):
+            if len(call.done) == len(call.ids):
                 self._end(seq)
-                ended.append((seq, "result", (requests, results)))
+                try:
+                    ended.append((seq, {"result": call.answer([call.done[i] for i in call.ids])}))
+                except Exception as exc:  # this call's answer alone
+                    ended.append((seq, _failure(exc)))
         return ended
 
     def _end(self, seq: int) -> None:
         """Drop the call, aborting what it has left in the engine."""
-        requests, done = self.calls.pop(seq), self._done.pop(seq)
-        left = [f"{seq}-{i}" for i in range(len(requests)) if f"{seq}-{i}" not in done]
+        call = self.calls.pop(seq)
+        left = [i for i in call.ids if i not in call.done]
         for request_id in left:
             self._call_of.pop(request_id, None)
         if left:
@@ -246,12 +227,45 @@ class Decoding:
         self.worker.forget(seq)
 
 
-def _samples(requests: list[dict], outputs: list) -> list[list[dict]]:
-    """One list of sample outputs per request, in the shape of our sampler's."""
-    return [
-        [_sample(c, r["params"].get("logprobs")) for c in sorted(o.outputs, key=_index)]
-        for o, r in zip(outputs, requests, strict=True)
-    ]
+@dataclasses.dataclass
+class _Call:
+    ids: list[str]  # its requests' ids in the engine, in order
+    answer: Callable[[list], object]  # its reply's result, from their final outputs in order
+    done: dict = dataclasses.field(default_factory=dict)  # request id -> final output
+
+
+def _generate(requests: list[dict]):
+    """``generate``: one list of sample outputs per request (``prompt_token_ids``,
+    ``params``), in the shape of our sampler's."""
+
+    def answer(outputs: list) -> list[list[dict]]:
+        return [
+            [_sample(c, r["params"].get("logprobs")) for c in sorted(o.outputs, key=_index)]
+            for o, r in zip(outputs, requests, strict=True)
+        ]
+
+    return requests, answer
+
+
+def _prompt_logprobs(prompt_token_ids: list[int]):
+    """``prompt_logprobs``: each prompt token's log-prob given the tokens before it (None for the
+    first): vLLM's ``prompt_logprobs`` of a one-token request at temperature 1 (the raw
+    distribution)."""
+    params = {"max_tokens": 1, "temperature": 1.0, "prompt_logprobs": 0, "detokenize": False}
+
+    def answer(outputs: list) -> list[float | None]:
+        (output,) = outputs
+        return [
+            None if position is None else float(position[token].logprob)
+            for token, position in zip(prompt_token_ids, output.prompt_logprobs, strict=True)
+        ]
+
+    return [{"prompt_token_ids": prompt_token_ids, "params": params}], answer
+
+
+# The ops whose requests decode in the running batch: op -> its requests and how its answer is
+# read from their outputs.
+DECODING_OPS = {"generate": _generate, "prompt_logprobs": _prompt_logprobs}
 
 
 def known_engine_args(
@@ -339,11 +353,8 @@ def serve(fd: int) -> None:
         writer.flush()
 
     def advance() -> None:
-        for seq, kind, value in decoding.advance():
-            if kind == "result":
-                reply(seq, {"result": _samples(*value)})
-            else:
-                reply(seq, {"stopped": value} if kind == "stopped" else _failure(value))
+        for seq, answer in decoding.advance():
+            reply(seq, answer)
 
     threading.Thread(target=read, name="requests", daemon=True).start()
     while True:
@@ -355,19 +366,16 @@ def serve(fd: int) -> None:
         if request is None:
             break
         op, seq = request["op"], request.get("seq", -1)
-        if op == "generate":  # joins the calls decoding; the next step takes it in
+        if op in DECODING_OPS:  # joins the calls decoding; the next step takes it in
             try:
-                decoding.add(seq, request["args"]["requests"])
+                decoding.add(seq, op, request.get("args", {}))
             except Exception as exc:
                 reply(seq, _failure(exc))
             continue
         while decoding.calls:  # any other op runs alone
             advance()
-        worker.current = seq
         try:
             answer = {"result": getattr(worker, op)(**request.get("args", {}))}
-        except Stopped as exc:
-            answer = {"stopped": str(exc)}
         except Exception as exc:
             answer = _failure(exc)
         worker.forget(seq)
@@ -377,10 +385,11 @@ def serve(fd: int) -> None:
     worker.shutdown()
 
 
-def _failure(exc: BaseException) -> dict:
-    """The reply of an op that raised (its traceback goes to the worker's log)."""
+def _failure(exc: BaseException, *, broken: bool = False) -> dict:
+    """The reply of an op that raised (its traceback goes to the worker's log); ``broken``: the
+    engine cannot be trusted with another op (the job's side fails the job)."""
     traceback.print_exception(exc)
-    return {"error": {"type": type(exc).__name__, "message": str(exc)}}
+    return {"error": {"type": type(exc).__name__, "message": str(exc), "broken": broken}}
 
 
 if __name__ == "__main__":

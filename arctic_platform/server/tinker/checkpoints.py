@@ -154,20 +154,19 @@ class TinkerCheckpoints:
         then; without ``overwrite`` a 409) and catalogue it as ``sub``'s."""
         check_ttl(ttl_seconds)
         directory = self._run_dir(owner, path.model_id) / path.kind / path.name
-        if not overwrite and self._find(path, owner) is not None:
+        if not overwrite and (self._find(path, owner) is not None or directory.exists()):
             raise Conflict(f"checkpoint {path} already exists; pass overwrite=True")
-        with staging.staged(directory) as folder:
-            saved = write(folder)
-        self._catalogue.record(
-            sub,
-            {
-                "checkpoint_id": path.checkpoint_id,
-                "path": str(directory),
-                "global_step": saved["global_step"],
-            },
-            CATALOGUE_TYPES[path.kind],
-            expires_at=_expiry(ttl_seconds),
-        )
+        step: list[int] = []  # the engine's step, once written
+
+        def publish(folder: Path, final: Path) -> None:
+            saved = {"checkpoint_id": path.checkpoint_id, "global_step": step[0]}
+            kind = CATALOGUE_TYPES[path.kind]
+            self._catalogue.publish(
+                folder, final, sub, saved, kind, expires_at=_expiry(ttl_seconds)
+            )
+
+        with staging.staged(directory, publisher=publish) as folder:
+            step.append(write(folder)["global_step"])
 
     def set_ttl(self, path: TinkerPath, owner: str | None, ttl_seconds: int | None) -> None:
         """Expire ``path`` ``ttl_seconds`` from now (None: never)."""
