@@ -121,3 +121,30 @@ def test_a_call_whose_answer_cannot_be_read_fails_alone():
     replies = dict(decoding.advance())
     assert replies[1]["error"]["type"] == "KeyError" and not replies[1]["error"]["broken"]
     assert replies[2] == {"result": 1}
+
+
+# A worker that answers every request as the real one answers a decode step that raised.
+BROKEN_STEP_WORKER = """
+import json, socket, sys
+sock = socket.socket(fileno=int(sys.argv[1]))
+for line in sock.makefile("rb"):
+    seq = json.loads(line)["seq"]
+    error = {"type": "RuntimeError", "message": "step failed", "broken": True}
+    sock.sendall(json.dumps({"seq": seq, "error": error}).encode() + b"\\n")
+"""
+
+
+def test_a_broken_reply_raises_an_error_that_fails_the_job(tmp_path, monkeypatch):
+    from arctic_platform.engine.errors import breaks_engine
+    from arctic_platform.engine.vllm_backend import process
+
+    script = tmp_path / "broken_worker.py"
+    script.write_text(BROKEN_STEP_WORKER)
+    monkeypatch.setattr(process, "WORKER_SCRIPT", script)
+    channel = WorkerProcess(sys.executable, env=dict(os.environ), log_path=tmp_path / "w.log")
+    try:
+        with pytest.raises(process.VllmEngineBroken, match="step failed") as raised:
+            channel.call("generate", timeout=60, requests=[])
+        assert breaks_engine(raised.value)
+    finally:
+        channel.close(timeout=1)
