@@ -121,8 +121,10 @@ NOT_OP_NAMES = {
     # A checkpoint's training step (a field name, a metric key), not the optimizer-step op.
     ("arctic_platform/engine/checkpoint_layout.py", "step"),
     ("arctic_platform/engine/trainer.py", "step"),
-    # vLLM's own method name.
+    # vLLM's own method name, and the vLLM worker's op of that name (its channel's protocol: the
+    # script runs in vLLM's interpreter, which cannot import this package).
     ("arctic_platform/engine/vllm_backend/engine.py", "generate"),
+    ("arctic_platform/engine/vllm_backend/worker.py", "generate"),
     # The recipes' step counter in run logs, records and trackers.
     ("arctic_platform/recipes/grpo.py", "step"),
     ("arctic_platform/recipes/run_log.py", "step"),
