@@ -46,6 +46,22 @@ def _status_mib(key: str) -> float:
         return int(re.search(rf"{key}:\s+(\d+)", status.read()).group(1)) / 1024
 
 
+def traced_peak_mib(send: Callable[[], T]) -> tuple[T, float]:
+    """``send()``'s answer and the peak of Python and numpy allocations it made, in MiB
+    (``tracemalloc``, all threads: the in-process server's and the client's). Unlike the peak
+    RSS it does not move with the C allocator's state (how many copies a ``realloc`` made, what
+    earlier tests left in the heap), so a bound on it can be tight; torch's own allocations are
+    not traced, so it suits requests refused before any tensor is made."""
+    import tracemalloc
+
+    tracemalloc.start()
+    try:
+        answer = send()
+        return answer, tracemalloc.get_traced_memory()[1] / 2**20
+    finally:
+        tracemalloc.stop()
+
+
 def peak_growth_mib(send: Callable[[], T]) -> tuple[T, float]:
     """``send()``'s answer and how far this process's peak RSS rose above its RSS before, in
     MiB: what a request costs a server running in this process (``serve_app``, ASGI)."""

@@ -13,7 +13,7 @@ import pytest
 
 from arctic_platform import wire
 from tests.server.conftest import CORTEX, OCTET, job_request
-from tests.server.helpers import peak_growth_mib, same_weights, weights_of
+from tests.server.helpers import same_weights, traced_peak_mib, weights_of
 from tests.server.test_cortex import create, submit_frame
 from tests.wire.test_fuzz import mutate, random_shape, reshaped
 
@@ -178,12 +178,15 @@ def test_a_context_is_mapped_only_once_the_batch_is_within_the_limits(http, serv
             "context": {"input_ids": ids, "loss_mask": ids},
         }
     )
-    answer, grew = peak_growth_mib(
+    answer, grew = traced_peak_mib(
         lambda: http.post(
             f"/forward-backward?job_id={job_id}:training:0", content=frame, headers=OCTET
         )
     )
     body_mib = len(frame) / 2**20
-    assert grew < body_mib + 100, f"peak RSS rose {grew:.0f} MiB for a {body_mib:.0f} MiB body"
+    # The body read once, and little else: 57 MiB traced here, 194 MiB when the context was
+    # mapped before the limits were checked. (The peak RSS, measured before, moved with the C
+    # allocator's state: 76-82 MiB here, 139 MiB in one CI run.)
+    assert grew < body_mib + 48, f"{grew:.0f} MiB allocated for a {body_mib:.0f} MiB body"
     assert answer.status_code == 413, answer.text
     assert answer.json()["limit"] == "max_batch_tokens"
