@@ -139,6 +139,10 @@ class TinkerCheckpoints:
     def runs(self, owner: str | None) -> list[dict]:
         return self._store.tinker_runs(owner)
 
+    def _job_id(self, model_id: str, owner: str | None) -> str:
+        """The id of the run's job, whose checkpoints the run's are (404 as for the run)."""
+        return self.run_record(model_id, owner)["job_id"]
+
     def save(
         self,
         path: TinkerPath,
@@ -172,18 +176,15 @@ class TinkerCheckpoints:
         """Expire ``path`` ``ttl_seconds`` from now (None: never)."""
         check_ttl(ttl_seconds)
         self.resolve(path, owner)
-        job_id = self.run_record(path.model_id, owner)["job_id"]
+        job_id = self._job_id(path.model_id, owner)
         self._catalogue.set_expiry(job_id, path.checkpoint_id, _expiry(ttl_seconds), owner=owner)
 
     def _find(self, path: TinkerPath, owner: str | None) -> dict | None:
         """The catalogue's record of ``path`` (None if absent or expired)."""
-        job_id = self.run_record(path.model_id, owner)["job_id"]
-        found = [
-            r
-            for r in self._catalogue.records(job_id, owner=owner)
-            if r["checkpoint_id"] == path.checkpoint_id
-        ]
-        return found[0] if found else None
+        job_id = self._job_id(path.model_id, owner)
+        with contextlib.suppress(NotFound):
+            return self._catalogue.get(job_id, path.checkpoint_id, owner=owner)
+        return None
 
     def resolve(self, path: TinkerPath, owner: str | None) -> Path:
         """The saved checkpoint folder of ``path`` (``.../checkpoint-<step>``); 404 if absent."""
@@ -215,9 +216,8 @@ class TinkerCheckpoints:
 
     def list(self, model_id: str, owner: str | None) -> list[dict]:
         """``Checkpoint`` objects of a run, oldest first."""
-        job_id = self.run_record(model_id, owner)["job_id"]
         found = []
-        for record in self._catalogue.records(job_id, owner=owner):
+        for record in self._catalogue.records(self._job_id(model_id, owner), owner=owner):
             path = _tinker_path(model_id, record)
             if path is None or not layout.is_loadable(record["path"]):
                 continue  # an on-prem save of the run's job, or a checkpoint whose files are gone
@@ -239,8 +239,7 @@ class TinkerCheckpoints:
 
     def delete(self, path: TinkerPath, owner: str | None) -> None:
         self.resolve(path, owner)
-        job_id = self.run_record(path.model_id, owner)["job_id"]
-        self._catalogue.delete(job_id, path.checkpoint_id, owner=owner)
+        self._catalogue.delete(self._job_id(path.model_id, owner), path.checkpoint_id, owner=owner)
 
     def recover(self, roots: Iterable[Path]) -> None:
         """Undo what killed saves left under the Tinker folders ``roots`` (one per owner): in
