@@ -88,9 +88,10 @@ class SamplingEngineConfig(_Strict):
     ``max_batch_size`` bounds how many sequences decode together; ``max_model_len`` bounds prompt
     plus completion (defaults to the model's ``max_position_embeddings``).
     ``max_tokens_per_microbatch`` bounds the padded prompt tokens of one prefill forward;
-    ``max_kv_cache_bytes`` bounds the key/value cache of the running batch (rows x (prompt +
-    completion) x bytes per token): sequences that do not fit wait for running ones to finish
-    rather than exhausting memory. ``continuous_batching`` (default on) lets calls from several
+    ``max_kv_cache_bytes`` bounds the key/value cache of the running batch (each prefilled
+    prompt once, however many samples decode from it, plus each row's completion, times the
+    bytes per token): sequences that do not fit wait for running ones to finish rather than
+    exhausting memory. ``continuous_batching`` (default on) lets calls from several
     threads decode together, a call arriving mid-decode joining at the next step; off, calls run
     one at a time. ``max_logprobs`` caps the ``logprobs`` a request may ask for, and
     ``seed`` seeds the draws of requests that do not bring their own. ``engine`` picks the

@@ -77,3 +77,9 @@ class SamplerStateError(RuntimeError):
     Not bad input and not a broken job: a complete weight sync makes it usable again, so the
     server reports it as a conflict rather than failing the job.
     """
+
+
+class UnsupportedModel(RuntimeError):
+    """The model cannot run in our sampler: its modeling code does not pass attention keywords
+    down to its attention function, which the shared-prefix decode step relies on
+    (:mod:`arctic_platform.engine.shared_prefix`)."""

@@ -2,35 +2,59 @@
 
 ``DynamicCache`` concatenates every layer's keys and values at every step, copying the whole cache
 each time; ``StaticCache`` avoids the copy but makes attention read the full preallocated length.
-This cache does neither: each layer owns buffers of ``[rows, kv_heads, capacity, head_dim]`` that
-are written in place, and attention reads a view of the filled prefix only.
+This cache does neither: each layer owns buffers that are written in place, and attention reads
+views of the filled columns only.
+
+Each layer keeps two stores (:mod:`arctic_platform.engine.shared_prefix` says why):
+
+- the **prefix store** ``[groups, kv_heads, prefix_width, head_dim]``: the keys/values of each
+  prefilled prompt, once, however many samples decode from it (``prefill_groups``); prompts are
+  left-padded and right-aligned at ``prefix_width``;
+- the **suffix store** ``[rows, kv_heads, capacity, head_dim]``: each row's generated tokens. All
+  rows share one write column (a row that joined later is left-padded), which is what keeps
+  every step a single batched call.
 
 It adds what the sampler needs on top of a plain cache:
 
-- **prefill into replicated rows**: a prompt shared by ``n`` samples is run through the model once
-  and its keys/values are written into all ``n`` rows (``prefill_rows``), so nothing is recomputed;
-- **compaction**: rows of finished sequences are dropped with one gather per layer (``keep_rows``),
-  so later steps only compute the sequences still running;
-- **joining**: sequences that join a running batch (:mod:`arctic_platform.engine.running_batch`)
-  get new rows; ``relayout`` moves the rows still running into the new geometry (dropping the
-  padding columns every one of them has, or left-padding them when a longer prompt joins) and
-  the newcomers' prefill is written right-aligned at the common write index;
+- **compaction**: rows of finished sequences, and groups no row reads any more, are dropped with
+  one gather per layer (``keep``), so later steps only compute what is still running;
+- **joining**: rows and groups that join a running batch (:mod:`.running_batch`) get new slots;
+  ``relayout`` moves what is kept into the new geometry (dropping the suffix columns no kept
+  row uses, left-padding whichever side is shorter) and the newcomers' prompts are prefilled
+  into their groups;
 - **buffer reuse**: buffers come from a :class:`KVBufferPool`, which keeps them across batches and
   calls (no re-allocation per step or per call) until the sampler goes to sleep and releases them.
 
-All sequences share one write index (the batch is left-padded to a common prompt width, with
-per-row position ids and an attention mask), which is what keeps every step a single batched call.
-Columns a row never wrote but attention reads (its left padding) hold zeros, never stale memory:
-a masked position weighs exactly 0, and 0 times a stale NaN would still poison the row.
+Columns a row never wrote but attention reads (its padding) hold zeros, never stale memory: a
+masked position weighs exactly 0, and 0 times a stale NaN would still poison the row.
 Only full-attention layers are supported (no sliding-window or linear-attention layers).
 """
 
 from __future__ import annotations
 
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
+
+# The pool's buffers of one layer: suffix keys, suffix values, prefix keys, prefix values.
+SUFFIX_KEYS, SUFFIX_VALUES, PREFIX_KEYS, PREFIX_VALUES = range(4)
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """The cache's shape: ``groups`` prompts of ``prefix_width`` columns, ``rows`` completions of
+    ``capacity`` columns."""
+
+    groups: int
+    prefix_width: int
+    rows: int
+    capacity: int
+
+    def nbytes(self, per_token: int) -> int:
+        """Bytes of every layer's keys and values, ``per_token`` bytes per token."""
+        return (self.groups * self.prefix_width + self.rows * self.capacity) * per_token
 
 
 class KVBufferPool:
@@ -79,7 +103,7 @@ class KVBufferPool:
 
 
 class _PreallocatedLayer(CacheLayerMixin):
-    """One layer's keys and values; see :class:`KVCache`."""
+    """One layer's stores; see :class:`KVCache`."""
 
     is_sliding = False
     is_compileable = False
@@ -88,28 +112,42 @@ class _PreallocatedLayer(CacheLayerMixin):
         super().__init__()
         self._cache = cache
         self._index = index
-        self.length = 0
+        self.length = 0  # the suffix columns written
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         # Head counts and sizes come from the first states seen, so any full-attention model works.
-        cache = self._cache
         self.dtype, self.device = key_states.dtype, key_states.device
-        heads = key_states.shape[1]
-        k_shape = (cache.rows, heads, cache.capacity, key_states.shape[-1])
-        v_shape = (cache.rows, heads, cache.capacity, value_states.shape[-1])
-        self.keys = cache.pool.view((self._index, 0), k_shape, self.dtype, self.device)
-        self.values = cache.pool.view((self._index, 1), v_shape, self.dtype, self.device)
+        self.heads = key_states.shape[1]
+        self.dims = (key_states.shape[-1], value_states.shape[-1])
+        self.shape(self._cache.geometry)
         self.is_initialized = True
+
+    def shape(self, geometry: Geometry) -> dict[int, torch.Tensor]:
+        """Take views of ``geometry`` from the pool (contents undefined); return them by kind."""
+        pool, index = self._cache.pool, self._index
+        shapes = {
+            SUFFIX_KEYS: (geometry.rows, geometry.capacity, self.dims[0]),
+            SUFFIX_VALUES: (geometry.rows, geometry.capacity, self.dims[1]),
+            PREFIX_KEYS: (geometry.groups, geometry.prefix_width, self.dims[0]),
+            PREFIX_VALUES: (geometry.groups, geometry.prefix_width, self.dims[1]),
+        }
+        views = {
+            kind: pool.view((index, kind), (n, self.heads, width, dim), self.dtype, self.device)
+            for kind, (n, width, dim) in shapes.items()
+        }
+        self.keys, self.values = views[SUFFIX_KEYS], views[SUFFIX_VALUES]
+        self.prefix_keys, self.prefix_values = views[PREFIX_KEYS], views[PREFIX_VALUES]
+        return views
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         cache = self._cache
         if cache.prefill_target is not None:
-            rows, source, at = cache.prefill_target
-            width = key_states.shape[-2]
-            self.keys[rows, :, at : at + width] = key_states[source]
-            self.values[rows, :, at : at + width] = value_states[source]
+            first, at = cache.prefill_target
+            groups, width = key_states.shape[0], key_states.shape[-2]
+            self.prefix_keys[first : first + groups, :, at : at + width] = key_states
+            self.prefix_values[first : first + groups, :, at : at + width] = value_states
             return key_states, value_states
         start, stop = self.length, self.length + key_states.shape[-2]
         active = cache.active_rows
@@ -122,77 +160,106 @@ class _PreallocatedLayer(CacheLayerMixin):
         return self.get_seq_length() + query_length, 0
 
     def get_seq_length(self) -> int:
-        return 0 if self._cache.prefill_target is not None else self.length
+        if self._cache.prefill_target is not None:
+            return 0
+        return self._cache.geometry.prefix_width + self.length
 
     def get_max_cache_shape(self) -> int:
-        return self._cache.capacity
+        return self._cache.geometry.prefix_width + self._cache.geometry.capacity
 
 
 class KVCache(Cache):
-    """A ``transformers`` cache over preallocated buffers for ``rows`` sequences of ``capacity``.
+    """A ``transformers`` cache of a prefix store and a suffix store per layer (module doc).
 
-    Use: ``with cache.prefill_rows(rows, source): model(...)`` for each prefill microbatch, then
-    ``cache.start_decoding(prompt_width)``, then one model call per step; ``keep_rows(index)``
-    compacts the batch to the given rows (in that order).
+    Use: ``with cache.prefill_groups(first, at): model(...)`` for each prefill microbatch (its
+    batch item ``i`` is group ``first + i``), then ``cache.start_decoding(column)``, then one model
+    call per step, whose attention reads :meth:`prefix` for its layer; ``keep`` compacts.
     """
 
-    def __init__(self, num_layers: int, rows: int, capacity: int, pool: KVBufferPool) -> None:
-        self.rows = rows
-        self.capacity = capacity
+    def __init__(self, num_layers: int, geometry: Geometry, pool: KVBufferPool) -> None:
+        self.geometry = geometry
         self.pool = pool
-        self.active_rows = rows
-        self.prefill_target: tuple[torch.Tensor, torch.Tensor, int] | None = None
+        self.active_rows = geometry.rows
+        self.prefill_target: tuple[int, int] | None = None
         super().__init__(layers=[_PreallocatedLayer(self, i) for i in range(num_layers)])
 
+    def prefix(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``layer``'s prefix keys and values (every group, every column)."""
+        store = self.layers[layer]
+        return store.prefix_keys, store.prefix_values
+
     @contextmanager
-    def prefill_rows(self, rows: torch.Tensor, source: torch.Tensor, at: int = 0):
-        """Write the keys/values of the next forward's batch item ``source[i]`` into ``rows[i]``,
-        from column ``at`` on.
+    def prefill_groups(self, first: int, at: int = 0):
+        """Write the next forward's batch item ``i`` into group ``first + i``, from column ``at``.
 
         The forward attends only to its own inputs (the cache reads as empty during prefill).
         """
-        self.prefill_target = (rows, source, at)
+        self.prefill_target = (first, at)
         try:
             yield self
         finally:
             self.prefill_target = None
 
-    def start_decoding(self, prompt_width: int) -> None:
-        """Every row now holds ``prompt_width`` positions; decode steps append after them."""
+    def start_decoding(self, column: int) -> None:
+        """The next decode step writes every row's suffix at ``column``."""
         for layer in self.layers:
-            layer.length = prompt_width
+            layer.length = column
 
-    def keep_rows(self, index: torch.Tensor) -> None:
-        """Keep only the rows ``index`` (ascending), moved to the front of the buffers."""
+    def keep(self, rows: torch.Tensor, groups: torch.Tensor) -> None:
+        """Keep only ``rows`` and ``groups`` (each ascending), moved to the front of the stores."""
         for layer in self.layers:
             if not layer.is_initialized:
                 continue
             length = layer.length
-            layer.keys[: len(index), :, :length] = layer.keys[index, :, :length]
-            layer.values[: len(index), :, :length] = layer.values[index, :, :length]
-        self.active_rows = len(index)
+            layer.keys[: len(rows), :, :length] = layer.keys[rows, :, :length]
+            layer.values[: len(rows), :, :length] = layer.values[rows, :, :length]
+            if len(groups) < len(layer.prefix_keys):
+                layer.prefix_keys[: len(groups)] = layer.prefix_keys[groups]
+                layer.prefix_values[: len(groups)] = layer.prefix_values[groups]
+                layer.prefix_keys = layer.prefix_keys[: len(groups)]
+                layer.prefix_values = layer.prefix_values[: len(groups)]
+        self.active_rows = len(rows)
+        self.geometry = Geometry(
+            len(groups), self.geometry.prefix_width, self.geometry.rows, self.geometry.capacity
+        )
 
     def relayout(
-        self, keep: torch.Tensor, columns: tuple[int, int], rows: int, capacity: int, end: int
+        self,
+        geometry: Geometry,
+        rows: tuple[torch.Tensor, int, int, int],
+        groups: tuple[torch.Tensor, int],
     ) -> None:
-        """Take the geometry ``rows x capacity``: row ``i < len(keep)`` then holds old row
-        ``keep[i]``'s columns ``columns = (lo, hi)`` ending at column ``end``, the next write goes
-        to ``end``, and every other position before ``end`` is zero (see the module doc).
-        The buffers are reused when they are large enough; only the kept data is copied."""
-        lo, hi = columns
+        """Take ``geometry``. ``rows = (keep, lo, hi, end)``: row ``i < len(keep)`` then holds old
+        row ``keep[i]``'s suffix columns ``lo .. hi`` ending at column ``end``, where the next
+        write goes. ``groups = (keep, width)``: group ``i < len(keep)`` holds old group
+        ``keep[i]``'s last ``width`` prefix columns, right-aligned. Every other column a row or
+        group may read is zero (see the module doc). The buffers are reused when they are large
+        enough; only the kept data is copied."""
+        keep_rows, lo, hi, end = rows
+        keep_groups, width = groups
+        old = self.geometry
         for layer in self.layers:
             if not layer.is_initialized:
                 continue
-            kept = [t[:, :, lo:hi].index_select(0, keep) for t in (layer.keys, layer.values)]
-            for kind, data in enumerate(kept):
-                shape = (rows, data.shape[1], capacity, data.shape[3])
-                view = self.pool.view((layer._index, kind), shape, layer.dtype, layer.device)
-                view[:, :, :end].zero_()
-                view[: len(keep), :, end - (hi - lo) : end] = data
-                if kind == 0:
-                    layer.keys = view
+            kept = {
+                SUFFIX_KEYS: layer.keys[:, :, lo:hi].index_select(0, keep_rows),
+                SUFFIX_VALUES: layer.values[:, :, lo:hi].index_select(0, keep_rows),
+                PREFIX_KEYS: layer.prefix_keys[:, :, old.prefix_width - width :].index_select(
+                    0, keep_groups
+                ),
+                PREFIX_VALUES: layer.prefix_values[:, :, old.prefix_width - width :].index_select(
+                    0, keep_groups
+                ),
+            }
+            views = layer.shape(geometry)
+            for kind, data in kept.items():
+                view = views[kind]
+                if kind in (SUFFIX_KEYS, SUFFIX_VALUES):
+                    view[:, :, :end].zero_()
+                    view[: len(keep_rows), :, end - (hi - lo) : end] = data
                 else:
-                    layer.values = view
+                    view.zero_()
+                    view[: len(keep_groups), :, geometry.prefix_width - width :] = data
             layer.length = end
-        self.rows = self.active_rows = rows
-        self.capacity = capacity
+        self.geometry = geometry
+        self.active_rows = geometry.rows

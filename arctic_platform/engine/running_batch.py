@@ -5,15 +5,16 @@ others decode does not wait for them (continuous batching). :mod:`.decode_loop` 
 joins and when; this module holds the batch and runs its steps:
 
 * :meth:`RunningBatch.plan` — which waiting samples fit now, in arrival order: at most
-  ``max_batch_size`` rows whose cache (rows x columns x bytes per token) fits
-  ``max_kv_cache_bytes``. A request's ``n`` samples may join in parts; each part prefills its
-  prompt again.
+  ``max_batch_size`` rows whose cache fits ``max_kv_cache_bytes`` (each prompt's keys once, each
+  row's completion: :class:`~arctic_platform.engine.kv_cache.Geometry`). A request's ``n``
+  samples may join in parts; each part prefills its prompt again.
 * :meth:`RunningBatch.admit` — each distinct prompt of the joining samples is prefilled **once**
   (left-padded to the widest of them, in microbatches of at most ``max_tokens_per_microbatch``
-  padded tokens) and its keys/values written into the rows of all its samples. Rows share one
-  write column: the running rows keep their keys but drop the padding columns all of them have,
-  and whichever side is shorter (running rows or newcomers) is left-padded
-  (:meth:`~arctic_platform.engine.kv_cache.KVCache.relayout`); position ids are per row.
+  padded tokens) into a group of the prefix store, which all its samples' rows read
+  (:mod:`~arctic_platform.engine.shared_prefix`). Rows share one suffix write column: the running
+  rows keep their completions but drop the columns none of them uses, and the newcomers start
+  left-padded at the write column (:meth:`~arctic_platform.engine.kv_cache.KVCache.relayout`);
+  position ids are per row.
 * :meth:`RunningBatch.sample` — one token for every row (each row at its own step, so its random
   numbers depend only on its seed, its sample index and its step: a seeded request gets the
   same samples alone or joining any batch), stop checks, and the outputs of the rows that just
@@ -35,9 +36,11 @@ import torch
 
 from arctic_platform.contract.sampling_params import SamplingParams
 from arctic_platform.engine.config import SamplingEngineConfig
-from arctic_platform.engine.kv_cache import KVBufferPool, KVCache
+from arctic_platform.engine.errors import UnsupportedModel
+from arctic_platform.engine.kv_cache import Geometry, KVBufferPool, KVCache
 from arctic_platform.engine.sampling_ops import choose_tokens, sequence_keys, step_uniforms
 from arctic_platform.engine.sampling_requests import SampleRequest
+from arctic_platform.engine.shared_prefix import SharedPrefixStep
 from arctic_platform.engine.stop_strings import stop_string_hits
 
 STOP_ID, STOP_STR, LENGTH = 1, 2, 3
@@ -108,9 +111,10 @@ class RunningBatch:
         self._cache: KVCache | None = None
         self._logits: torch.Tensor | None = None
         self._tokens: torch.Tensor | None = None
-        self._mask: torch.Tensor | None = None
-        self._padded = False
-        self._length = 0  # the next column every row writes
+        self._step: SharedPrefixStep | None = None
+        self._group_start = torch.zeros(0, dtype=torch.long, device=self.side.device)
+        self._prefix_width = 0  # the prefix store's columns (prompts are right-aligned there)
+        self._length = 0  # the next suffix column every row writes
 
     @property
     def empty(self) -> bool:
@@ -123,74 +127,94 @@ class RunningBatch:
     # ------------------------------------------------------------------------------------------
     # joining
 
-    def _live_extent(self) -> tuple[torch.Tensor, int, int, int]:
-        """``(live row index, first column any live row uses, its width, most new tokens any
-        live row may still need)``."""
+    def _live_extent(self) -> _Extent:
+        """What the live rows occupy (see :class:`_Extent`)."""
+        none = torch.zeros(0, dtype=torch.long, device=self.side.device)
         if self.empty:
-            return torch.zeros(0, dtype=torch.long, device=self.side.device), 0, 0, 0
+            return _Extent(none, 0, 0, 0, none, 0)
         state = self._state
         keep = (~state["done"]).nonzero().squeeze(1)
         if len(keep) == 0:
-            return keep, 0, 0, 0
-        trim = int(state["start"][keep].min())
+            return _Extent(keep, 0, 0, 0, none, 0)
+        trim = int(state["suffix_start"][keep].min())
         left = int((state["max_new"] - state["gen"])[keep].max())
-        return keep, trim, self._length - trim, left
+        groups = state["group"][keep].unique()
+        prompt = self._prefix_width - int(self._group_start[groups].min())
+        return _Extent(keep, trim, self._length - trim, left, groups, prompt)
 
     def plan(self, waiting: Iterable[Slice]) -> list[Slice]:
         """The longest prefix of ``waiting`` (its last slice maybe in part) that fits now."""
         per_token = self.side.kv_bytes_per_token
-        keep, _, width, left = self._live_extent()
-        rows = len(keep)
+        live = self._live_extent()
+        rows, groups, prompt, left = len(live.rows), len(live.groups), live.prompt, live.left
         chosen: list[Slice] = []
         for piece in waiting:
-            w = max(width, len(piece.request.token_ids))
+            p = max(prompt, len(piece.request.token_ids))
             m = max(left, piece.request.max_new)
-            by_memory = self.config.max_kv_cache_bytes // ((w + m) * per_token)
+            # one more prefix group of p columns, each row a completion of width + m columns
+            prefixes = Geometry(groups + 1, p, 0, 0).nbytes(per_token)
+            per_row = (live.width + m) * per_token
+            by_memory = (self.config.max_kv_cache_bytes - prefixes) // per_row
             room = min(self.config.max_batch_size, by_memory) - rows
             if room <= 0:
                 break
             count = min(room, piece.count)
             chosen.append(Slice(piece.owner, piece.request, piece.first, count))
-            rows, width, left = rows + count, w, m
+            rows, groups, prompt, left = rows + count, groups + 1, p, m
             if count < piece.count:
                 break
         return chosen
 
     def admit(self, slices: list[Slice]) -> None:
         """Prefill ``slices`` (from :meth:`plan`) into new rows; they sample at the next step."""
-        side = self.side
-        keep, trim, width, left = self._live_extent()
-        if len(keep):
+        live = self._live_extent()
+        if len(live.rows):
             self.joins += 1
         counts = torch.tensor([s.count for s in slices])
         widest = max(len(s.request.token_ids) for s in slices)
-        length = max(width, widest)
-        capacity = length + max(left, *(s.request.max_new for s in slices))
-        rows = len(keep) + int(counts.sum())
+        width = max(live.prompt, widest)
+        geometry = Geometry(
+            groups=len(live.groups) + len(slices),
+            prefix_width=width,
+            rows=len(live.rows) + int(counts.sum()),
+            capacity=live.width + max(live.left, *(s.request.max_new for s in slices)),
+        )
         if self._cache is None:
-            self._cache = KVCache(side.num_layers, rows, capacity, self.pool)
-        self._cache.relayout(keep, (trim, self._length), rows, capacity, length)
-
-        state = {k: v[keep] for k, v in self._state.items()}
+            self._cache = KVCache(self.side.num_layers, geometry, self.pool)
+        self._cache.relayout(
+            geometry,
+            rows=(live.rows, live.trim, self._length, live.width),
+            groups=(live.groups, live.prompt),
+        )
+        state = {k: v[live.rows] for k, v in self._state.items()}
         if state:
-            state["start"] += length - width - trim
-        new = self._new_rows(slices, counts, length)
+            state["suffix_start"] -= live.trim
+            state["group"] = torch.searchsorted(live.groups, state["group"])
+        new = self._new_rows(slices, counts, live.width, first_group=len(live.groups))
         self._state = _concat(state, new)
-        self._rows = [self._rows[i] for i in keep.tolist()] + [
+        prompts = torch.tensor([len(s.request.token_ids) for s in slices], device=self.side.device)
+        self._group_start = torch.cat(
+            [self._group_start[live.groups] + (width - self._prefix_width), width - prompts]
+        )
+        self._rows = [self._rows[i] for i in live.rows.tolist()] + [
             _Row(s.owner, s.request, sample, s.request.params if s.request.params.stop else None)
             for s in slices
             for sample in range(s.first, s.first + s.count)
         ]
-        self._out = self._grown_outputs(keep, rows)
-        logits = self._prefill(slices, counts, len(keep), widest, length - widest)
-        old = self._logits[keep] if self._logits is not None else logits[:0]
+        self._out = self._grown_outputs(live.rows, geometry.rows)
+        logits = self._prefill(slices, counts, len(live.groups), widest, width - widest)
+        old = self._logits[live.rows] if self._logits is not None else logits[:0]
         self._logits = torch.cat([old, logits])
-        self._length = length
-        self._cache.start_decoding(length)
-        self._update_mask()
+        self._prefix_width = width
+        self._length = live.width
+        self._cache.start_decoding(live.width)
+        self._update_layout()
 
-    def _new_rows(self, slices: list[Slice], counts: torch.Tensor, length: int) -> dict:
-        """Per-row tensors of the joining samples."""
+    def _new_rows(
+        self, slices: list[Slice], counts: torch.Tensor, write_at: int, first_group: int
+    ) -> dict:
+        """Per-row tensors of the joining samples (slice ``i`` prefilled into group
+        ``first_group + i``; their completions start at suffix column ``write_at``)."""
         per_slice = []
         for piece in slices:
             p, r = piece.request.params, piece.request
@@ -211,7 +235,8 @@ class RunningBatch:
         rows = int(counts.sum())
         state = {
             "position": prompt,
-            "start": length - prompt,
+            "group": first_group + torch.arange(len(slices)).repeat_interleave(counts),
+            "suffix_start": torch.full((rows,), write_at, dtype=torch.long),
             "greedy": column([p.greedy for p, _, _ in per_slice], torch.bool),
             "temperature": column([p.temperature for p, _, _ in per_slice], torch.float32),
             "top_k": column([p.top_k for p, _, _ in per_slice], torch.long),
@@ -246,13 +271,12 @@ class RunningBatch:
             out[name][index] = kept
         return out
 
-    def _prefill(self, slices, counts, first_row: int, width: int, at: int) -> torch.Tensor:
-        """Run each distinct prompt of ``slices`` once into rows ``first_row ..`` (columns
-        ``at .. at + width``); return their first-step logits ``[rows, vocab]`` (float32)."""
+    def _prefill(self, slices, counts, first_group: int, width: int, at: int) -> torch.Tensor:
+        """Run each prompt of ``slices`` once into groups ``first_group ..`` (prefix columns
+        ``at .. at + width``); return their rows' first-step logits ``[rows, vocab]`` (float32)."""
         side = self.side
         device = side.device
-        row_start = first_row + torch.cumsum(counts, 0) - counts
-        logits = torch.empty(int(counts.sum()), side.vocab_size, device=device)
+        logits = torch.empty(len(slices), side.vocab_size, device=device)
         per_batch = max(1, self.config.max_tokens_per_microbatch // width)
         for start in range(0, len(slices), per_batch):
             pieces = slices[start : start + per_batch]
@@ -264,16 +288,7 @@ class RunningBatch:
                 ids[i, width - len(prompt) :] = torch.tensor(prompt)
                 attention[i, width - len(prompt) :] = True
                 positions[i, width - len(prompt) :] = torch.arange(len(prompt))
-            local_counts = counts[start : start + len(pieces)]
-            source = torch.arange(len(pieces)).repeat_interleave(local_counts)
-            rows = torch.cat(
-                [
-                    torch.arange(int(row_start[start + i]), int(row_start[start + i] + c))
-                    for i, c in enumerate(local_counts.tolist())
-                ]
-            )
-            rows, source = rows.to(device), source.to(device)
-            with self._cache.prefill_rows(rows, source, at):
+            with self._cache.prefill_groups(first_group + start, at):
                 out = side.model(
                     input_ids=ids.to(device),
                     attention_mask=attention.to(device),
@@ -282,15 +297,32 @@ class RunningBatch:
                     use_cache=True,
                     logits_to_keep=1,
                 )
-            logits[rows - first_row] = out.logits[:, -1].float()[source]
-        return logits
+            logits[start : start + len(pieces)] = out.logits[:, -1].float()
+        return logits.repeat_interleave(counts.to(device), dim=0)
 
-    def _update_mask(self) -> None:
-        columns = torch.arange(self._cache.capacity, device=self.side.device)
-        self._mask = columns[None, :] >= self._state["start"][:, None]
-        # Without padding (equal prompt lengths, or n samples of one prompt) every key is
-        # visible: no mask lets attention skip building and applying one at every step.
-        self._padded = bool((self._state["start"] > 0).any())
+    def _update_layout(self) -> None:
+        """The decode steps' :class:`SharedPrefixStep` for the rows and groups now."""
+        state, cache = self._state, self._cache
+        group = state["group"]
+        groups = cache.geometry.groups
+        sizes = torch.bincount(group, minlength=groups)
+        order = torch.argsort(group, stable=True)
+        place = torch.empty_like(group)
+        place[order] = torch.arange(len(group), device=group.device) - (
+            torch.cumsum(sizes, 0) - sizes
+        ).repeat_interleave(sizes)
+        per_group = int(sizes.max())
+        slots = group * per_group + place
+        self._step = SharedPrefixStep(
+            prefix=cache.prefix,
+            slots=slots,
+            groups=groups,
+            per_group=per_group,
+            prefix_bias=_bias(self._group_start[group], cache.geometry.prefix_width),
+            suffix_bias=_bias(state["suffix_start"], cache.geometry.capacity),
+            dense=groups * per_group == len(group)
+            and bool((slots == torch.arange(len(group), device=group.device)).all()),
+        )
 
     # ------------------------------------------------------------------------------------------
     # stepping
@@ -357,15 +389,23 @@ class RunningBatch:
         """One forward over the rows: the tokens sampled last go into the cache."""
         if self.empty:
             return
-        state = self._state
+        state, step = self._state, self._step
+        step.layers_seen = 0
         out = self.side.model(
             input_ids=self._tokens[:, None],
             position_ids=state["position"][:, None],
-            attention_mask=self._mask[:, : self._length + 1] if self._padded else None,
             past_key_values=self._cache,
             use_cache=True,
             logits_to_keep=1,
+            shared_prefix=step,
         )
+        if step.layers_seen != self.side.num_layers:
+            raise UnsupportedModel(
+                f"{type(self.side.model).__name__} did not pass the decode step's shared_prefix "
+                f"keyword down to its attention ({step.layers_seen} of {self.side.num_layers} "
+                "layers did): the sampler needs a transformers model that forwards attention "
+                "keywords"
+            )
         self._logits = out.logits[:, -1].float()
         state["position"] += 1
         self._length += 1
@@ -416,13 +456,41 @@ class RunningBatch:
         if finished < max(1, len(done) // 8):
             return
         keep = (~done).nonzero().squeeze(1)
-        self._cache.keep_rows(keep)
+        groups = self._state["group"][keep].unique()
+        self._cache.keep(keep, groups)
+        self._group_start = self._group_start[groups]
         self._state = {k: v[keep] for k, v in self._state.items()}
+        self._state["group"] = torch.searchsorted(groups, self._state["group"])
         self._out = {k: v[keep] for k, v in self._out.items()}
         self._rows = [self._rows[i] for i in keep.tolist()]
         self._tokens = self._tokens[keep] if self._tokens is not None else None
         self._logits = self._logits[keep] if self._logits is not None else None
-        self._update_mask()
+        self._update_layout()
+
+
+@dataclass(frozen=True)
+class _Extent:
+    """What the live rows of a batch occupy: their ``rows`` (indices), the first suffix column
+    any of them uses (``trim``) and the ``width`` from there to the write column, the most new
+    tokens any may still need (``left``), the prefix ``groups`` they read and the widest of
+    those prompts (``prompt``)."""
+
+    rows: torch.Tensor
+    trim: int
+    width: int
+    left: int
+    groups: torch.Tensor
+    prompt: int
+
+
+def _bias(start: torch.Tensor, columns: int) -> torch.Tensor | None:
+    """``[rows, 1, 1, columns]``: 0 from each row's ``start`` on, ``-inf`` before; None if no
+    row has a masked column."""
+    if not bool((start > 0).any()):
+        return None
+    visible = torch.arange(columns, device=start.device)[None, :] >= start[:, None]
+    bias = torch.zeros(visible.shape, device=start.device)
+    return bias.masked_fill_(~visible, float("-inf"))[:, None, None, :]
 
 
 def _concat(old: dict[str, torch.Tensor], new: dict[str, torch.Tensor]) -> dict:
