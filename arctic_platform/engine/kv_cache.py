@@ -32,14 +32,15 @@ Only full-attention layers are supported (no sliding-window or linear-attention 
 
 from __future__ import annotations
 
+import math
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-# The pool's buffers of one layer: suffix keys, suffix values, prefix keys, prefix values.
-SUFFIX_KEYS, SUFFIX_VALUES, PREFIX_KEYS, PREFIX_VALUES = range(4)
+# The pool's buffers of one layer (each holds the prefix store, then the suffix store).
+KEYS, VALUES = 0, 1
 
 
 @dataclass(frozen=True)
@@ -68,12 +69,12 @@ class KVBufferPool:
         self._buffers: dict[tuple[int, int], torch.Tensor] = {}
         self._last_sizes: dict[tuple[int, int], tuple[int, torch.dtype, torch.device]] = {}
 
-    def view(
-        self, key: tuple[int, int], shape: tuple[int, ...], dtype: torch.dtype, device
-    ) -> torch.Tensor:
-        numel = 1
-        for size in shape:
-            numel *= size
+    def views(
+        self, key: tuple[int, int], shapes: list[tuple[int, ...]], dtype: torch.dtype, device
+    ) -> list[torch.Tensor]:
+        """Consecutive regions of one buffer, shaped ``shapes`` (contents undefined)."""
+        sizes = [math.prod(shape) for shape in shapes]
+        numel = sum(sizes)
         buffer = self._buffers.get(key)
         if buffer is None or buffer.numel() < numel or buffer.dtype != dtype:
             self._buffers.pop(key, None)  # free the old one before allocating the new one
@@ -82,7 +83,8 @@ class KVBufferPool:
         elif buffer.device != torch.device(device):
             buffer = self._buffers[key] = torch.empty(buffer.numel(), dtype=dtype, device=device)
         self._last_sizes[key] = (buffer.numel(), dtype, buffer.device)
-        return buffer[:numel].view(shape)
+        regions = buffer[:numel].split(sizes)
+        return [region.view(shape) for region, shape in zip(regions, shapes, strict=True)]
 
     @property
     def nbytes(self) -> int:
@@ -119,25 +121,27 @@ class _PreallocatedLayer(CacheLayerMixin):
         self.dtype, self.device = key_states.dtype, key_states.device
         self.heads = key_states.shape[1]
         self.dims = (key_states.shape[-1], value_states.shape[-1])
-        self.shape(self._cache.geometry)
+        self.take_views(self._cache.geometry)
         self.is_initialized = True
 
-    def shape(self, geometry: Geometry) -> dict[int, torch.Tensor]:
-        """Take views of ``geometry`` from the pool (contents undefined); return them by kind."""
-        pool, index = self._cache.pool, self._index
-        shapes = {
-            SUFFIX_KEYS: (geometry.rows, geometry.capacity, self.dims[0]),
-            SUFFIX_VALUES: (geometry.rows, geometry.capacity, self.dims[1]),
-            PREFIX_KEYS: (geometry.groups, geometry.prefix_width, self.dims[0]),
-            PREFIX_VALUES: (geometry.groups, geometry.prefix_width, self.dims[1]),
-        }
-        views = {
-            kind: pool.view((index, kind), (n, self.heads, width, dim), self.dtype, self.device)
-            for kind, (n, width, dim) in shapes.items()
-        }
-        self.keys, self.values = views[SUFFIX_KEYS], views[SUFFIX_VALUES]
-        self.prefix_keys, self.prefix_values = views[PREFIX_KEYS], views[PREFIX_VALUES]
-        return views
+    def take_views(self, geometry: Geometry) -> None:
+        """Point the stores at views of ``geometry`` in the pool (contents undefined). Keys and
+        values each take one buffer, prefix store first, so the cache never holds more than
+        the geometry however its split between prompts and completions moves."""
+        for kind, dim in ((KEYS, self.dims[0]), (VALUES, self.dims[1])):
+            prefix, suffix = self._cache.pool.views(
+                (self._index, kind),
+                [
+                    (geometry.groups, self.heads, geometry.prefix_width, dim),
+                    (geometry.rows, self.heads, geometry.capacity, dim),
+                ],
+                self.dtype,
+                self.device,
+            )
+            if kind == KEYS:
+                self.prefix_keys, self.keys = prefix, suffix
+            else:
+                self.prefix_values, self.values = prefix, suffix
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
@@ -205,23 +209,23 @@ class KVCache(Cache):
         for layer in self.layers:
             layer.length = column
 
-    def keep(self, rows: torch.Tensor, groups: torch.Tensor) -> None:
-        """Keep only ``rows`` and ``groups`` (each ascending), moved to the front of the stores."""
+    def keep(self, rows: torch.Tensor, groups: torch.Tensor, prefix_width: int) -> None:
+        """Keep only ``rows`` and ``groups`` (each ascending), moved to the front of the stores,
+        and the last ``prefix_width`` prefix columns (the widest kept prompt's)."""
+        old = self.geometry
         for layer in self.layers:
             if not layer.is_initialized:
                 continue
             length = layer.length
             layer.keys[: len(rows), :, :length] = layer.keys[rows, :, :length]
             layer.values[: len(rows), :, :length] = layer.values[rows, :, :length]
-            if len(groups) < len(layer.prefix_keys):
-                layer.prefix_keys[: len(groups)] = layer.prefix_keys[groups]
-                layer.prefix_values[: len(groups)] = layer.prefix_values[groups]
-                layer.prefix_keys = layer.prefix_keys[: len(groups)]
-                layer.prefix_values = layer.prefix_values[: len(groups)]
+            trim = old.prefix_width - prefix_width
+            for name in ("prefix_keys", "prefix_values"):
+                store = getattr(layer, name)
+                store[: len(groups)] = store[groups]
+                setattr(layer, name, store[: len(groups), :, trim:])
         self.active_rows = len(rows)
-        self.geometry = Geometry(
-            len(groups), self.geometry.prefix_width, self.geometry.rows, self.geometry.capacity
-        )
+        self.geometry = Geometry(len(groups), prefix_width, len(rows), old.capacity)
 
     def relayout(
         self,
@@ -241,25 +245,20 @@ class KVCache(Cache):
         for layer in self.layers:
             if not layer.is_initialized:
                 continue
-            kept = {
-                SUFFIX_KEYS: layer.keys[:, :, lo:hi].index_select(0, keep_rows),
-                SUFFIX_VALUES: layer.values[:, :, lo:hi].index_select(0, keep_rows),
-                PREFIX_KEYS: layer.prefix_keys[:, :, old.prefix_width - width :].index_select(
-                    0, keep_groups
-                ),
-                PREFIX_VALUES: layer.prefix_values[:, :, old.prefix_width - width :].index_select(
-                    0, keep_groups
-                ),
-            }
-            views = layer.shape(geometry)
-            for kind, data in kept.items():
-                view = views[kind]
-                if kind in (SUFFIX_KEYS, SUFFIX_VALUES):
-                    view[:, :, :end].zero_()
-                    view[: len(keep_rows), :, end - (hi - lo) : end] = data
-                else:
-                    view.zero_()
-                    view[: len(keep_groups), :, geometry.prefix_width - width :] = data
+            first = old.prefix_width - width
+            kept = [
+                layer.keys[:, :, lo:hi].index_select(0, keep_rows),
+                layer.values[:, :, lo:hi].index_select(0, keep_rows),
+                layer.prefix_keys[:, :, first:].index_select(0, keep_groups),
+                layer.prefix_values[:, :, first:].index_select(0, keep_groups),
+            ]
+            layer.take_views(geometry)
+            for store, data in zip((layer.keys, layer.values), kept[:2], strict=True):
+                store[:, :, :end].zero_()
+                store[: len(keep_rows), :, end - (hi - lo) : end] = data
+            for store, data in zip((layer.prefix_keys, layer.prefix_values), kept[2:], strict=True):
+                store.zero_()
+                store[: len(keep_groups), :, geometry.prefix_width - width :] = data
             layer.length = end
         self.geometry = geometry
         self.active_rows = geometry.rows

@@ -40,7 +40,7 @@ from arctic_platform.engine.errors import UnsupportedModel
 from arctic_platform.engine.kv_cache import Geometry, KVBufferPool, KVCache
 from arctic_platform.engine.sampling_ops import choose_tokens, sequence_keys, step_uniforms
 from arctic_platform.engine.sampling_requests import SampleRequest
-from arctic_platform.engine.shared_prefix import SharedPrefixStep
+from arctic_platform.engine.shared_prefix import SharedPrefixStep, layout
 from arctic_platform.engine.stop_strings import stop_string_hits
 
 STOP_ID, STOP_STR, LENGTH = 1, 2, 3
@@ -151,10 +151,11 @@ class RunningBatch:
         for piece in waiting:
             p = max(prompt, len(piece.request.token_ids))
             m = max(left, piece.request.max_new)
-            # one more prefix group of p columns, each row a completion of width + m columns
-            prefixes = Geometry(groups + 1, p, 0, 0).nbytes(per_token)
-            per_row = (live.width + m) * per_token
-            by_memory = (self.config.max_kv_cache_bytes - prefixes) // per_row
+            # one more prefix group, all of p columns; each row a completion of width + m columns
+            prefixes = (groups + 1) * p * per_token
+            by_memory = (self.config.max_kv_cache_bytes - prefixes) // (
+                (live.width + m) * per_token
+            )
             room = min(self.config.max_batch_size, by_memory) - rows
             if room <= 0:
                 break
@@ -266,9 +267,11 @@ class RunningBatch:
                 out["top_ids"] = torch.zeros(rows, longest, k, dtype=torch.long, device=device)
                 out["top_lp"] = torch.zeros(rows, longest, k, device=device)
         for name, old in self._out.items():
-            kept = old[keep]
-            index = (slice(0, len(keep)), *(slice(0, size) for size in kept.shape[1:]))
-            out[name][index] = kept
+            # A kept row's tokens (and top-k) fit the new widths, but the old buffers may be
+            # wider: the row that needed them may have left.
+            sizes = [min(a, b) for a, b in zip(old.shape[1:], out[name].shape[1:], strict=True)]
+            index = tuple(slice(0, size) for size in sizes)
+            out[name][(slice(0, len(keep)), *index)] = old[keep][(slice(None), *index)]
         return out
 
     def _prefill(self, slices, counts, first_group: int, width: int, at: int) -> torch.Tensor:
@@ -302,26 +305,13 @@ class RunningBatch:
 
     def _update_layout(self) -> None:
         """The decode steps' :class:`SharedPrefixStep` for the rows and groups now."""
-        state, cache = self._state, self._cache
-        group = state["group"]
-        groups = cache.geometry.groups
-        sizes = torch.bincount(group, minlength=groups)
-        order = torch.argsort(group, stable=True)
-        place = torch.empty_like(group)
-        place[order] = torch.arange(len(group), device=group.device) - (
-            torch.cumsum(sizes, 0) - sizes
-        ).repeat_interleave(sizes)
-        per_group = int(sizes.max())
-        slots = group * per_group + place
-        self._step = SharedPrefixStep(
-            prefix=cache.prefix,
-            slots=slots,
-            groups=groups,
-            per_group=per_group,
-            prefix_bias=_bias(self._group_start[group], cache.geometry.prefix_width),
-            suffix_bias=_bias(state["suffix_start"], cache.geometry.capacity),
-            dense=groups * per_group == len(group)
-            and bool((slots == torch.arange(len(group), device=group.device)).all()),
+        state, geometry = self._state, self._cache.geometry
+        self._step = layout(
+            state["group"],
+            geometry.groups,
+            self._cache.prefix,
+            prefix_bias=_bias(self._group_start[state["group"]], geometry.prefix_width),
+            suffix_bias=_bias(state["suffix_start"], geometry.capacity),
         )
 
     # ------------------------------------------------------------------------------------------
@@ -391,24 +381,31 @@ class RunningBatch:
             return
         state, step = self._state, self._step
         step.layers_seen = 0
-        out = self.side.model(
-            input_ids=self._tokens[:, None],
-            position_ids=state["position"][:, None],
-            past_key_values=self._cache,
-            use_cache=True,
-            logits_to_keep=1,
-            shared_prefix=step,
-        )
-        if step.layers_seen != self.side.num_layers:
-            raise UnsupportedModel(
-                f"{type(self.side.model).__name__} did not pass the decode step's shared_prefix "
-                f"keyword down to its attention ({step.layers_seen} of {self.side.num_layers} "
-                "layers did): the sampler needs a transformers model that forwards attention "
-                "keywords"
+        try:
+            out = self.side.model(
+                input_ids=self._tokens[:, None],
+                position_ids=state["position"][:, None],
+                past_key_values=self._cache,
+                use_cache=True,
+                logits_to_keep=1,
+                shared_prefix=step,
             )
+        except TypeError as exc:  # a forward without **kwargs somewhere on the way
+            if "shared_prefix" in str(exc):
+                raise self._unsupported(0) from exc
+            raise
+        if step.layers_seen != self.side.num_layers:
+            raise self._unsupported(step.layers_seen)
         self._logits = out.logits[:, -1].float()
         state["position"] += 1
         self._length += 1
+
+    def _unsupported(self, layers_seen: int) -> UnsupportedModel:
+        return UnsupportedModel(
+            f"{type(self.side.model).__name__} did not pass the decode step's shared_prefix "
+            f"keyword down to its attention ({layers_seen} of {self.side.num_layers} layers "
+            "did): the sampler needs a transformers model that forwards attention keywords"
+        )
 
     def _suppression(self) -> torch.Tensor | None:
         """Stop tokens each row may not pick yet (``min_tokens``), as a ``[rows, vocab]`` mask."""
@@ -457,8 +454,10 @@ class RunningBatch:
             return
         keep = (~done).nonzero().squeeze(1)
         groups = self._state["group"][keep].unique()
-        self._cache.keep(keep, groups)
-        self._group_start = self._group_start[groups]
+        trim = int(self._group_start[groups].min())  # columns no kept prompt reaches
+        self._cache.keep(keep, groups, self._prefix_width - trim)
+        self._group_start = self._group_start[groups] - trim
+        self._prefix_width -= trim
         self._state = {k: v[keep] for k, v in self._state.items()}
         self._state["group"] = torch.searchsorted(groups, self._state["group"])
         self._out = {k: v[keep] for k, v in self._out.items()}

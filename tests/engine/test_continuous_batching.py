@@ -17,6 +17,7 @@ import torch
 from arctic_platform.engine import cancellation
 from arctic_platform.engine.config import ModelConfig, SamplingEngineConfig
 from arctic_platform.engine.models import load_causal_lm
+from arctic_platform.engine.running_batch import Slice
 from arctic_platform.engine.sampler import SamplingEngine
 from arctic_platform.engine.weights import export_weights
 from tests.waiting import wait_until
@@ -244,3 +245,38 @@ def test_a_failure_while_a_call_joins_fails_both_calls_and_leaves_the_engine_wor
         assert engine.batch_state()["running_rows"] == 0
         _hooks.pop().remove()
     _assert_same(engine.generate([LONG_PROMPT], LONG), long_alone)
+
+
+def _drive(engine, joining_at: dict[int, list]) -> dict:
+    """Step the engine's running batch by hand, admitting ``joining_at[step]`` before that
+    step's sample; return each owner's finished token ids."""
+    batch, done, step = engine._loop.batch, {}, 0
+    with torch.inference_mode():
+        while not batch.empty or any(at >= step for at in joining_at):
+            if joining_at.get(step):
+                batch.admit(batch.plan(joining_at[step]))
+            if not batch.empty:
+                done.update({f.owner: f.token_ids for f in batch.sample()})
+                batch.advance()
+            step += 1
+    return done
+
+
+def test_a_row_joins_after_the_row_that_needed_the_widest_outputs_left(engine):
+    """A (24 tokens) decodes, B (10) joins at step 20, A finishes and leaves at step 24, C (5)
+    joins at step 26: the output buffers shrink to B's and C's widths while B's tokens so far
+    are carried over (this join used to fail the whole batch)."""
+    greedy = {"temperature": 0, "ignore_eos": True}
+    prompts = {"A": ("The cat", 24), "B": ("hello world", 10), "C": ("1+1=", 5)}
+    alone = {
+        name: engine.generate([prompt], {**greedy, "max_tokens": m})[0]["token_ids"]
+        for name, (prompt, m) in prompts.items()
+    }
+
+    def slice_of(name):
+        prompt, m = prompts[name]
+        request = engine._validate([prompt], {**greedy, "max_tokens": m})[0]
+        return Slice(name, request, 0, 1)
+
+    joined = _drive(engine, {0: [slice_of("A")], 20: [slice_of("B")], 26: [slice_of("C")]})
+    assert joined == alone

@@ -10,10 +10,12 @@ clear error when a model does not pass the layout down to its attention.
 import pytest
 import torch
 
+from arctic_platform.engine import sampler
 from arctic_platform.engine.config import ModelConfig, SamplingEngineConfig
 from arctic_platform.engine.errors import UnsupportedModel
+from arctic_platform.engine.models import load_causal_lm
 from arctic_platform.engine.sampler import SamplingEngine
-from arctic_platform.engine.shared_prefix import SharedPrefixStep, shared_prefix_attention
+from arctic_platform.engine.shared_prefix import layout, shared_prefix_attention
 
 HEADS, KV_HEADS, DIM = 8, 2, 16
 
@@ -39,21 +41,23 @@ def _reference(query, prefix_k, prefix_v, prefix_start, suffix_k, suffix_v, suff
 
 
 @pytest.mark.parametrize(
-    ("group", "slots", "per_group", "dense"),
+    ("group", "path"),
     [
-        # two prompts, four samples each, in order: the dense path (no scatter)
-        ([0, 0, 0, 0, 1, 1, 1, 1], list(range(8)), 4, True),
-        # three prompts with 2, 2 and 3 rows left, interleaved: padded groups, scattered rows
-        ([0, 1, 0, 2, 2, 1, 2], [0, 3, 1, 6, 7, 4, 8], 3, False),
+        # two prompts, four samples each, in order: no scatter or gather
+        ([0, 0, 0, 0, 1, 1, 1, 1], "dense"),
+        # three prompts with 2, 2 and 3 rows left, interleaved: padded chunks, scattered rows
+        ([0, 1, 0, 2, 2, 1, 2], "padded"),
+        # one prompt with 6 rows among four with 1: padding to 6 would be 30 slots for 10 rows,
+        # so a first level takes one row of each prompt and a second the large one's other 5
+        ([0, 1, 0, 2, 0, 3, 0, 0, 4, 0], "levels"),
+        # sizes 1, 2, 3 and 9: a level of 2 rows per prompt, then one of 7 for the two larger
+        ([3, 0, 1, 1, 2, 2, 2] + [3] * 8, "levels"),
     ],
-    ids=["dense", "uneven-groups"],
 )
-def test_attention_equals_each_row_over_its_own_prompt_and_completion(
-    group, slots, per_group, dense
-):
+def test_attention_equals_each_row_over_its_own_prompt_and_completion(group, path):
     gen = torch.Generator().manual_seed(0)
     groups, rows, width, capacity = max(group) + 1, len(group), 12, 5
-    prefix_start = [0, 4, 9][:groups]  # left padding of the shorter prompts
+    prefix_start = [0, 4, 9, 2, 11][:groups]  # left padding of the shorter prompts
     suffix_start = [(r * 2) % capacity for r in range(rows)]  # rows that joined later
 
     def rand(*shape):
@@ -62,21 +66,52 @@ def test_attention_equals_each_row_over_its_own_prompt_and_completion(
     query = rand(rows, HEADS, 1, DIM)
     prefix_k, prefix_v = rand(groups, KV_HEADS, width, DIM), rand(groups, KV_HEADS, width, DIM)
     suffix_k, suffix_v = rand(rows, KV_HEADS, capacity, DIM), rand(rows, KV_HEADS, capacity, DIM)
-    step = SharedPrefixStep(
-        prefix=lambda layer: (prefix_k, prefix_v),
-        slots=torch.tensor(slots),
-        groups=groups,
-        per_group=per_group,
+    step = layout(
+        torch.tensor(group),
+        groups,
+        lambda layer: (prefix_k, prefix_v),
         prefix_bias=_bias([prefix_start[g] for g in group], width),
         suffix_bias=_bias(suffix_start, capacity),
-        dense=dense,
     )
+    levels = step.levels
+    taken = "levels" if len(levels) > 1 else "dense" if levels[0].dense else "padded"
+    assert taken == path
+    assert sum(level.chunks * level.per_chunk for level in levels) <= 2 * rows
     out, weights = shared_prefix_attention(query, suffix_k, suffix_v, prefix_k, prefix_v, step)
     expected = _reference(
         query, prefix_k, prefix_v, prefix_start, suffix_k, suffix_v, suffix_start, group
     )
     assert weights is None and out.shape == (rows, 1, HEADS, DIM)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_bfloat16_scores_are_float32():
+    """Half-precision keys and queries score in float32 (as fused attention does): the result is
+    as close to a float64 reference as bfloat16 SDPA's, not the twice-larger error of rounding
+    the scores to bfloat16 before the softmax."""
+    gen = torch.Generator().manual_seed(1)
+    rows, width, capacity = 8, 400, 3
+    query = torch.randn(rows, HEADS, 1, DIM, generator=gen) * 3
+    prefix_k = torch.randn(1, KV_HEADS, width, DIM, generator=gen) * 3
+    prefix_v = torch.randn(1, KV_HEADS, width, DIM, generator=gen)
+    suffix_k = torch.randn(rows, KV_HEADS, capacity, DIM, generator=gen) * 3
+    suffix_v = torch.randn(rows, KV_HEADS, capacity, DIM, generator=gen)
+    group = [0] * rows
+    step = layout(torch.tensor(group), 1, None, None, None)
+    half = [t.bfloat16() for t in (query, suffix_k, suffix_v, prefix_k, prefix_v)]
+    out, _ = shared_prefix_attention(*half, step)
+    exact = _reference(
+        *(t.double() for t in (query, prefix_k, prefix_v)),
+        [0],
+        suffix_k.double(),
+        suffix_v.double(),
+        [0] * rows,
+        group,
+    )
+    fused = _reference(half[0], half[3], half[4], [0], half[1], half[2], [0] * rows, group)
+    ours_error = (out.double() - exact).abs().mean()
+    fused_error = (fused.double() - exact).abs().mean()
+    assert ours_error <= 1.25 * fused_error
 
 
 @pytest.fixture(scope="module")
@@ -119,3 +154,54 @@ def test_a_model_that_drops_attention_keywords_is_refused_by_name():
     attention.forward = without_keywords
     with pytest.raises(UnsupportedModel, match="LlamaForCausalLM .*3 of 4 layers"):
         engine.generate(["hello"], {"max_tokens": 4, "seed": 0})
+
+
+def test_a_model_whose_attention_uses_softcap_is_refused_by_name():
+    engine = SamplingEngine(SamplingEngineConfig(model=ModelConfig(name="builtin:tiny")))
+    attention = engine.model.model.layers[0].self_attn
+    forward = attention.forward
+
+    def with_softcap(hidden_states, position_embeddings, attention_mask, **kwargs):
+        return forward(hidden_states, position_embeddings, attention_mask, softcap=30.0, **kwargs)
+
+    attention.forward = with_softcap
+    with pytest.raises(UnsupportedModel, match="LlamaAttention passes softcap to its attention"):
+        engine.generate(["hello"], {"max_tokens": 4, "seed": 0})
+
+
+def test_a_flash_attention_model_prefills_with_sdpa_and_samples_the_same(monkeypatch):
+    """transformers resolves flash-attention (and paged, hub-kernel) implementations by their
+    exact name, so the sampler's wrapper keeps ``sdpa`` for prefill instead (the flash setting
+    is written into the loaded model's config directly: this machine has no flash_attn)."""
+    params = {"temperature": 0, "max_tokens": 12, "n": 2}
+    prompts = ["hello world", "a"]
+    expected = SamplingEngine(SamplingEngineConfig(model=ModelConfig(name="builtin:tiny")))
+
+    def flash_loaded(*args, **kwargs):
+        model = load_causal_lm(*args, **kwargs)
+        model.config._attn_implementation = "flash_attention_2"
+        return model
+
+    monkeypatch.setattr(sampler, "load_causal_lm", flash_loaded)
+    engine = SamplingEngine(SamplingEngineConfig(model=ModelConfig(name="builtin:tiny")))
+    assert engine.model.config._attn_implementation == "shared_prefix_sdpa"
+    assert [o["token_ids"] for o in engine.generate(prompts, params)] == [
+        o["token_ids"] for o in expected.generate(prompts, params)
+    ]
+
+
+def test_the_cache_stays_within_its_budget_when_prompts_and_completions_trade_places():
+    """One long prompt, then many long completions: the prefix and suffix stores share each
+    layer's buffer, so the pool never holds more than the budget."""
+    probe = SamplingEngine(SamplingEngineConfig(model=ModelConfig(name="builtin:tiny")))
+    budget = 512 * probe._kv_bytes_per_token()
+    engine = SamplingEngine(
+        SamplingEngineConfig(
+            model=ModelConfig(name="builtin:tiny"), max_kv_cache_bytes=budget, max_batch_size=64
+        )
+    )
+    params = {"temperature": 0, "ignore_eos": True}
+    engine.generate([[5] * 500], {**params, "max_tokens": 12})
+    assert engine._pool.nbytes <= budget
+    engine.generate([[5, 6]], {**params, "max_tokens": 62, "n": 8})
+    assert engine._pool.nbytes <= budget
