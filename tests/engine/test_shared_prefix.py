@@ -205,3 +205,30 @@ def test_the_cache_stays_within_its_budget_when_prompts_and_completions_trade_pl
     assert engine._pool.nbytes <= budget
     engine.generate([[5, 6]], {**params, "max_tokens": 62, "n": 8})
     assert engine._pool.nbytes <= budget
+
+
+def test_a_model_whose_attention_takes_no_extra_keywords_is_refused_by_name():
+    engine = SamplingEngine(SamplingEngineConfig(model=ModelConfig(name="builtin:tiny")))
+    attention = engine.model.model.layers[2].self_attn
+    forward = attention.forward
+
+    def fixed(
+        hidden_states,
+        position_embeddings,
+        attention_mask,
+        past_key_values=None,
+        position_ids=None,
+        use_cache=None,
+    ):
+        return forward(
+            hidden_states,
+            position_embeddings,
+            attention_mask,
+            past_key_values=past_key_values,
+            position_ids=position_ids,
+            use_cache=use_cache,
+        )
+
+    attention.forward = fixed
+    with pytest.raises(UnsupportedModel, match="LlamaForCausalLM .*0 of 4 layers"):
+        engine.generate(["hello"], {"max_tokens": 4, "seed": 0})
