@@ -40,11 +40,48 @@ class SnapshotWeights:
         about the sub-job's weights."""
         return SnapshotLoad(self, sub_job_id, wanted, weights)
 
+    def plan(self, sub_job_id: str, wanted: SnapshotId) -> bool:
+        """Whether a drain of ``wanted`` being queued now must load (it then becomes the plan).
+        Its caller queues the drain before another drain of the sub-job plans."""
+        with self._lock:
+            planned = self._planned.get(sub_job_id, self._loaded.get(sub_job_id))
+            if planned == wanted:
+                return False
+            self._planned[sub_job_id] = wanted
+            return True
+
+    def load(self, sub_job_id: str, wanted: SnapshotId, snapshot: Any, engine: Any) -> None:
+        """Load ``snapshot`` into ``engine`` (the drain runs alone), unless it is loaded."""
+        with self._lock:
+            if self._loaded.get(sub_job_id) == wanted:
+                return
+            self._loaded.pop(sub_job_id, None)  # until the load completes, nothing is known
+        try:
+            snapshot.load_into(engine)
+        except BaseException:
+            with self._lock:
+                if self._planned.get(sub_job_id) == wanted:
+                    del self._planned[sub_job_id]
+            raise
+        with self._lock:
+            self._loaded[sub_job_id] = wanted
+
+    def check(self, sub_job_id: str, wanted: SnapshotId) -> None:
+        """A drain that planned on no load: refuse unless ``wanted``'s weights are loaded."""
+        with self._lock:
+            loaded = self._loaded.get(sub_job_id)
+        if loaded != wanted:
+            raise Conflict(
+                f"the weights of snapshot {wanted[1]} of {wanted[0]} could not be loaded for "
+                "this sample (a load before it failed); send it again",
+                code="weights_incomplete",
+            )
+
 
 @dataclass(frozen=True)
 class SnapshotLoad:
-    """One drain's snapshot: :meth:`plan` as it is queued, then :meth:`load` or :meth:`check`
-    at its turn (see module doc)."""
+    """One drain's snapshot, bound for its :class:`SnapshotWeights`: :meth:`plan` as it is
+    queued, then :meth:`load` or :meth:`check` at its turn (see module doc)."""
 
     weights: SnapshotWeights
     sub_job_id: str
@@ -52,40 +89,10 @@ class SnapshotLoad:
     snapshot: Any
 
     def plan(self) -> bool:
-        """Whether the drain being queued now must load (it then becomes the plan). Its caller
-        queues the drain before another drain of the sub-job plans."""
-        state = self.weights
-        with state._lock:
-            planned = state._planned.get(self.sub_job_id, state._loaded.get(self.sub_job_id))
-            if planned == self.wanted:
-                return False
-            state._planned[self.sub_job_id] = self.wanted
-            return True
+        return self.weights.plan(self.sub_job_id, self.wanted)
 
     def load(self, engine: Any) -> None:
-        """Load the snapshot into ``engine`` (the drain runs alone), unless it is loaded."""
-        state, sub = self.weights, self.sub_job_id
-        with state._lock:
-            if state._loaded.get(sub) == self.wanted:
-                return
-            state._loaded.pop(sub, None)  # until the load completes, nothing known is loaded
-        try:
-            self.snapshot.load_into(engine)
-        except BaseException:
-            with state._lock:
-                if state._planned.get(sub) == self.wanted:
-                    del state._planned[sub]
-            raise
-        with state._lock:
-            state._loaded[sub] = self.wanted
+        self.weights.load(self.sub_job_id, self.wanted, self.snapshot, engine)
 
     def check(self) -> None:
-        """A drain that planned on no load: refuse unless its snapshot's weights are loaded."""
-        with self.weights._lock:
-            loaded = self.weights._loaded.get(self.sub_job_id)
-        if loaded != self.wanted:
-            raise Conflict(
-                f"the weights of snapshot {self.wanted[1]} of {self.wanted[0]} could not be "
-                "loaded for this sample (a load before it failed); send it again",
-                code="weights_incomplete",
-            )
+        self.weights.check(self.sub_job_id, self.wanted)
