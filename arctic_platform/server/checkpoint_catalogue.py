@@ -55,15 +55,39 @@ class CheckpointCatalogue:
     ) -> dict:
         """Catalogue what ``sub``'s engine just saved (``saved``: its id, path and step),
         replacing a record of the same id; ``expires_at``: when it is deleted (None: never)."""
+        return self.adopt(
+            sub.job_id,
+            sub.sub_job_id,
+            saved,
+            checkpoint_type,
+            avg_loss,
+            created_at=time.time(),
+            expires_at=expires_at,
+        )
+
+    def adopt(
+        self,
+        job_id: str,
+        sub_job_id: str,
+        saved: dict,
+        checkpoint_type: str,
+        avg_loss: float | None = None,
+        *,
+        created_at: float,
+        expires_at: float | None = None,
+    ) -> dict:
+        """Catalogue a checkpoint saved at ``created_at`` by sub-job ``sub_job_id`` of
+        ``job_id`` (:meth:`record`'s row; a folder an earlier server saved is adopted with its
+        own time)."""
         record = {
-            "job_id": sub.job_id,
+            "job_id": job_id,
             "checkpoint_id": saved["checkpoint_id"],
-            "sub_job_id": sub.sub_job_id,
+            "sub_job_id": sub_job_id,
             "path": saved["path"],
             "global_steps": saved["global_step"],
             "avg_loss": avg_loss,
             "checkpoint_type": checkpoint_type,
-            "created_at": time.time(),
+            "created_at": created_at,
             "expires_at": expires_at,
         }
         self.store.put_checkpoint(record)

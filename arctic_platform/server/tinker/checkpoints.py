@@ -269,19 +269,19 @@ class TinkerCheckpoints:
                 for folder in sorted((file.parent / kind).glob("*")):
                     if folder.name.startswith(".") or not layout.is_loadable(folder):
                         continue
-                    self._store.put_checkpoint(
-                        {
-                            "job_id": job_id,
-                            "checkpoint_id": TinkerPath(
-                                run["model_id"], kind, folder.name
-                            ).checkpoint_id,
-                            "sub_job_id": sub_job_id(job_id, "training", 0),
-                            "path": str(folder),
-                            "global_steps": _step(folder),
-                            "checkpoint_type": checkpoint_type,
-                            "created_at": folder.stat().st_mtime,
-                            "expires_at": expiry.get(f"{kind}/{folder.name}"),
-                        }
+                    path = TinkerPath(run["model_id"], kind, folder.name)
+                    saved = {
+                        "checkpoint_id": path.checkpoint_id,
+                        "path": str(folder),
+                        "global_step": _step(folder),
+                    }
+                    self._catalogue.adopt(
+                        job_id,
+                        sub_job_id(job_id, "training", 0),
+                        saved,
+                        checkpoint_type,
+                        created_at=folder.stat().st_mtime,
+                        expires_at=expiry.get(f"{kind}/{folder.name}"),
                     )
             expiry_file.unlink(missing_ok=True)
             file.unlink()
