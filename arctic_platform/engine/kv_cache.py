@@ -213,13 +213,13 @@ class KVCache(Cache):
         """Keep only ``rows`` and ``groups`` (each ascending), moved to the front of the stores,
         and the last ``prefix_width`` prefix columns (the widest kept prompt's)."""
         old = self.geometry
+        trim = old.prefix_width - prefix_width  # columns no kept prompt reaches
         for layer in self.layers:
             if not layer.is_initialized:
                 continue
             length = layer.length
             layer.keys[: len(rows), :, :length] = layer.keys[rows, :, :length]
             layer.values[: len(rows), :, :length] = layer.values[rows, :, :length]
-            trim = old.prefix_width - prefix_width
             for name in ("prefix_keys", "prefix_values"):
                 store = getattr(layer, name)
                 store[: len(groups)] = store[groups]

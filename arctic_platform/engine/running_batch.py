@@ -112,8 +112,8 @@ class RunningBatch:
         self._logits: torch.Tensor | None = None
         self._tokens: torch.Tensor | None = None
         self._step: SharedPrefixStep | None = None
-        self._group_start = torch.zeros(0, dtype=torch.long, device=self.side.device)
-        self._prefix_width = 0  # the prefix store's columns (prompts are right-aligned there)
+        # each prefix group's prompt length (prompts are right-aligned in the prefix store)
+        self._group_len = torch.zeros(0, dtype=torch.long, device=self.side.device)
         self._length = 0  # the next suffix column every row writes
 
     @property
@@ -139,7 +139,7 @@ class RunningBatch:
         trim = int(state["suffix_start"][keep].min())
         left = int((state["max_new"] - state["gen"])[keep].max())
         groups = state["group"][keep].unique()
-        prompt = self._prefix_width - int(self._group_start[groups].min())
+        prompt = int(self._group_len[groups].max())
         return _Extent(keep, trim, self._length - trim, left, groups, prompt)
 
     def plan(self, waiting: Iterable[Slice]) -> list[Slice]:
@@ -152,11 +152,9 @@ class RunningBatch:
             p = max(prompt, len(piece.request.token_ids))
             m = max(left, piece.request.max_new)
             # one more prefix group, all of p columns; each row a completion of width + m columns
-            prefixes = (groups + 1) * p * per_token
-            by_memory = (self.config.max_kv_cache_bytes - prefixes) // (
-                (live.width + m) * per_token
-            )
-            room = min(self.config.max_batch_size, by_memory) - rows
+            taken = Geometry(groups + 1, p, rows, live.width + m).nbytes(per_token)
+            by_memory = (self.config.max_kv_cache_bytes - taken) // ((live.width + m) * per_token)
+            room = min(self.config.max_batch_size - rows, by_memory)
             if room <= 0:
                 break
             count = min(room, piece.count)
@@ -194,9 +192,7 @@ class RunningBatch:
         new = self._new_rows(slices, counts, live.width, first_group=len(live.groups))
         self._state = _concat(state, new)
         prompts = torch.tensor([len(s.request.token_ids) for s in slices], device=self.side.device)
-        self._group_start = torch.cat(
-            [self._group_start[live.groups] + (width - self._prefix_width), width - prompts]
-        )
+        self._group_len = torch.cat([self._group_len[live.groups], prompts])
         self._rows = [self._rows[i] for i in live.rows.tolist()] + [
             _Row(s.owner, s.request, sample, s.request.params if s.request.params.stop else None)
             for s in slices
@@ -206,7 +202,6 @@ class RunningBatch:
         logits = self._prefill(slices, counts, len(live.groups), widest, width - widest)
         old = self._logits[live.rows] if self._logits is not None else logits[:0]
         self._logits = torch.cat([old, logits])
-        self._prefix_width = width
         self._length = live.width
         self._cache.start_decoding(live.width)
         self._update_layout()
@@ -310,7 +305,9 @@ class RunningBatch:
             state["group"],
             geometry.groups,
             self._cache.prefix,
-            prefix_bias=_bias(self._group_start[state["group"]], geometry.prefix_width),
+            prefix_bias=_bias(
+                geometry.prefix_width - self._group_len[state["group"]], geometry.prefix_width
+            ),
             suffix_bias=_bias(state["suffix_start"], geometry.capacity),
         )
 
@@ -454,10 +451,8 @@ class RunningBatch:
             return
         keep = (~done).nonzero().squeeze(1)
         groups = self._state["group"][keep].unique()
-        trim = int(self._group_start[groups].min())  # columns no kept prompt reaches
-        self._cache.keep(keep, groups, self._prefix_width - trim)
-        self._group_start = self._group_start[groups] - trim
-        self._prefix_width -= trim
+        self._group_len = self._group_len[groups]
+        self._cache.keep(keep, groups, prefix_width=int(self._group_len.max()))
         self._state = {k: v[keep] for k, v in self._state.items()}
         self._state["group"] = torch.searchsorted(groups, self._state["group"])
         self._out = {k: v[keep] for k, v in self._out.items()}
