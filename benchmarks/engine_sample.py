@@ -59,6 +59,9 @@ from benchmarks._common import write_result
 MODEL = ModelConfig(name="builtin:small")
 CHUNK_BYTES = 16 * 1024 * 1024
 REPEAT = 3
+# The vLLM comparison's margins (its targets are 0.9x and 1.2x) are near this shared machine's
+# run-to-run noise, so each side gets more turns there; the best turn is the least disturbed.
+VLLM_REPEAT = 5
 MB = 1e6
 
 
@@ -98,6 +101,12 @@ def _speed(times: dict, tokens: int, target: float) -> dict:
     }
 
 
+def _plain_model():
+    """The baseline's model: transformers' own, without the sampler's changes to its forward
+    (packed CPU linear layers, the shared-prefix attention); the same weights as the engine's."""
+    return load_causal_lm(MODEL).eval().requires_grad_(False)
+
+
 def _hf_generate(model, input_ids: torch.Tensor, new_tokens: int) -> torch.Tensor:
     with torch.inference_mode():
         out = model.generate(
@@ -122,13 +131,13 @@ def _ours(engine: SamplingEngine, prompts: list[list[int]], n: int, new_tokens: 
     return outs
 
 
-def bench_throughput(engine: SamplingEngine) -> dict:
+def bench_throughput(engine: SamplingEngine, plain) -> dict:
     batch, prompt_len, new_tokens = 32, 64, 128
     prompts = torch.randint(5, 100, (batch, prompt_len), generator=torch.Generator().manual_seed(1))
     _ours(engine, prompts[:2].tolist(), 1, 4)  # warm up both paths
-    _hf_generate(engine.model, prompts[:2], 4)
+    _hf_generate(plain, prompts[:2], 4)
     times = _alternate(
-        lambda: _hf_generate(engine.model, prompts, new_tokens),
+        lambda: _hf_generate(plain, prompts, new_tokens),
         lambda: _ours(engine, prompts.tolist(), 1, new_tokens),
     )
     return {
@@ -139,14 +148,14 @@ def bench_throughput(engine: SamplingEngine) -> dict:
     }
 
 
-def bench_prefix_sharing(engine: SamplingEngine) -> dict:
+def bench_prefix_sharing(engine: SamplingEngine, plain) -> dict:
     prompts_n, n, prompt_len, new_tokens = 2, 8, 512, 64
     prompts = torch.randint(
         5, 100, (prompts_n, prompt_len), generator=torch.Generator().manual_seed(2)
     )
     repeated = prompts.repeat_interleave(n, dim=0)
     times = _alternate(
-        lambda: _hf_generate(engine.model, repeated, new_tokens),
+        lambda: _hf_generate(plain, repeated, new_tokens),
         lambda: _ours(engine, prompts.tolist(), n, new_tokens),
     )
     return {
@@ -296,6 +305,7 @@ def bench_vllm() -> dict:
     vllm = VllmSamplingEngine(vllm_config)
     vllm.generate([[5, 6, 7]], {"max_tokens": 1})
     startup["vllm_s"] = time.perf_counter() - start
+    plain = _plain_model()
     try:
         workloads = {
             "throughput": (torch.randint(5, 100, (32, 64), generator=_gen(1)), 1, 128),
@@ -305,14 +315,14 @@ def bench_vllm() -> dict:
         for name, (prompts, n, new_tokens) in workloads.items():
             repeated = prompts.repeat_interleave(n, dim=0)
             runs = {
-                "generate": lambda r=repeated, k=new_tokens: _hf_generate(ours.model, r, k),
+                "generate": lambda r=repeated, k=new_tokens: _hf_generate(plain, r, k),
                 "engine": lambda p=prompts, n=n, k=new_tokens: _ours(ours, p.tolist(), n, k),
                 "vllm": lambda p=prompts, n=n, k=new_tokens: _ours(vllm, p.tolist(), n, k),
             }
             for run in runs.values():
                 run()  # warm up every path on the real shapes
             times = {key: [] for key in runs}
-            for _ in range(REPEAT):
+            for _ in range(VLLM_REPEAT):
                 for key, run in runs.items():
                     times[key].append(_timed(run))
             best = {key: min(values) for key, values in times.items()}
@@ -354,12 +364,13 @@ def _gen(seed: int) -> torch.Generator:
 def main() -> None:
     torch.manual_seed(0)
     engine = SamplingEngine(SamplingEngineConfig(model=MODEL))
+    plain = _plain_model()
     result = {
         "model": MODEL.name,
         "parameters": sum(p.numel() for p in engine.model.parameters()),
         "torch_threads": torch.get_num_threads(),
-        "throughput": bench_throughput(engine),
-        "prefix_sharing": bench_prefix_sharing(engine),
+        "throughput": bench_throughput(engine, plain),
+        "prefix_sharing": bench_prefix_sharing(engine, plain),
         "concurrent_clients": bench_concurrent_clients(engine),
         "weight_sync": bench_weight_sync(engine),
         "load_average": list(os.getloadavg()),

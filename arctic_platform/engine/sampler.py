@@ -47,7 +47,7 @@ from collections.abc import Iterable, Mapping, Sequence
 import torch
 
 from arctic_platform.contract.sampling_params import SamplingParams
-from arctic_platform.engine import shared_prefix
+from arctic_platform.engine import packed_linear, shared_prefix
 from arctic_platform.engine.config import SamplingEngineConfig
 from arctic_platform.engine.decode_loop import DecodeLoop
 from arctic_platform.engine.errors import EngineInputError, SamplerStateError
@@ -92,6 +92,7 @@ class SamplingEngine:
         self.device = resolve_device(model_config.device)
         self.model = load_causal_lm(model_config, self.device).eval().requires_grad_(False)
         shared_prefix.install(self.model)
+        packed_linear.install(self.model)
         self.tokenizer = load_tokenizer(model_config)
         self.vocab_size = self.model.get_input_embeddings().num_embeddings
         self.max_model_len = checked_max_model_len(

@@ -1,0 +1,106 @@
+"""Decode-sized products on CPU through oneDNN's pre-packed weights.
+
+A decode step multiplies a few rows (one per sequence) by every weight of the model. On CPU,
+``torch.nn.functional.linear`` calls MKL's sgemm, which re-packs the whole weight into its blocked
+layout on every call; from 16 rows up (below that MKL takes a small-matrix path) the re-pack costs
+about as much as the product itself at decode sizes. A weight packed once for oneDNN (what
+inductor's CPU freezing and vLLM's CPU backend use) skips it. On this project's 2-core machine
+(``benchmarks/packed_linear.py``, each case against ``F.linear``) a layer routed through the
+packed weight is 1.0-1.8x faster for 16-256 rows of a float32 weight of 512 x 512 elements or
+more; the packed product is slower for 1-8 rows, where the call's fixed cost dominates, and no
+faster for prefill-sized inputs, and for smaller weights what it saves does not pay for the
+routing.
+
+So :func:`install` gives each float32 linear layer of the sampler's CPU model with at least
+``MIN_ELEMENTS`` weight elements a packed copy of its weight, used for inputs of ``ROWS`` rows;
+every other call takes ``F.linear``. The copy is made on first use and again after the weight
+changed (another tensor or storage, or an in-place write, which bumps the tensor's version), so
+weight loads need no hook. Results equal ``F.linear``'s to float rounding (oneDNN sums in another
+order), not bit for bit. The copies double the memory of the weights they copy.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+ROWS = range(16, 257)  # input rows (tokens) that take the packed weight
+MIN_ELEMENTS = 512 * 512  # smaller weights: the saving does not pay for the routing
+
+
+def _op(name: str):
+    packet = getattr(torch.ops.mkldnn, name, None)
+    return None if packet is None else packet.default
+
+
+_REORDER = _op("_reorder_linear_weight")  # the overloads themselves: a packet call costs more
+_LINEAR = _op("_linear_pointwise")
+
+
+def available() -> bool:
+    """Whether this torch build has oneDNN's packed linear (x86 and most ARM CPU builds)."""
+    return torch.backends.mkldnn.is_available() and None not in (_REORDER, _LINEAR)
+
+
+def install(model: nn.Module) -> int:
+    """Route ``model``'s large float32 CPU linear layers through packed weights (see the module
+    docstring); returns how many layers were routed (0 where oneDNN is unavailable)."""
+    if not available():
+        log.info("sampler linear layers: oneDNN unavailable, MKL's sgemm for every product")
+        return 0
+    routed = 0
+    for module in model.modules():
+        if type(module) is nn.Linear and _packable(module.weight):
+            module.forward = PackedLinear(module)
+            routed += 1
+    return routed
+
+
+def _packable(weight: torch.Tensor) -> bool:
+    """A weight whose changes the packed copy can follow (an inference tensor has no version
+    counter) and that the packed product is faster for."""
+    return (
+        not weight.is_inference()
+        and weight.device.type == "cpu"
+        and weight.dtype == torch.float32
+        and weight.layout == torch.strided
+        and weight.numel() >= MIN_ELEMENTS
+    )
+
+
+class PackedLinear:
+    """A linear layer's forward: the packed weight for ``ROWS``-row inputs, ``F.linear``
+    otherwise. The packed copy is rebuilt when the weight is not the one it was packed from."""
+
+    def __init__(self, module: nn.Linear) -> None:
+        self.module = module
+        self._packed: torch.Tensor | None = None  # None: not packed, or the weight is not packable
+        self._weight: torch.Tensor | None = None  # the tensor it was packed from
+        self._stamp: tuple[int, int] | None = None  # that tensor's data pointer and version then
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        weight, bias = self.module.weight, self.module.bias
+        features = x.shape[-1]
+        rows = x.numel() // features if features else 0
+        if rows in ROWS and not (
+            torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+        ):
+            packed = self._packed_weight(weight)
+            if packed is not None and x.dtype == torch.float32 and x.device.type == "cpu":
+                out = _LINEAR(x.reshape(rows, features), packed, bias, "none", [], "")
+                return out.reshape(*x.shape[:-1], out.shape[-1])
+        return F.linear(x, weight, bias)
+
+    def _packed_weight(self, weight: torch.Tensor) -> torch.Tensor | None:
+        if weight.is_inference():  # no version counter to tell a stale copy by
+            return None
+        stamp = (weight.data_ptr(), weight._version)
+        if self._weight is not weight or self._stamp != stamp:
+            self._packed = _REORDER(weight.detach(), ROWS.start) if _packable(weight) else None
+            self._weight, self._stamp = weight, stamp
+        return self._packed

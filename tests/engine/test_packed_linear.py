@@ -1,0 +1,143 @@
+"""Packed CPU linear layers (``engine/packed_linear.py``): against ``F.linear`` and autograd, after
+the weight changes, and through the sampler against transformers' ``generate``.
+
+The built-in tiny model's weights are below ``MIN_ELEMENTS``, so the sampler tests use
+``builtin:small`` (512-wide, 8 layers), perturbed like ``test_sampler.py``'s so that greedy
+continuations vary."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from arctic_platform.engine import packed_linear
+from arctic_platform.engine.config import ModelConfig, SamplingEngineConfig
+from arctic_platform.engine.models import load_causal_lm
+from arctic_platform.engine.packed_linear import MIN_ELEMENTS, ROWS, PackedLinear
+from arctic_platform.engine.sampler import SamplingEngine
+from arctic_platform.engine.weights import export_weights, load_into_model
+
+pytestmark = pytest.mark.skipif(not packed_linear.available(), reason="no oneDNN in this torch")
+
+
+def _routed(out_features: int, in_features: int, bias: bool = False) -> nn.Linear:
+    torch.manual_seed(0)
+    layer = nn.Linear(in_features, out_features, bias=bias).requires_grad_(False)
+    assert packed_linear.install(nn.Sequential(layer)) == 1
+    assert isinstance(layer.forward, PackedLinear)
+    return layer
+
+
+def _packed(layer: nn.Linear) -> bool:
+    return layer.forward._packed is not None
+
+
+@pytest.mark.parametrize("shape", [(1536, 512, False), (512, 1536, True), (512, 512, False)])
+@pytest.mark.parametrize("rows", [ROWS.start, 37, ROWS.stop - 1])
+@pytest.mark.parametrize("layout", ["decode", "prefill"])
+def test_products_of_packed_sizes_equal_f_linear(shape, rows, layout):
+    layer = _routed(*shape)
+    x = torch.randn(rows, 1, shape[1]) if layout == "decode" else torch.randn(1, rows, shape[1])
+    with torch.inference_mode():
+        out = layer(x)
+    assert _packed(layer)
+    assert out.shape == (*x.shape[:-1], shape[0])
+    torch.testing.assert_close(out, F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [1, 8, ROWS.start - 1, ROWS.stop, 1024])
+def test_other_row_counts_take_f_linear(rows):
+    layer = _routed(1536, 512)
+    x = torch.randn(rows, 512)
+    with torch.inference_mode():
+        assert torch.equal(layer(x), F.linear(x, layer.weight))
+    assert not _packed(layer)
+
+
+def test_small_and_non_float32_weights_are_left_alone():
+    small = nn.Linear(128, 128)
+    half = nn.Linear(512, 512).to(torch.bfloat16)
+    assert small.weight.numel() < MIN_ELEMENTS
+    assert packed_linear.install(nn.Sequential(small, half)) == 0
+    assert not isinstance(small.forward, PackedLinear)
+
+
+def test_gradients_flow_through_f_linear_when_grad_is_on():
+    layer = _routed(512, 512)
+    layer.requires_grad_(True)
+    x = torch.randn(32, 512, requires_grad=True)
+    layer(x).square().sum().backward()
+    expected_x = (2 * F.linear(x, layer.weight)) @ layer.weight
+    torch.testing.assert_close(x.grad, expected_x.detach())
+    assert layer.weight.grad is not None
+    assert not _packed(layer)
+
+
+def test_a_changed_weight_is_packed_again():
+    layer = _routed(1536, 512)
+    x = torch.randn(ROWS.start, 512)
+    with torch.no_grad():
+        layer(x)
+        for change in ("in place", "load_into_model", "new parameter"):
+            new = torch.randn_like(layer.weight) / 512**0.5  # nn.Linear's scale, not randn's
+            if change == "in place":
+                layer.weight.copy_(new)
+            elif change == "load_into_model":
+                load_into_model(nn.Sequential(layer), {"0.weight": new})
+            else:
+                layer.weight = nn.Parameter(new, requires_grad=False)
+            torch.testing.assert_close(layer(x), F.linear(x, new), rtol=1e-5, atol=1e-5)
+
+
+def test_an_inference_tensor_weight_is_not_packed():
+    """Writes to an inference tensor leave no trace in a version counter, so a packed copy could
+    not tell that it went stale."""
+    layer = _routed(1536, 512)
+    with torch.inference_mode():
+        layer.weight = nn.Parameter(torch.randn(1536, 512), requires_grad=False)
+        x = torch.randn(ROWS.start, 512)
+        assert torch.equal(layer(x), F.linear(x, layer.weight))
+    assert not _packed(layer)
+
+
+# ------------------------------------------------------------------------------------------------
+# Through the sampler
+
+SMALL = ModelConfig(name="builtin:small")
+PROMPTS = ["12+34=", "The cat sat on"]
+SAMPLES = 8  # 2 prompts x 8 samples: 16 rows, the first packed row count
+
+
+def _perturbed(model):
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.ndim == 2:
+                param.add_(torch.randn(param.shape, generator=gen) * 0.15)
+    return model.eval()
+
+
+def test_sampler_greedy_decode_on_packed_weights_matches_generate_after_a_weight_load():
+    """The engine decodes once on its initial weights (packing them), then loads other weights:
+    its greedy continuations must be the new weights' (``generate`` on the new model), which a
+    packed copy left from the old weights would not give."""
+    engine = SamplingEngine(SamplingEngineConfig(model=SMALL))
+    assert sum(isinstance(m.forward, PackedLinear) for m in engine.model.modules()) > 0
+    params = {"temperature": 0, "max_tokens": 12, "n": SAMPLES}
+    engine.generate(PROMPTS, params)
+    reference = _perturbed(load_causal_lm(SMALL))
+    engine.load_weights(export_weights(reference))
+
+    outs = engine.generate(PROMPTS, params)
+
+    assert all(_packed(m) for m in engine.model.modules() if isinstance(m.forward, PackedLinear))
+    for i, prompt in enumerate(PROMPTS):
+        ids = engine.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        generated = reference.generate(
+            torch.tensor([ids]), do_sample=False, max_new_tokens=12, pad_token_id=0
+        )[0, len(ids) :].tolist()
+        ends = [at + 1 for at, token in enumerate(generated) if token in engine.eos_token_ids]
+        expected = generated[: ends[0]] if ends else generated
+        assert [out["token_ids"] for out in outs[i * SAMPLES : (i + 1) * SAMPLES]] == [
+            expected
+        ] * SAMPLES
