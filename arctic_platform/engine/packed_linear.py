@@ -16,7 +16,8 @@ So :func:`install` gives each float32 linear layer of the sampler's CPU model wi
 every other call takes ``F.linear``. The copy is made on first use and again after the weight
 changed (another tensor or storage, or an in-place write, which bumps the tensor's version), so
 weight loads need no hook. Results equal ``F.linear``'s to float rounding (oneDNN sums in another
-order), not bit for bit. The copies double the memory of the weights they copy.
+order), not bit for bit. The copies double the memory of the weights they copy; :func:`release`
+drops them (the sampler's sleep at level 2).
 """
 
 from __future__ import annotations
@@ -61,6 +62,12 @@ def install(model: nn.Module) -> int:
     return routed
 
 
+def release(model: nn.Module) -> int:
+    """Drop ``model``'s packed copies (each is made again at its layer's next packed call), as
+    sleep does to free memory; returns the bytes of the weights they copied."""
+    return sum(m.forward.release() for m in model.modules() if isinstance(m.forward, PackedLinear))
+
+
 def _packable(weight: torch.Tensor) -> bool:
     """A weight whose changes the packed copy can follow (an inference tensor has no version
     counter) and that the packed product is faster for."""
@@ -95,6 +102,13 @@ class PackedLinear:
                 out = _LINEAR(x.reshape(rows, features), packed, bias, "none", [], "")
                 return out.reshape(*x.shape[:-1], out.shape[-1])
         return F.linear(x, weight, bias)
+
+    def release(self) -> int:
+        """Drop the packed copy; returns the bytes of the weight it copied (0: none held)."""
+        held = self._packed is not None and self._weight is not None
+        nbytes = self._weight.numel() * self._weight.element_size() if held else 0
+        self._packed = self._weight = self._stamp = None
+        return nbytes
 
     def _packed_weight(self, weight: torch.Tensor) -> torch.Tensor | None:
         if weight.is_inference():  # no version counter to tell a stale copy by

@@ -262,7 +262,8 @@ class SamplingEngine:
         return report
 
     def sleep(self, level: int = 1) -> dict:
-        """Release the KV cache (level 1) and also offload the weights from an accelerator (2)."""
+        """Release the KV cache (level 1); level 2 also offloads the weights from an accelerator
+        and drops the packed copies of CPU weights (``packed_linear.release``)."""
         if isinstance(level, bool) or level not in (1, 2):
             raise EngineInputError("level", f"must be 1 or 2, got {level!r}")
         return self._loop.exclusive(lambda: self._sleep(level))
@@ -271,6 +272,7 @@ class SamplingEngine:
         result = {"level": level, "kv_cache_bytes_released": self._pool.release()}
         self._released.add("kv_cache")
         if level == 2:
+            result["packed_weight_bytes_released"] = packed_linear.release(self.model)
             if self.device.type == "cpu":
                 result["weights"] = "kept: the engine runs on CPU, there is no device to free"
             elif "weights" not in self._released:

@@ -141,3 +141,22 @@ def test_sampler_greedy_decode_on_packed_weights_matches_generate_after_a_weight
         assert [out["token_ids"] for out in outs[i * SAMPLES : (i + 1) * SAMPLES]] == [
             expected
         ] * SAMPLES
+
+
+def test_sleep_at_level_2_drops_the_packed_copies_and_sampling_after_wake_is_unchanged():
+    engine = SamplingEngine(SamplingEngineConfig(model=SMALL))
+    engine.load_weights(export_weights(_perturbed(load_causal_lm(SMALL))))
+    params = {"temperature": 0.9, "seed": 7, "max_tokens": 12, "n": SAMPLES}
+    before = engine.generate(PROMPTS, params)
+    routed = [m for m in engine.model.modules() if isinstance(m.forward, PackedLinear)]
+    copied = sum(m.weight.numel() * m.weight.element_size() for m in routed)
+
+    slept = engine.sleep(2)
+
+    assert slept["packed_weight_bytes_released"] == copied > 0
+    assert not any(_packed(m) for m in routed)
+    assert engine.sleep(2)["packed_weight_bytes_released"] == 0  # nothing left to drop
+    engine.wake()
+    after = engine.generate(PROMPTS, params)
+    assert [o["token_ids"] for o in after] == [o["token_ids"] for o in before]
+    assert all(_packed(m) for m in routed)
