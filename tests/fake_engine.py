@@ -349,6 +349,7 @@ class FakeSampler(_FakeModel):
         self.asleep.add("kv_cache")
         result: dict[str, Any] = {"level": level, "kv_cache_bytes_released": 0}
         if level == 2:
+            result["packed_weight_bytes_released"] = 0
             result["weights"] = "kept: the engine runs on CPU, there is no device to free"
         return {**result, "asleep": sorted(self.asleep)}
 

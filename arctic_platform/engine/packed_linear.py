@@ -6,23 +6,29 @@ layout on every call; from 16 rows up (below that MKL takes a small-matrix path)
 about as much as the product itself at decode sizes. A weight packed once for oneDNN (what
 inductor's CPU freezing and vLLM's CPU backend use) skips it. On this project's 2-core machine
 (``benchmarks/packed_linear.py``, each case against ``F.linear``) a layer routed through the
-packed weight is 1.0-1.8x faster for 16-256 rows of a float32 weight of 512 x 512 elements or
-more; the packed product is slower for 1-8 rows, where the call's fixed cost dominates, and no
-faster for prefill-sized inputs, and for smaller weights what it saves does not pay for the
-routing.
+packed weight is 1.0-1.5x faster for 16-256 rows of a float32 weight of 512 x 512 elements or
+more; the packed product is slower at 1 row, where the call's fixed cost dominates, faster at 8
+rows only for the largest weights, no faster for prefill-sized inputs, and for smaller weights
+what it saves does not pay for the routing.
 
 So :func:`install` gives each float32 linear layer of the sampler's CPU model with at least
 ``MIN_ELEMENTS`` weight elements a packed copy of its weight, used for inputs of ``ROWS`` rows;
 every other call takes ``F.linear``. The copy is made on first use and again after the weight
-changed (another tensor or storage, or an in-place write, which bumps the tensor's version), so
-weight loads need no hook. Results equal ``F.linear``'s to float rounding (oneDNN sums in another
-order), not bit for bit. The copies double the memory of the weights they copy; :func:`release`
-drops them (the sampler's sleep at level 2).
+changed: another tensor or storage, or an in-place write through the parameter, which bumps its
+version (a write through ``.data``, the storage or numpy does not; the sampler therefore also
+:func:`refresh` es the copies after each of its weight loads, which puts the re-pack in the load's
+time). Results equal ``F.linear``'s to float rounding (oneDNN sums in another order), not bit for
+bit; :func:`bypassed` turns the routing off where a result must equal the trainer's. The copies
+double the memory of the weights they copy; :func:`release` drops them (the sampler's sleep at
+level 2).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Iterator
+from contextvars import ContextVar
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +37,7 @@ from torch import nn
 log = logging.getLogger(__name__)
 
 ROWS = range(16, 257)  # input rows (tokens) that take the packed weight
+_BYPASSED: ContextVar[bool] = ContextVar("packed_linear_bypassed", default=False)
 MIN_ELEMENTS = 512 * 512  # smaller weights: the saving does not pay for the routing
 
 
@@ -44,8 +51,13 @@ _LINEAR = _op("_linear_pointwise")
 
 
 def available() -> bool:
-    """Whether this torch build has oneDNN's packed linear (x86 and most ARM CPU builds)."""
-    return torch.backends.mkldnn.is_available() and None not in (_REORDER, _LINEAR)
+    """Whether this torch build has oneDNN's packed linear and takes ``F.linear`` to MKL, whose
+    per-call re-pack the packing avoids (x86 builds; the rule was measured there)."""
+    return (
+        torch.backends.mkldnn.is_available()
+        and torch.backends.mkl.is_available()
+        and None not in (_REORDER, _LINEAR)
+    )
 
 
 def install(model: nn.Module) -> int:
@@ -62,10 +74,31 @@ def install(model: nn.Module) -> int:
     return routed
 
 
+def refresh(model: nn.Module) -> None:
+    """Pack again now every copy ``model`` holds, after a weight load: the load pays for it, not
+    the next decode step, and a copy is right even if the load wrote past the version counter."""
+    for layer in _routed(model):
+        layer.refresh()
+
+
+@contextlib.contextmanager
+def bypassed() -> Iterator[None]:
+    """Every routed layer takes ``F.linear`` inside (scoring that must equal the trainer's)."""
+    token = _BYPASSED.set(True)
+    try:
+        yield
+    finally:
+        _BYPASSED.reset(token)
+
+
 def release(model: nn.Module) -> int:
     """Drop ``model``'s packed copies (each is made again at its layer's next packed call), as
     sleep does to free memory; returns the bytes of the weights they copied."""
-    return sum(m.forward.release() for m in model.modules() if isinstance(m.forward, PackedLinear))
+    return sum(layer.release() for layer in _routed(model))
+
+
+def _routed(model: nn.Module) -> list[PackedLinear]:
+    return [m.forward for m in model.modules() if isinstance(m.forward, PackedLinear)]
 
 
 def _packable(weight: torch.Tensor) -> bool:
@@ -94,8 +127,10 @@ class PackedLinear:
         weight, bias = self.module.weight, self.module.bias
         features = x.shape[-1]
         rows = x.numel() // features if features else 0
-        if rows in ROWS and not (
-            torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+        if (
+            rows in ROWS
+            and not (torch.is_grad_enabled() and _needs_grad(x, weight, bias))
+            and not _BYPASSED.get()
         ):
             packed = self._packed_weight(weight)
             if packed is not None and x.dtype == torch.float32 and x.device.type == "cpu":
@@ -103,12 +138,22 @@ class PackedLinear:
                 return out.reshape(*x.shape[:-1], out.shape[-1])
         return F.linear(x, weight, bias)
 
+    def refresh(self) -> None:
+        """Pack the weight again now if a copy is held (else the next packed call packs it)."""
+        if self._packed is not None:
+            self._weight = None
+            self._packed_weight(self.module.weight)
+
     def release(self) -> int:
         """Drop the packed copy; returns the bytes of the weight it copied (0: none held)."""
         held = self._packed is not None and self._weight is not None
         nbytes = self._weight.numel() * self._weight.element_size() if held else 0
         self._packed = self._weight = self._stamp = None
         return nbytes
+
+    def __getstate__(self) -> dict:
+        """Copies and pickles leave the packed copy behind (an opaque tensor; made again)."""
+        return {**self.__dict__, "_packed": None, "_weight": None, "_stamp": None}
 
     def _packed_weight(self, weight: torch.Tensor) -> torch.Tensor | None:
         if weight.is_inference():  # no version counter to tell a stale copy by
@@ -118,3 +163,7 @@ class PackedLinear:
             self._packed = _REORDER(weight.detach(), ROWS.start) if _packable(weight) else None
             self._weight, self._stamp = weight, stamp
         return self._packed
+
+
+def _needs_grad(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    return x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)

@@ -34,8 +34,9 @@ token id that ended the sequence (``None`` for end-of-sequence and for ``length`
 
 Sleep and wake: ``sleep(1)`` releases the KV cache buffers; ``sleep(2)`` also moves the weights to
 CPU memory when they live on an accelerator (on a CPU-only engine they stay where they are, and
-the result says so). ``wake`` restores what was released. ``generate`` on a sleeping engine wakes
-it first (and logs a warning), so a missed wake call costs time, never a run.
+the result says so) and drops the packed copies of CPU weights (:mod:`.packed_linear`). ``wake``
+restores what was released. ``generate`` on a sleeping engine wakes it first (and logs a
+warning), so a missed wake call costs time, never a run.
 """
 
 from __future__ import annotations
@@ -257,6 +258,8 @@ class SamplingEngine:
             if err.applied:
                 self._weights_complete = False
             raise
+        finally:
+            packed_linear.refresh(self.model)
         if report["complete"]:
             self._weights_complete = True
         return report
@@ -321,7 +324,8 @@ class SamplingEngine:
             default_loss=None,
             max_seq_len=self.max_model_len,
         )
-        scored = forward_no_grad(self.model, request, self.device)["logprobs"][0]
+        with packed_linear.bypassed():  # the trainer's products, as the docstring promises
+            scored = forward_no_grad(self.model, request, self.device)["logprobs"][0]
         return [None, *(float(v) for v in scored[1:])]
 
     def reset_prefix_cache(self) -> dict:

@@ -5,6 +5,8 @@ The built-in tiny model's weights are below ``MIN_ELEMENTS``, so the sampler tes
 ``builtin:small`` (512-wide, 8 layers), perturbed like ``test_sampler.py``'s so that greedy
 continuations vary."""
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -60,6 +62,44 @@ def test_small_and_non_float32_weights_are_left_alone():
     assert small.weight.numel() < MIN_ELEMENTS
     assert packed_linear.install(nn.Sequential(small, half)) == 0
     assert not isinstance(small.forward, PackedLinear)
+
+
+def test_a_trainable_bias_alone_takes_f_linear_and_gets_its_gradient():
+    layer = _routed(512, 512, bias=True)
+    layer.bias.requires_grad_(True)
+    layer(torch.randn(32, 512)).sum().backward()
+    torch.testing.assert_close(layer.bias.grad, torch.full((512,), 32.0))
+    assert not _packed(layer)
+
+
+def test_refresh_packs_again_after_a_write_the_version_counter_misses():
+    layer = _routed(1536, 512)
+    x = torch.randn(ROWS.start, 512)
+    with torch.no_grad():
+        layer(x)
+        new = torch.randn_like(layer.weight) / 512**0.5
+        layer.weight.data.copy_(new)  # .data has its own version counter
+        packed_linear.refresh(nn.Sequential(layer))
+        torch.testing.assert_close(layer(x), F.linear(x, new), rtol=1e-5, atol=1e-5)
+
+
+def test_bypassed_calls_take_f_linear_exactly():
+    layer = _routed(1536, 512)
+    x = torch.randn(ROWS.start, 512)
+    with torch.no_grad(), packed_linear.bypassed():
+        assert torch.equal(layer(x), F.linear(x, layer.weight))
+    assert not _packed(layer)
+
+
+def test_a_copy_of_a_packed_layer_computes_and_packs_its_own():
+    layer = _routed(1536, 512)
+    x = torch.randn(ROWS.start, 512)
+    with torch.no_grad():
+        layer(x)
+        twin = copy.deepcopy(layer)
+        assert not _packed(twin) and twin.forward.module is twin
+        torch.testing.assert_close(twin(x), F.linear(x, layer.weight), rtol=1e-5, atol=1e-5)
+    assert _packed(twin)
 
 
 def test_gradients_flow_through_f_linear_when_grad_is_on():
@@ -127,6 +167,9 @@ def test_sampler_greedy_decode_on_packed_weights_matches_generate_after_a_weight
     engine.generate(PROMPTS, params)
     reference = _perturbed(load_causal_lm(SMALL))
     engine.load_weights(export_weights(reference))
+    routed = [m.forward for m in engine.model.modules() if isinstance(m.forward, PackedLinear)]
+    # the load packed again what it changed (the next generate does not pay for it)
+    assert all(r._stamp == (r.module.weight.data_ptr(), r.module.weight._version) for r in routed)
 
     outs = engine.generate(PROMPTS, params)
 
@@ -160,3 +203,22 @@ def test_sleep_at_level_2_drops_the_packed_copies_and_sampling_after_wake_is_unc
     after = engine.generate(PROMPTS, params)
     assert [o["token_ids"] for o in after] == [o["token_ids"] for o in before]
     assert all(_packed(m) for m in routed)
+
+
+def test_prompt_logprobs_score_with_the_trainers_products():
+    """``prompt_logprobs`` promises the training engine's scores; a 40-token prompt is within the
+    packed rows, so only the bypass keeps its products ``F.linear``'s."""
+    reference = _perturbed(load_causal_lm(SMALL))
+    engine = SamplingEngine(SamplingEngineConfig(model=SMALL))
+    engine.load_weights(export_weights(reference))
+    ids = torch.randint(5, 100, (40,), generator=torch.Generator().manual_seed(3)).tolist()
+
+    scored = engine.prompt_logprobs(ids)
+
+    with torch.no_grad():
+        logits = reference(torch.tensor([ids])).logits[0].double()
+    expected = torch.log_softmax(logits, -1)[:-1].gather(1, torch.tensor(ids[1:])[:, None])
+    assert scored[0] is None
+    torch.testing.assert_close(
+        torch.tensor(scored[1:], dtype=torch.float64), expected[:, 0], rtol=0, atol=2e-6
+    )
