@@ -37,8 +37,8 @@ from torch import nn
 log = logging.getLogger(__name__)
 
 ROWS = range(16, 257)  # input rows (tokens) that take the packed weight
-_BYPASSED: ContextVar[bool] = ContextVar("packed_linear_bypassed", default=False)
 MIN_ELEMENTS = 512 * 512  # smaller weights: the saving does not pay for the routing
+_BYPASSED: ContextVar[bool] = ContextVar("packed_linear_bypassed", default=False)  # bypassed()
 
 
 def _op(name: str):
@@ -64,7 +64,7 @@ def install(model: nn.Module) -> int:
     """Route ``model``'s large float32 CPU linear layers through packed weights (see the module
     docstring); returns how many layers were routed (0 where oneDNN is unavailable)."""
     if not available():
-        log.info("sampler linear layers: oneDNN unavailable, MKL's sgemm for every product")
+        log.info("sampler linear layers: no oneDNN packing with MKL here, F.linear for all")
         return 0
     routed = 0
     for module in model.modules():
@@ -157,6 +157,7 @@ class PackedLinear:
 
     def _packed_weight(self, weight: torch.Tensor) -> torch.Tensor | None:
         if weight.is_inference():  # no version counter to tell a stale copy by
+            self._packed = self._weight = self._stamp = None
             return None
         stamp = (weight.data_ptr(), weight._version)
         if self._weight is not weight or self._stamp != stamp:
