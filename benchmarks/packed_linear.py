@@ -1,5 +1,5 @@
 """Packed CPU linear layers (``engine/packed_linear.py``) against ``F.linear``, per weight size and
-input rows: the table behind ``ROWS`` and ``MIN_ELEMENTS``.
+input rows: the table behind ``packed_rows`` (its row bounds and weight sizes).
 
 Each case multiplies ``rows`` rows by 8 float32 weights in turn (distinct weights, so they come
 from memory as a decode step's do, not from cache) four ways, interleaved: the product through
@@ -24,8 +24,17 @@ from arctic_platform.engine import packed_linear
 from benchmarks._common import write_result
 
 # (out_features, in_features): from below the size rule to a Qwen3-0.6B MLP weight
-SHAPES = [(128, 384), (256, 256), (256, 512), (512, 512), (1536, 512), (1024, 1024), (3072, 1024)]
-ROW_COUNTS = [1, 8, 16, 32, 64, 256, 1024]
+SHAPES = [
+    (128, 384),
+    (256, 256),
+    (256, 512),
+    (512, 512),
+    (1536, 512),
+    (1024, 1024),
+    (2048, 1024),
+    (3072, 1024),
+]
+ROW_COUNTS = [1, 3, 4, 8, 16, 32, 64, 256, 1024]
 WEIGHTS = 8
 CALLS = 40
 REPEAT = 5
@@ -43,7 +52,7 @@ def case(out_features: int, in_features: int, rows: int) -> dict:
     """The product through ``F.linear`` and packed, and an ``nn.Linear`` layer plain and routed
     (the rule's choice plus the wrapper's own cost), on the same inputs, interleaved."""
     weights = [torch.randn(out_features, in_features) for _ in range(WEIGHTS)]
-    packs = [torch.ops.mkldnn._reorder_linear_weight(w, packed_linear.ROWS.start) for w in weights]
+    packs = [torch.ops.mkldnn._reorder_linear_weight(w, packed_linear.FIRST_ROW) for w in weights]
     plain, routed = [], []
     for w in weights:
         for layers in (plain, routed):
@@ -71,8 +80,7 @@ def case(out_features: int, in_features: int, rows: int) -> dict:
         **{f"{way}_us": s * 1e6 for way, s in best.items()},
         "f_linear_vs_packed": best["f_linear"] / best["packed"],
         "plain_vs_routed_layer": best["plain_layer"] / best["routed_layer"],
-        "rule_packs": rows in packed_linear.ROWS
-        and out_features * in_features >= packed_linear.MIN_ELEMENTS,
+        "rule_packs": rows in packed_linear.packed_rows(out_features * in_features),
     }
 
 
@@ -92,8 +100,10 @@ def main() -> None:
         {
             "torch_threads": torch.get_num_threads(),
             "rule": {
-                "rows": [packed_linear.ROWS.start, packed_linear.ROWS.stop - 1],
                 "min_elements": packed_linear.MIN_ELEMENTS,
+                "large_elements": packed_linear.LARGE_ELEMENTS,
+                "rows": [packed_linear.FIRST_ROW, packed_linear.LAST_ROW],
+                "rows_large": [packed_linear.FIRST_ROW_LARGE, packed_linear.LAST_ROW],
             },
             "cases": cases,
         },

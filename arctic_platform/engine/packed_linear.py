@@ -2,25 +2,25 @@
 
 A decode step multiplies a few rows (one per sequence) by every weight of the model. On CPU,
 ``torch.nn.functional.linear`` calls MKL's sgemm, which re-packs the whole weight into its blocked
-layout on every call; from 16 rows up (below that MKL takes a small-matrix path) the re-pack costs
-about as much as the product itself at decode sizes. A weight packed once for oneDNN (what
-inductor's CPU freezing and vLLM's CPU backend use) skips it. On this project's 2-core machine
-(``benchmarks/packed_linear.py``, each case against ``F.linear``) a layer routed through the
-packed weight is 1.0-1.5x faster for 16-256 rows of a float32 weight of 512 x 512 elements or
-more; the packed product is slower at 1 row, where the call's fixed cost dominates, faster at 8
-rows only for the largest weights, no faster for prefill-sized inputs, and for smaller weights
-what it saves does not pay for the routing.
+layout on every call; from 16 rows up (4 for weights of 2048 x 1024 elements or more; below that
+MKL takes a small-matrix path) the re-pack costs about as much as the product itself at decode
+sizes. A weight packed once for oneDNN (what inductor's CPU freezing and vLLM's CPU backend use)
+skips it. ``benchmarks/packed_linear.py`` measures each case against ``F.linear`` on this
+project's 2-core machine: the packed product is faster for 16-256 rows of a float32 weight of
+512 x 512 elements or more, and for 4-256 rows of one of 2048 x 1024 or more; it is slower for
+fewer rows, where the call's fixed cost dominates, no faster for prefill-sized inputs, and for
+smaller weights what it saves does not pay for the routing.
 
 So :func:`install` gives each float32 linear layer of the sampler's CPU model with at least
-``MIN_ELEMENTS`` weight elements a packed copy of its weight, used for inputs of ``ROWS`` rows;
-every other call takes ``F.linear``. The copy is made on first use and again after the weight
-changed: another tensor or storage, or an in-place write through the parameter, which bumps its
-version (a write through ``.data``, the storage or numpy does not; the sampler therefore also
-:func:`refresh` es the copies after each of its weight loads, which puts the re-pack in the load's
-time). Results equal ``F.linear``'s to float rounding (oneDNN sums in another order), not bit for
-bit; :func:`bypassed` turns the routing off where a result must equal the trainer's. The copies
-double the memory of the weights they copy; :func:`release` drops them (the sampler's sleep at
-level 2).
+``MIN_ELEMENTS`` weight elements a packed copy of its weight, used for inputs of
+:func:`packed_rows` rows; every other call takes ``F.linear``. The copy is made on first use and
+again after the weight changed: another tensor or storage, or an in-place write through the
+parameter, which bumps its version. A write through ``.data``, the storage or numpy does not, so
+the sampler also :func:`refresh` es the copies after each of its weight loads (which puts the
+re-pack in the load's time). Results equal ``F.linear``'s to float rounding (oneDNN sums in
+another order), not bit for bit; :func:`bypassed` turns the routing off where a result must equal
+the trainer's. The copies double the memory of the weights they copy; :func:`release` drops them
+(the sampler's sleep at level 2).
 """
 
 from __future__ import annotations
@@ -36,8 +36,9 @@ from torch import nn
 
 log = logging.getLogger(__name__)
 
-ROWS = range(16, 257)  # input rows (tokens) that take the packed weight
 MIN_ELEMENTS = 512 * 512  # smaller weights: the saving does not pay for the routing
+LARGE_ELEMENTS = 2048 * 1024  # from here MKL's small-matrix path ends at 4 rows, not 16
+FIRST_ROW, FIRST_ROW_LARGE, LAST_ROW = 16, 4, 256  # input rows (tokens) that take the copy
 _BYPASSED: ContextVar[bool] = ContextVar("packed_linear_bypassed", default=False)  # bypassed()
 
 
@@ -101,6 +102,14 @@ def _routed(model: nn.Module) -> list[PackedLinear]:
     return [m.forward for m in model.modules() if isinstance(m.forward, PackedLinear)]
 
 
+def packed_rows(elements: int) -> range:
+    """The input row counts that take the packed copy of a weight of ``elements`` elements
+    (empty: the weight is not packed)."""
+    if elements < MIN_ELEMENTS:
+        return range(0)
+    return range(FIRST_ROW_LARGE if elements >= LARGE_ELEMENTS else FIRST_ROW, LAST_ROW + 1)
+
+
 def _packable(weight: torch.Tensor) -> bool:
     """A weight whose changes the packed copy can follow (an inference tensor has no version
     counter) and that the packed product is faster for."""
@@ -109,13 +118,14 @@ def _packable(weight: torch.Tensor) -> bool:
         and weight.device.type == "cpu"
         and weight.dtype == torch.float32
         and weight.layout == torch.strided
-        and weight.numel() >= MIN_ELEMENTS
+        and len(packed_rows(weight.numel())) > 0
     )
 
 
 class PackedLinear:
-    """A linear layer's forward: the packed weight for ``ROWS``-row inputs, ``F.linear``
-    otherwise. The packed copy is rebuilt when the weight is not the one it was packed from."""
+    """A linear layer's forward: the packed weight for inputs of :func:`packed_rows` rows,
+    ``F.linear`` otherwise. The packed copy is rebuilt when the weight is not the one it was
+    packed from."""
 
     def __init__(self, module: nn.Linear) -> None:
         self.module = module
@@ -128,7 +138,7 @@ class PackedLinear:
         features = x.shape[-1]
         rows = x.numel() // features if features else 0
         if (
-            rows in ROWS
+            rows in packed_rows(weight.numel())
             and not (torch.is_grad_enabled() and _needs_grad(x, weight, bias))
             and not _BYPASSED.get()
         ):
@@ -161,7 +171,7 @@ class PackedLinear:
             return None
         stamp = (weight.data_ptr(), weight._version)
         if self._weight is not weight or self._stamp != stamp:
-            self._packed = _REORDER(weight.detach(), ROWS.start) if _packable(weight) else None
+            self._packed = _REORDER(weight.detach(), FIRST_ROW) if _packable(weight) else None
             self._weight, self._stamp = weight, stamp
         return self._packed
 

@@ -15,7 +15,13 @@ from torch import nn
 from arctic_platform.engine import packed_linear
 from arctic_platform.engine.config import ModelConfig, SamplingEngineConfig
 from arctic_platform.engine.models import load_causal_lm
-from arctic_platform.engine.packed_linear import MIN_ELEMENTS, ROWS, PackedLinear
+from arctic_platform.engine.packed_linear import (
+    FIRST_ROW,
+    FIRST_ROW_LARGE,
+    LAST_ROW,
+    MIN_ELEMENTS,
+    PackedLinear,
+)
 from arctic_platform.engine.sampler import SamplingEngine
 from arctic_platform.engine.weights import export_weights, load_into_model
 
@@ -35,7 +41,7 @@ def _packed(layer: nn.Linear) -> bool:
 
 
 @pytest.mark.parametrize("shape", [(1536, 512, False), (512, 1536, True), (512, 512, False)])
-@pytest.mark.parametrize("rows", [ROWS.start, 37, ROWS.stop - 1])
+@pytest.mark.parametrize("rows", [FIRST_ROW, 37, LAST_ROW])
 @pytest.mark.parametrize("layout", ["decode", "prefill"])
 def test_products_of_packed_sizes_equal_f_linear(shape, rows, layout):
     layer = _routed(*shape)
@@ -47,13 +53,23 @@ def test_products_of_packed_sizes_equal_f_linear(shape, rows, layout):
     torch.testing.assert_close(out, F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("rows", [1, 8, ROWS.start - 1, ROWS.stop, 1024])
+@pytest.mark.parametrize("rows", [1, 8, FIRST_ROW - 1, LAST_ROW + 1, 1024])
 def test_other_row_counts_take_f_linear(rows):
     layer = _routed(1536, 512)
     x = torch.randn(rows, 512)
     with torch.inference_mode():
         assert torch.equal(layer(x), F.linear(x, layer.weight))
     assert not _packed(layer)
+
+
+@pytest.mark.parametrize("rows", [FIRST_ROW_LARGE - 1, FIRST_ROW_LARGE, FIRST_ROW - 1])
+def test_weights_of_2048_x_1024_or_more_take_the_copy_from_4_rows(rows):
+    layer = _routed(2048, 1024)
+    x = torch.randn(rows, 1, 1024)
+    with torch.inference_mode():
+        out = layer(x)
+    assert _packed(layer) == (rows >= FIRST_ROW_LARGE)
+    torch.testing.assert_close(out, F.linear(x, layer.weight), rtol=1e-5, atol=1e-5)
 
 
 def test_small_and_non_float32_weights_are_left_alone():
@@ -74,7 +90,7 @@ def test_a_trainable_bias_alone_takes_f_linear_and_gets_its_gradient():
 
 def test_refresh_packs_again_after_a_write_the_version_counter_misses():
     layer = _routed(1536, 512)
-    x = torch.randn(ROWS.start, 512)
+    x = torch.randn(FIRST_ROW, 512)
     with torch.no_grad():
         layer(x)
         new = torch.randn_like(layer.weight) / 512**0.5
@@ -85,7 +101,7 @@ def test_refresh_packs_again_after_a_write_the_version_counter_misses():
 
 def test_bypassed_calls_take_f_linear_exactly():
     layer = _routed(1536, 512)
-    x = torch.randn(ROWS.start, 512)
+    x = torch.randn(FIRST_ROW, 512)
     with torch.no_grad(), packed_linear.bypassed():
         assert torch.equal(layer(x), F.linear(x, layer.weight))
     assert not _packed(layer)
@@ -93,7 +109,7 @@ def test_bypassed_calls_take_f_linear_exactly():
 
 def test_a_copy_of_a_packed_layer_computes_and_packs_its_own():
     layer = _routed(1536, 512)
-    x = torch.randn(ROWS.start, 512)
+    x = torch.randn(FIRST_ROW, 512)
     with torch.no_grad():
         layer(x)
         twin = copy.deepcopy(layer)
@@ -115,7 +131,7 @@ def test_gradients_flow_through_f_linear_when_grad_is_on():
 
 def test_a_changed_weight_is_packed_again():
     layer = _routed(1536, 512)
-    x = torch.randn(ROWS.start, 512)
+    x = torch.randn(FIRST_ROW, 512)
     with torch.no_grad():
         layer(x)
         for change in ("in place", "load_into_model", "new parameter"):
@@ -135,7 +151,7 @@ def test_an_inference_tensor_weight_is_not_packed():
     layer = _routed(1536, 512)
     with torch.inference_mode():
         layer.weight = nn.Parameter(torch.randn(1536, 512), requires_grad=False)
-        x = torch.randn(ROWS.start, 512)
+        x = torch.randn(FIRST_ROW, 512)
         assert torch.equal(layer(x), F.linear(x, layer.weight))
     assert not _packed(layer)
 
