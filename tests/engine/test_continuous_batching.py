@@ -20,6 +20,7 @@ from arctic_platform.engine.models import load_causal_lm
 from arctic_platform.engine.running_batch import Slice
 from arctic_platform.engine.sampler import SamplingEngine
 from arctic_platform.engine.weights import export_weights
+from tests.perturbed import perturbed
 from tests.waiting import wait_until
 
 MODEL = ModelConfig(name="builtin:tiny")
@@ -30,13 +31,7 @@ WAIT_S = 60
 
 
 def _perturbed(seed: int) -> dict:
-    model = load_causal_lm(MODEL).eval()
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for param in model.parameters():
-            if param.ndim == 2:
-                param.add_(torch.randn(param.shape, generator=gen) * 0.15)
-    return export_weights(model)
+    return export_weights(perturbed(load_causal_lm(MODEL), seed))
 
 
 @pytest.fixture(scope="module")

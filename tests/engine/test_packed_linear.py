@@ -2,7 +2,7 @@
 the weight changes, and through the sampler against transformers' ``generate``.
 
 The built-in tiny model's weights are below ``MIN_ELEMENTS``, so the sampler tests use
-``builtin:small`` (512-wide, 8 layers), perturbed like ``test_sampler.py``'s so that greedy
+``builtin:small`` (512-wide, 8 layers), perturbed (``tests/perturbed.py``) so that greedy
 continuations vary."""
 
 import copy
@@ -24,6 +24,7 @@ from arctic_platform.engine.packed_linear import (
 )
 from arctic_platform.engine.sampler import SamplingEngine
 from arctic_platform.engine.weights import export_weights, load_into_model
+from tests.perturbed import perturbed
 
 pytestmark = pytest.mark.skipif(not packed_linear.available(), reason="no oneDNN in this torch")
 
@@ -40,6 +41,11 @@ def _packed(layer: nn.Linear) -> bool:
     return layer.forward._packed is not None
 
 
+def _assert_rounding_close(out: torch.Tensor, expected: torch.Tensor) -> None:
+    """Equal to float rounding: oneDNN sums a product's terms in another order than MKL."""
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("shape", [(1536, 512, False), (512, 1536, True), (512, 512, False)])
 @pytest.mark.parametrize("rows", [FIRST_ROW, 37, LAST_ROW])
 @pytest.mark.parametrize("layout", ["decode", "prefill"])
@@ -50,7 +56,7 @@ def test_products_of_packed_sizes_equal_f_linear(shape, rows, layout):
         out = layer(x)
     assert _packed(layer)
     assert out.shape == (*x.shape[:-1], shape[0])
-    torch.testing.assert_close(out, F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+    _assert_rounding_close(out, F.linear(x, layer.weight, layer.bias))
 
 
 @pytest.mark.parametrize("rows", [1, 8, FIRST_ROW - 1, LAST_ROW + 1, 1024])
@@ -69,7 +75,7 @@ def test_weights_of_2048_x_1024_or_more_take_the_copy_from_4_rows(rows):
     with torch.inference_mode():
         out = layer(x)
     assert _packed(layer) == (rows >= FIRST_ROW_LARGE)
-    torch.testing.assert_close(out, F.linear(x, layer.weight), rtol=1e-5, atol=1e-5)
+    _assert_rounding_close(out, F.linear(x, layer.weight))
 
 
 def test_small_and_non_float32_weights_are_left_alone():
@@ -96,7 +102,7 @@ def test_refresh_packs_again_after_a_write_the_version_counter_misses():
         new = torch.randn_like(layer.weight) / 512**0.5
         layer.weight.data.copy_(new)  # .data has its own version counter
         packed_linear.refresh(nn.Sequential(layer))
-        torch.testing.assert_close(layer(x), F.linear(x, new), rtol=1e-5, atol=1e-5)
+        _assert_rounding_close(layer(x), F.linear(x, new))
 
 
 def test_bypassed_calls_take_f_linear_exactly():
@@ -114,7 +120,7 @@ def test_a_copy_of_a_packed_layer_computes_and_packs_its_own():
         layer(x)
         twin = copy.deepcopy(layer)
         assert not _packed(twin) and twin.forward.module is twin
-        torch.testing.assert_close(twin(x), F.linear(x, layer.weight), rtol=1e-5, atol=1e-5)
+        _assert_rounding_close(twin(x), F.linear(x, layer.weight))
     assert _packed(twin)
 
 
@@ -142,7 +148,7 @@ def test_a_changed_weight_is_packed_again():
                 load_into_model(nn.Sequential(layer), {"0.weight": new})
             else:
                 layer.weight = nn.Parameter(new, requires_grad=False)
-            torch.testing.assert_close(layer(x), F.linear(x, new), rtol=1e-5, atol=1e-5)
+            _assert_rounding_close(layer(x), F.linear(x, new))
 
 
 def test_an_inference_tensor_weight_is_not_packed():
@@ -164,15 +170,6 @@ PROMPTS = ["12+34=", "The cat sat on"]
 SAMPLES = 8  # 2 prompts x 8 samples: 16 rows, the first packed row count
 
 
-def _perturbed(model):
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for param in model.parameters():
-            if param.ndim == 2:
-                param.add_(torch.randn(param.shape, generator=gen) * 0.15)
-    return model.eval()
-
-
 def test_sampler_greedy_decode_on_packed_weights_matches_generate_after_a_weight_load():
     """The engine decodes once on its initial weights (packing them), then loads other weights:
     its greedy continuations must be the new weights' (``generate`` on the new model), which a
@@ -181,7 +178,7 @@ def test_sampler_greedy_decode_on_packed_weights_matches_generate_after_a_weight
     assert sum(isinstance(m.forward, PackedLinear) for m in engine.model.modules()) > 0
     params = {"temperature": 0, "max_tokens": 12, "n": SAMPLES}
     engine.generate(PROMPTS, params)
-    reference = _perturbed(load_causal_lm(SMALL))
+    reference = perturbed(load_causal_lm(SMALL))
     engine.load_weights(export_weights(reference))
     routed = [m.forward for m in engine.model.modules() if isinstance(m.forward, PackedLinear)]
     # the load packed again what it changed (the next generate does not pay for it)
@@ -204,7 +201,7 @@ def test_sampler_greedy_decode_on_packed_weights_matches_generate_after_a_weight
 
 def test_sleep_at_level_2_drops_the_packed_copies_and_sampling_after_wake_is_unchanged():
     engine = SamplingEngine(SamplingEngineConfig(model=SMALL))
-    engine.load_weights(export_weights(_perturbed(load_causal_lm(SMALL))))
+    engine.load_weights(export_weights(perturbed(load_causal_lm(SMALL))))
     params = {"temperature": 0.9, "seed": 7, "max_tokens": 12, "n": SAMPLES}
     before = engine.generate(PROMPTS, params)
     routed = [m for m in engine.model.modules() if isinstance(m.forward, PackedLinear)]
@@ -224,7 +221,7 @@ def test_sleep_at_level_2_drops_the_packed_copies_and_sampling_after_wake_is_unc
 def test_prompt_logprobs_score_with_the_trainers_products():
     """``prompt_logprobs`` promises the training engine's scores; a 40-token prompt is within the
     packed rows, so only the bypass keeps its products ``F.linear``'s."""
-    reference = _perturbed(load_causal_lm(SMALL))
+    reference = perturbed(load_causal_lm(SMALL))
     engine = SamplingEngine(SamplingEngineConfig(model=SMALL))
     engine.load_weights(export_weights(reference))
     ids = torch.randint(5, 100, (40,), generator=torch.Generator().manual_seed(3)).tolist()

@@ -13,6 +13,7 @@ from arctic_platform.engine.config import ModelConfig, SamplingEngineConfig
 from arctic_platform.engine.models import load_causal_lm
 from arctic_platform.engine.sampler import SamplingEngine
 from arctic_platform.engine.weights import export_weights
+from tests.perturbed import perturbed
 
 MODEL = ModelConfig(name="builtin:tiny")
 PROMPTS = ["hello world", "The cat", "1+1=", "a", "What is the meaning of life?", "x" * 40]
@@ -20,13 +21,7 @@ PROMPTS = ["hello world", "The cat", "1+1=", "a", "What is the meaning of life?"
 
 @pytest.fixture(scope="module")
 def reference():
-    model = load_causal_lm(MODEL).eval()
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for param in model.parameters():
-            if param.ndim == 2:
-                param.add_(torch.randn(param.shape, generator=gen) * 0.15)
-    return model
+    return perturbed(load_causal_lm(MODEL))
 
 
 @pytest.fixture(scope="module")

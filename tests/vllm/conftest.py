@@ -21,6 +21,7 @@ import torch
 from arctic_platform.engine.builtin import resolve_model_path
 from arctic_platform.engine.config import ModelConfig, SamplingEngineConfig
 from arctic_platform.engine.models import load_causal_lm
+from tests.perturbed import perturbed
 
 VLLM_PYTHON = os.environ.get("ARCTIC_VLLM_PYTHON")
 SKIP_REASON = (
@@ -116,12 +117,7 @@ def save_model_dir(model, path: Path) -> str:
 @pytest.fixture(scope="session")
 def perturbed_model_dir(tmp_path_factory) -> str:
     """The tiny model with its matrices perturbed (fixed seed), as a model directory."""
-    model = load_causal_lm(ModelConfig(name="builtin:tiny"))
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for param in model.parameters():
-            if param.ndim == 2:
-                param.add_(torch.randn(param.shape, generator=gen) * 0.15)
+    model = perturbed(load_causal_lm(ModelConfig(name="builtin:tiny")))
     return save_model_dir(model, tmp_path_factory.mktemp("perturbed"))
 
 
