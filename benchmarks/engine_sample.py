@@ -8,6 +8,8 @@ Model ``builtin:small`` (~25 M parameters, float32 on CPU), same weights for bot
 (b) ``prefix_sharing``: 2 prompts of 512 tokens, n = 8 samples each, 64 new tokens. Ours prefills
     each prompt once; the baseline is ``model.generate`` on the prompts repeated 8 times.
     Target >= 1.5.
+    (a) and (b) send new prompts every turn (:func:`_new_prompts`), so our prompt cache is not
+    what they measure.
 (c) ``weight_sync``: the model's weight bytes per second from a separate trainer model into the
     engine: in process (``sync_in_process``), through the safetensors chunk stream in one process,
     and streamed over a pipe to a receiving process that loads them into its own SamplingEngine
@@ -21,7 +23,11 @@ Model ``builtin:small`` (~25 M parameters, float32 on CPU), same weights for bot
     and the 90th percentile latency, from the better of two alternating runs each.
 
 (d) ``--vllm`` (needs ``$ARCTIC_VLLM_PYTHON``, see README "vLLM sampling engine"): the vLLM engine
-    beside ours and ``model.generate`` on the workloads of (a) and (b), startup to the first token
+    beside ours and ``model.generate`` on the workloads of (a) and (b) with the same prompts
+    every turn (the issue's workloads: from the second turn on, vLLM's prefix caching and our
+    prompt cache skip the prefill), on (b) with new prompts every turn (neither cache helps), and
+    on (b)'s new prompts sent as SkyRL sends them, each prompt as 8 requests of n = 1
+    (:data:`VLLM_WORKLOADS`); startup to the first token
     (engine construction plus a one-token generate) for both engines, and the time of one weight
     sync into the vLLM engine by ``reload`` and by ``restart``. Written to
     ``benchmarks/results/engine_sample_vllm.json``.
@@ -131,14 +137,24 @@ def _ours(engine: SamplingEngine, prompts: list[list[int]], n: int, new_tokens: 
     return outs
 
 
+def _new_prompts(shape: tuple[int, int], seed: int, turns: int = REPEAT) -> list[torch.Tensor]:
+    """A batch of random prompts per turn. Each turn of a comparison brings new prompts, as each
+    RL step does, so no side reuses an earlier turn's prefill (our prompt cache, vLLM's prefix
+    caching); the vLLM comparison also runs the issue's workloads with the same prompts every
+    turn, where both caches do."""
+    gen = _gen(seed)
+    return [torch.randint(5, 100, shape, generator=gen) for _ in range(turns)]
+
+
 def bench_throughput(engine: SamplingEngine, plain) -> dict:
     batch, prompt_len, new_tokens = 32, 64, 128
-    prompts = torch.randint(5, 100, (batch, prompt_len), generator=torch.Generator().manual_seed(1))
-    _ours(engine, prompts[:2].tolist(), 1, 4)  # warm up both paths
-    _hf_generate(plain, prompts[:2], 4)
+    warm = torch.randint(5, 100, (2, prompt_len), generator=_gen(11))
+    _ours(engine, warm.tolist(), 1, 4)  # warm up both paths
+    _hf_generate(plain, warm, 4)
+    theirs, mine = (iter(_new_prompts((batch, prompt_len), seed=1)) for _ in range(2))
     times = _alternate(
-        lambda: _hf_generate(plain, prompts, new_tokens),
-        lambda: _ours(engine, prompts.tolist(), 1, new_tokens),
+        lambda: _hf_generate(plain, next(theirs), new_tokens),
+        lambda: _ours(engine, next(mine).tolist(), 1, new_tokens),
     )
     return {
         "batch": batch,
@@ -150,13 +166,10 @@ def bench_throughput(engine: SamplingEngine, plain) -> dict:
 
 def bench_prefix_sharing(engine: SamplingEngine, plain) -> dict:
     prompts_n, n, prompt_len, new_tokens = 2, 8, 512, 64
-    prompts = torch.randint(
-        5, 100, (prompts_n, prompt_len), generator=torch.Generator().manual_seed(2)
-    )
-    repeated = prompts.repeat_interleave(n, dim=0)
+    theirs, mine = (iter(_new_prompts((prompts_n, prompt_len), seed=2)) for _ in range(2))
     times = _alternate(
-        lambda: _hf_generate(plain, repeated, new_tokens),
-        lambda: _ours(engine, prompts.tolist(), n, new_tokens),
+        lambda: _hf_generate(plain, next(theirs).repeat_interleave(n, dim=0), new_tokens),
+        lambda: _ours(engine, next(mine).tolist(), n, new_tokens),
     )
     return {
         "prompts": prompts_n,
@@ -289,6 +302,63 @@ def receive() -> None:
     print(json.dumps(report), flush=True)
 
 
+# name: (the prompt batches, a list of one (sent every turn) or one per turn; n; new tokens;
+# whether a prompt's n samples go as n requests of n = 1 each, as SkyRL sends them)
+VLLM_WORKLOADS = {
+    "throughput": (lambda: [torch.randint(5, 100, (32, 64), generator=_gen(1))], 1, 128, False),
+    "prefix_sharing": (lambda: [torch.randint(5, 100, (2, 512), generator=_gen(2))], 8, 64, False),
+    "prefix_sharing_new_prompts": (
+        lambda: _new_prompts((2, 512), seed=5, turns=VLLM_REPEAT + 1),
+        8,
+        64,
+        False,
+    ),
+    "prefix_sharing_as_requests_new_prompts": (
+        lambda: _new_prompts((2, 512), seed=6, turns=VLLM_REPEAT + 1),
+        8,
+        64,
+        True,
+    ),
+}
+
+
+def _vllm_workload(
+    sides: dict, batches: list[torch.Tensor], n: int, new_tokens: int, as_requests: bool
+) -> dict:
+    """One workload of (d): a warm-up turn, then ``VLLM_REPEAT`` turns of every side in turn;
+    turn ``i`` sends ``batches[i]`` (the same batch every turn when there is one)."""
+
+    def run(key: str, turn: int) -> None:
+        prompts = batches[turn % len(batches)]
+        if key == "generate":
+            _hf_generate(sides[key], prompts.repeat_interleave(n, dim=0), new_tokens)
+        elif as_requests:
+            _ours(sides[key], prompts.repeat_interleave(n, dim=0).tolist(), 1, new_tokens)
+        else:
+            _ours(sides[key], prompts.tolist(), n, new_tokens)
+
+    for key in sides:
+        run(key, 0)  # warm up every path on the real shapes
+    times = {key: [] for key in sides}
+    for turn in range(1, VLLM_REPEAT + 1):
+        for key in sides:
+            times[key].append(_timed(lambda key=key, turn=turn: run(key, turn)))
+    best = {key: min(values) for key, values in times.items()}
+    prompts = batches[0]
+    return {
+        "prompts": len(prompts),
+        "n": n,
+        "prompt_len": prompts.shape[1],
+        "new_tokens": new_tokens,
+        "new_prompts_each_turn": len(batches) > 1,
+        "sent_as": f"{len(prompts) * n} requests of n=1" if as_requests else f"n={n}",
+        **{f"{key}_tokens_per_s": len(prompts) * n * new_tokens / best[key] for key in sides},
+        "vllm_vs_generate": best["generate"] / best["vllm"],
+        "vllm_vs_engine": best["engine"] / best["vllm"],
+        "median_s": {key: statistics.median(values) for key, values in times.items()},
+    }
+
+
 def bench_vllm() -> dict:
     """(d): the vLLM engine against ours and ``model.generate`` (see the module docstring)."""
     from arctic_platform.engine.vllm_backend.engine import VllmSamplingEngine
@@ -307,36 +377,15 @@ def bench_vllm() -> dict:
     startup["vllm_s"] = time.perf_counter() - start
     plain = _plain_model()
     try:
-        workloads = {
-            "throughput": (torch.randint(5, 100, (32, 64), generator=_gen(1)), 1, 128),
-            "prefix_sharing": (torch.randint(5, 100, (2, 512), generator=_gen(2)), 8, 64),
-        }
         result: dict = {"startup_to_first_token": startup}
-        for name, (prompts, n, new_tokens) in workloads.items():
-            repeated = prompts.repeat_interleave(n, dim=0)
-            runs = {
-                "generate": lambda r=repeated, k=new_tokens: _hf_generate(plain, r, k),
-                "engine": lambda p=prompts, n=n, k=new_tokens: _ours(ours, p.tolist(), n, k),
-                "vllm": lambda p=prompts, n=n, k=new_tokens: _ours(vllm, p.tolist(), n, k),
-            }
-            for run in runs.values():
-                run()  # warm up every path on the real shapes
-            times = {key: [] for key in runs}
-            for _ in range(VLLM_REPEAT):
-                for key, run in runs.items():
-                    times[key].append(_timed(run))
-            best = {key: min(values) for key, values in times.items()}
-            tokens = len(prompts) * n * new_tokens
-            result[name] = {
-                "prompts": len(prompts),
-                "n": n,
-                "prompt_len": prompts.shape[1],
-                "new_tokens": new_tokens,
-                **{f"{key}_tokens_per_s": tokens / best[key] for key in runs},
-                "vllm_vs_generate": best["generate"] / best["vllm"],
-                "vllm_vs_engine": best["engine"] / best["vllm"],
-                "median_s": {key: statistics.median(values) for key, values in times.items()},
-            }
+        for name, (batches, n, new_tokens, as_requests) in VLLM_WORKLOADS.items():
+            result[name] = _vllm_workload(
+                {"generate": plain, "engine": ours, "vllm": vllm},
+                batches(),
+                n,
+                new_tokens,
+                as_requests,
+            )
         trainer = load_causal_lm(MODEL)
         with torch.no_grad():
             for param in trainer.parameters():

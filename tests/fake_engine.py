@@ -347,7 +347,11 @@ class FakeSampler(_FakeModel):
         if isinstance(level, bool) or level not in (1, 2):
             raise EngineInputError("level", f"must be 1 or 2, got {level!r}")
         self.asleep.add("kv_cache")
-        result: dict[str, Any] = {"level": level, "kv_cache_bytes_released": 0}
+        result: dict[str, Any] = {
+            "level": level,
+            "kv_cache_bytes_released": 0,
+            "prompt_cache_bytes_released": 0,
+        }
         if level == 2:
             result["packed_weight_bytes_released"] = 0
             result["weights"] = "kept: the engine runs on CPU, there is no device to free"
@@ -359,7 +363,7 @@ class FakeSampler(_FakeModel):
         return {"woke": woke, "kv_cache_bytes": 0, "asleep": sorted(self.asleep)}
 
     def reset_prefix_cache(self) -> dict:
-        return {"cached_prefixes": 0, "note": "no prefix cache is kept across generate calls"}
+        return {"cached_prefixes": 0, "bytes_released": 0}
 
 
 class FakeScorer(_FakeModel):

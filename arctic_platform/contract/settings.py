@@ -192,7 +192,8 @@ class VllmSettings(BaseModel):
     ``env`` adds environment variables for the vLLM process (``VLLM_CPU_KVCACHE_SPACE``, ...).
     Every other key is a vLLM engine argument (``enforce_eager``, ``gpu_memory_utilization``, ...),
     checked against the installed vLLM when the engine starts; ``max_num_seqs`` and
-    ``max_model_len`` also bound our own sampler. On CPU vLLM's KV cache is sized from the job
+    ``max_model_len`` also bound our own sampler, and ``enable_prefix_caching: false`` also turns
+    off its prompt cache (``engine/prompt_cache.py``). On CPU vLLM's KV cache is sized from the job
     (``max_num_seqs`` x ``max_model_len``; see ``engine/vllm_backend/cpu_budget.py``) unless
     ``kv_cache_memory_bytes``, ``env.VLLM_CPU_KVCACHE_SPACE`` or ``gpu_memory_utilization``
     size it; a budget that cannot fit is refused when the job is created.
@@ -209,6 +210,9 @@ class VllmSettings(BaseModel):
     def _model_is_the_jobs(self) -> VllmSettings:
         if "model" in self.engine_args:
             raise ValueError("model: the job's model is what vLLM loads; set it there")
+        caching = self.engine_args.get("enable_prefix_caching", True)
+        if not isinstance(caching, bool):
+            raise ValueError(f"enable_prefix_caching: expected true or false, got {caching!r}")
         return self
 
     @property

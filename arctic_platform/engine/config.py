@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveInt
 
 from arctic_platform.contract.settings import (
     LogitsSettings,
@@ -91,7 +91,9 @@ class SamplingEngineConfig(_Strict):
     ``max_kv_cache_bytes`` bounds the key/value cache of the running batch (each prefilled
     prompt once, however many samples decode from it, plus each row's completion, times the
     bytes per token): sequences that do not fit wait for running ones to finish rather than
-    exhausting memory. ``continuous_batching`` (default on) lets calls from several
+    exhausting memory. ``prompt_cache_bytes`` bounds the prompts kept prefilled across calls
+    (their keys, values and first-step logits; least recently used leave first; ``0``: off;
+    :mod:`.prompt_cache`). ``continuous_batching`` (default on) lets calls from several
     threads decode together, a call arriving mid-decode joining at the next step; off, calls run
     one at a time. ``max_logprobs`` caps the ``logprobs`` a request may ask for, and
     ``seed`` seeds the draws of requests that do not bring their own. ``engine`` picks the
@@ -105,6 +107,7 @@ class SamplingEngineConfig(_Strict):
     max_model_len: PositiveInt | None = None
     max_tokens_per_microbatch: PositiveInt = 16384
     max_kv_cache_bytes: PositiveInt = 4 * 1024**3
+    prompt_cache_bytes: NonNegativeInt = 1024**3
     continuous_batching: bool = True
     max_logprobs: PositiveInt = 20
     prompt_sharing: PromptSharing = "auto"

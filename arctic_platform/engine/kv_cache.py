@@ -204,6 +204,32 @@ class KVCache(Cache):
         finally:
             self.prefill_target = None
 
+    def read_prefix(self, group: int, length: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Copies of every layer's keys and values of ``group``'s prompt (its last ``length``
+        columns), each ``[kv_heads, length, head_dim]``."""
+        start = self.geometry.prefix_width - length
+        return [
+            (
+                layer.prefix_keys[group, :, start:].clone(),
+                layer.prefix_values[group, :, start:].clone(),
+            )
+            for layer in self.layers
+        ]
+
+    def write_prefix(self, group: int, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Put a prompt's keys and values (as :meth:`read_prefix` gives them) into ``group``,
+        right-aligned, zeros before them. A layer no forward initialised yet takes its views
+        now, its prefix store zeroed, so a prefill beside it leaves no column undefined."""
+        for layer, (keys, values) in zip(self.layers, layers, strict=True):
+            if not layer.is_initialized:
+                layer.lazy_initialization(keys[None], values[None])
+                layer.prefix_keys.zero_()
+                layer.prefix_values.zero_()
+            start = self.geometry.prefix_width - keys.shape[-2]
+            for store, data in ((layer.prefix_keys, keys), (layer.prefix_values, values)):
+                store[group, :, :start] = 0
+                store[group, :, start:] = data
+
     def start_decoding(self, column: int) -> None:
         """The next decode step writes every row's suffix at ``column``."""
         for layer in self.layers:

@@ -7,14 +7,16 @@ joins and when; this module holds the batch and runs its steps:
 * :meth:`RunningBatch.plan` — which waiting samples fit now, in arrival order: at most
   ``max_batch_size`` rows whose cache fits ``max_kv_cache_bytes`` (each prompt's keys once, each
   row's completion: :class:`~arctic_platform.engine.kv_cache.Geometry`). A request's ``n``
-  samples may join in parts; each part prefills its prompt again.
-* :meth:`RunningBatch.admit` — each distinct prompt of the joining samples is prefilled **once**
-  (left-padded to the widest of them, in microbatches of at most ``max_tokens_per_microbatch``
-  padded tokens) into a group of the prefix store, which all its samples' rows read
-  (:mod:`~arctic_platform.engine.shared_prefix`). Rows share one suffix write column: the running
-  rows keep their completions but drop the columns none of them uses, and the newcomers start
-  left-padded at the write column (:meth:`~arctic_platform.engine.kv_cache.KVCache.relayout`);
-  position ids are per row.
+  samples may join in parts; a later part finds its prompt in the prompt cache.
+* :meth:`RunningBatch.admit` — each distinct prompt of the joining samples (whichever requests
+  they came from) takes one group of the prefix store, which all its samples' rows read
+  (:mod:`~arctic_platform.engine.shared_prefix`): copied from the prompt cache
+  (:mod:`~arctic_platform.engine.prompt_cache`) when an earlier admission prefilled it on these
+  weights, else prefilled **once** (left-padded to the widest of them, in microbatches of at most
+  ``max_tokens_per_microbatch`` padded tokens) and then cached. Rows share one suffix write
+  column: the running rows keep their completions but drop the columns none of them uses, and
+  the newcomers start left-padded at the write column
+  (:meth:`~arctic_platform.engine.kv_cache.KVCache.relayout`); position ids are per row.
 * :meth:`RunningBatch.sample` — one token for every row (each row at its own step, so its random
   numbers depend only on its seed, its sample index and its step: a seeded request gets the
   same samples alone or joining any batch), stop checks, and the outputs of the rows that just
@@ -38,6 +40,7 @@ from arctic_platform.contract.sampling_params import SamplingParams
 from arctic_platform.engine.config import SamplingEngineConfig
 from arctic_platform.engine.errors import UnsupportedModel
 from arctic_platform.engine.kv_cache import Geometry, KVBufferPool, KVCache
+from arctic_platform.engine.prompt_cache import CachedPrompt, PromptCache
 from arctic_platform.engine.sampling_ops import choose_tokens, sequence_keys, step_uniforms
 from arctic_platform.engine.sampling_requests import SampleRequest
 from arctic_platform.engine.shared_prefix import SharedPrefixStep, layout
@@ -96,10 +99,17 @@ class ModelSide:
 class RunningBatch:
     """The rows decoding together (see the module doc)."""
 
-    def __init__(self, side: ModelSide, config: SamplingEngineConfig, pool: KVBufferPool) -> None:
+    def __init__(
+        self,
+        side: ModelSide,
+        config: SamplingEngineConfig,
+        pool: KVBufferPool,
+        prompt_cache: PromptCache,
+    ) -> None:
         self.side = side
         self.config = config
         self.pool = pool
+        self.prompt_cache = prompt_cache
         self.joins = 0  # admissions into a batch that had rows running: continuous batching
         self.clear()
 
@@ -148,18 +158,22 @@ class RunningBatch:
         live = self._live_extent()
         rows, groups, prompt, left = len(live.rows), len(live.groups), live.prompt, live.left
         chosen: list[Slice] = []
+        seen: set[tuple[int, ...]] = set()  # prompts already given a group (one per prompt)
         for piece in waiting:
-            p = max(prompt, len(piece.request.token_ids))
+            key = tuple(piece.request.token_ids)
+            new_group = int(key not in seen)
+            p = max(prompt, len(key))
             m = max(left, piece.request.max_new)
-            # one more prefix group, all of p columns; each row a completion of width + m columns
-            taken = Geometry(groups + 1, p, rows, live.width + m).nbytes(per_token)
+            # maybe one more prefix group, all of p columns; each row a completion of width + m
+            taken = Geometry(groups + new_group, p, rows, live.width + m).nbytes(per_token)
             by_memory = (self.config.max_kv_cache_bytes - taken) // ((live.width + m) * per_token)
             room = min(self.config.max_batch_size - rows, by_memory)
             if room <= 0:
                 break
             count = min(room, piece.count)
             chosen.append(Slice(piece.owner, piece.request, piece.first, count))
-            rows, groups, prompt, left = rows + count, groups + 1, p, m
+            rows, groups, prompt, left = rows + count, groups + new_group, p, m
+            seen.add(key)
             if count < piece.count:
                 break
         return chosen
@@ -169,11 +183,11 @@ class RunningBatch:
         live = self._live_extent()
         if len(live.rows):
             self.joins += 1
+        prompts, cached, slices, slice_group = self._distinct_prompts(slices)
         counts = torch.tensor([s.count for s in slices])
-        widest = max(len(s.request.token_ids) for s in slices)
-        width = max(live.prompt, widest)
+        width = max(live.prompt, *(len(p) for p in prompts))
         geometry = Geometry(
-            groups=len(live.groups) + len(slices),
+            groups=len(live.groups) + len(prompts),
             prefix_width=width,
             rows=len(live.rows) + int(counts.sum()),
             capacity=live.width + max(live.left, *(s.request.max_new for s in slices)),
@@ -189,28 +203,51 @@ class RunningBatch:
         if state:
             state["suffix_start"] -= live.trim
             state["group"] = torch.searchsorted(live.groups, state["group"])
-        new = self._new_rows(slices, counts, live.width, first_group=len(live.groups))
+        new = self._new_rows(slices, counts, live.width, len(live.groups) + slice_group)
         self._state = _concat(state, new)
-        prompts = torch.tensor([len(s.request.token_ids) for s in slices], device=self.side.device)
-        self._group_len = torch.cat([self._group_len[live.groups], prompts])
+        lengths = torch.tensor([len(p) for p in prompts], device=self.side.device)
+        self._group_len = torch.cat([self._group_len[live.groups], lengths])
         self._rows = [self._rows[i] for i in live.rows.tolist()] + [
             _Row(s.owner, s.request, sample, s.request.params if s.request.params.stop else None)
             for s in slices
             for sample in range(s.first, s.first + s.count)
         ]
         self._out = self._grown_outputs(live.rows, geometry.rows)
-        logits = self._prefill(slices, counts, len(live.groups), widest, width - widest)
+        per_prompt = self._prefill(prompts, cached, len(live.groups), width)
+        logits = per_prompt[slice_group.to(self.side.device)]
+        logits = logits.repeat_interleave(counts.to(self.side.device), dim=0)
         old = self._logits[live.rows] if self._logits is not None else logits[:0]
         self._logits = torch.cat([old, logits])
         self._length = live.width
         self._cache.start_decoding(live.width)
         self._update_layout()
 
+    def _distinct_prompts(self, slices: list[Slice]):
+        """The admission's distinct prompts (each becomes one prefix group, read by every sample
+        of every slice that asked for it: SkyRL sends a prompt ``n`` times as ``n`` requests),
+        the prompt cache's entry for each (or None), the slices regrouped so each prompt's
+        samples sit together, and each slice's prompt index. Prompts to prefill come first, so
+        their groups are consecutive (:meth:`_prefill`)."""
+        by_prompt: dict[tuple[int, ...], list[Slice]] = {}
+        for piece in slices:
+            by_prompt.setdefault(tuple(piece.request.token_ids), []).append(piece)
+        keys = list(by_prompt)
+        entries = self.prompt_cache.lookup(keys)
+        order = sorted(range(len(keys)), key=lambda i: entries[i] is not None)
+        grouped = [piece for i in order for piece in by_prompt[keys[i]]]
+        slice_group = [g for g, i in enumerate(order) for _ in by_prompt[keys[i]]]
+        return (
+            [keys[i] for i in order],
+            [entries[i] for i in order],
+            grouped,
+            torch.tensor(slice_group, dtype=torch.long),
+        )
+
     def _new_rows(
-        self, slices: list[Slice], counts: torch.Tensor, write_at: int, first_group: int
+        self, slices: list[Slice], counts: torch.Tensor, write_at: int, groups: torch.Tensor
     ) -> dict:
-        """Per-row tensors of the joining samples (slice ``i`` prefilled into group
-        ``first_group + i``; their completions start at suffix column ``write_at``)."""
+        """Per-row tensors of the joining samples (slice ``i`` reads prefix group ``groups[i]``;
+        their completions start at suffix column ``write_at``)."""
         per_slice = []
         for piece in slices:
             p, r = piece.request.params, piece.request
@@ -231,7 +268,7 @@ class RunningBatch:
         rows = int(counts.sum())
         state = {
             "position": prompt,
-            "group": first_group + torch.arange(len(slices)).repeat_interleave(counts),
+            "group": groups.repeat_interleave(counts),
             "suffix_start": torch.full((rows,), write_at, dtype=torch.long),
             "greedy": column([p.greedy for p, _, _ in per_slice], torch.bool),
             "temperature": column([p.temperature for p, _, _ in per_slice], torch.float32),
@@ -269,34 +306,48 @@ class RunningBatch:
             out[name][(slice(0, len(keep)), *index)] = old[keep][(slice(None), *index)]
         return out
 
-    def _prefill(self, slices, counts, first_group: int, width: int, at: int) -> torch.Tensor:
-        """Run each prompt of ``slices`` once into groups ``first_group ..`` (prefix columns
-        ``at .. at + width``); return their rows' first-step logits ``[rows, vocab]`` (float32)."""
+    def _prefill(
+        self, prompts: list[tuple[int, ...]], cached: list, first_group: int, width: int
+    ) -> torch.Tensor:
+        """Put ``prompts`` into groups ``first_group ..`` of a prefix store ``width`` columns wide:
+        a cached one by copying its entry, the others (first in ``prompts``) by running the
+        model, which the prompt cache then keeps. Returns each prompt's first-step logits
+        ``[prompts, vocab]`` (float32)."""
         side = self.side
-        device = side.device
-        logits = torch.empty(len(slices), side.vocab_size, device=device)
-        per_batch = max(1, self.config.max_tokens_per_microbatch // width)
-        for start in range(0, len(slices), per_batch):
-            pieces = slices[start : start + per_batch]
-            ids = torch.full((len(pieces), width), side.pad_token_id, dtype=torch.long)
-            attention = torch.zeros(len(pieces), width, dtype=torch.bool)
-            positions = torch.zeros(len(pieces), width, dtype=torch.long)
-            for i, piece in enumerate(pieces):
-                prompt = piece.request.token_ids
-                ids[i, width - len(prompt) :] = torch.tensor(prompt)
-                attention[i, width - len(prompt) :] = True
-                positions[i, width - len(prompt) :] = torch.arange(len(prompt))
-            with self._cache.prefill_groups(first_group + start, at):
+        logits = torch.empty(len(prompts), side.vocab_size, device=side.device)
+        for i, entry in enumerate(cached):
+            if entry is not None:  # before any prefill: it may initialise the stores
+                self._cache.write_prefix(first_group + i, entry.layers)
+                logits[i] = entry.logits
+        misses = [prompt for prompt, entry in zip(prompts, cached, strict=True) if entry is None]
+        if not misses:
+            return logits
+        widest = max(len(prompt) for prompt in misses)
+        per_batch = max(1, self.config.max_tokens_per_microbatch // widest)
+        for start in range(0, len(misses), per_batch):
+            pieces = misses[start : start + per_batch]
+            ids = torch.full((len(pieces), widest), side.pad_token_id, dtype=torch.long)
+            attention = torch.zeros(len(pieces), widest, dtype=torch.bool)
+            positions = torch.zeros(len(pieces), widest, dtype=torch.long)
+            for i, prompt in enumerate(pieces):
+                ids[i, widest - len(prompt) :] = torch.tensor(prompt)
+                attention[i, widest - len(prompt) :] = True
+                positions[i, widest - len(prompt) :] = torch.arange(len(prompt))
+            with self._cache.prefill_groups(first_group + start, width - widest):
                 out = side.model(
-                    input_ids=ids.to(device),
-                    attention_mask=attention.to(device),
-                    position_ids=positions.to(device),
+                    input_ids=ids.to(side.device),
+                    attention_mask=attention.to(side.device),
+                    position_ids=positions.to(side.device),
                     past_key_values=self._cache,
                     use_cache=True,
                     logits_to_keep=1,
                 )
             logits[start : start + len(pieces)] = out.logits[:, -1].float()
-        return logits.repeat_interleave(counts.to(device), dim=0)
+        if self.prompt_cache.enabled:
+            for i, prompt in enumerate(misses):
+                layers = self._cache.read_prefix(first_group + i, len(prompt))
+                self.prompt_cache.store(prompt, CachedPrompt(layers, logits[i].clone()))
+        return logits
 
     def _update_layout(self) -> None:
         """The decode steps' :class:`SharedPrefixStep` for the rows and groups now."""

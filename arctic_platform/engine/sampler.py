@@ -8,8 +8,10 @@ How a call runs:
 2. The call's samples (longest prompts first) join the engine's running batch
    (:mod:`arctic_platform.engine.running_batch`) through its decode loop
    (:mod:`arctic_platform.engine.decode_loop`): calls from several threads decode together, a
-   call that arrives while others decode joins them at the next step (its prompts prefilled once
-   for all their samples, between two decode steps), and each call returns as soon as its own
+   call that arrives while others decode joins them at the next step (each distinct prompt
+   prefilled once for all the samples that ask for it, between two decode steps, or copied from
+   the prompt cache, :mod:`.prompt_cache`, when an earlier call prefilled it on the same
+   weights), and each call returns as soon as its own
    sequences finish. The batch stays within ``max_batch_size`` rows and ``max_kv_cache_bytes``
    of cache; samples that do not fit wait for rows to free up, in arrival order.
 3. ``load_weights``, ``sleep``, ``wake``, ``prompt_logprobs`` and ``reset_prefix_cache`` run
@@ -32,11 +34,11 @@ up to the one that completed the string; ``text`` excludes the stop token, and i
 stop string, unless ``include_stop_str_in_output``. ``stop_reason`` is the stop string or stop
 token id that ended the sequence (``None`` for end-of-sequence and for ``length``).
 
-Sleep and wake: ``sleep(1)`` releases the KV cache buffers; ``sleep(2)`` also moves the weights to
-CPU memory when they live on an accelerator (on a CPU-only engine they stay where they are, and
-the result says so) and drops the packed copies of CPU weights (:mod:`.packed_linear`). ``wake``
-restores what was released. ``generate`` on a sleeping engine wakes it first (and logs a
-warning), so a missed wake call costs time, never a run.
+Sleep and wake: ``sleep(1)`` releases the KV cache buffers and the prompt cache; ``sleep(2)`` also
+moves the weights to CPU memory when they live on an accelerator (on a CPU-only engine they stay
+where they are, and the result says so) and drops the packed copies of CPU weights
+(:mod:`.packed_linear`). ``wake`` restores what was released. ``generate`` on a sleeping engine
+wakes it first (and logs a warning), so a missed wake call costs time, never a run.
 """
 
 from __future__ import annotations
@@ -60,6 +62,7 @@ from arctic_platform.engine.models import (
     load_tokenizer,
     resolve_device,
 )
+from arctic_platform.engine.prompt_cache import PromptCache
 from arctic_platform.engine.running_batch import (
     LENGTH,
     STOP_ID,
@@ -117,7 +120,9 @@ class SamplingEngine:
             kv_bytes_per_token=self._kv_bytes_per_token(),
             tokenizer=self.tokenizer,
         )
-        self._loop = DecodeLoop(RunningBatch(side, config, self._pool), self._ready)
+        self._prompt_cache = PromptCache(self.model, config.prompt_cache_bytes)
+        batch = RunningBatch(side, config, self._pool, self._prompt_cache)
+        self._loop = DecodeLoop(batch, self._ready)
         self._validating = threading.Lock()  # the tokenizer and the seed stream, one call at a time
         self._one_call = threading.Lock()  # continuous_batching off: calls run one at a time
 
@@ -128,8 +133,9 @@ class SamplingEngine:
         return self.config.continuous_batching
 
     def batch_state(self) -> dict:
-        """Rows decoding, calls running and waiting, joins so far (see ``DecodeLoop.state``)."""
-        return self._loop.state()
+        """Rows decoding, calls running and waiting, joins so far (see ``DecodeLoop.state``),
+        and the prompt cache's entries, bytes, hits and misses."""
+        return {**self._loop.state(), "prompt_cache": self._prompt_cache.state()}
 
     # ------------------------------------------------------------------------------------------
     # generate
@@ -252,6 +258,7 @@ class SamplingEngine:
         return self._loop.exclusive(lambda: self._load_weights(named_tensors))
 
     def _load_weights(self, named_tensors) -> dict:
+        self._prompt_cache.clear()
         try:
             report = load_into_model(self.model, named_tensors)
         except WeightLoadError as err:
@@ -272,7 +279,11 @@ class SamplingEngine:
         return self._loop.exclusive(lambda: self._sleep(level))
 
     def _sleep(self, level: int) -> dict:
-        result = {"level": level, "kv_cache_bytes_released": self._pool.release()}
+        result = {
+            "level": level,
+            "kv_cache_bytes_released": self._pool.release(),
+            "prompt_cache_bytes_released": self._prompt_cache.clear()["bytes_released"],
+        }
         self._released.add("kv_cache")
         if level == 2:
             result["packed_weight_bytes_released"] = packed_linear.release(self.model)
@@ -329,13 +340,9 @@ class SamplingEngine:
         return [None, *(float(v) for v in scored[1:])]
 
     def reset_prefix_cache(self) -> dict:
-        """No prompt cache outlives a call (a prompt's samples share its prefill within one call),
-        so there is nothing to drop; the result says so."""
-        return self._loop.exclusive(lambda: self._no_prefix_cache())
-
-    @staticmethod
-    def _no_prefix_cache() -> dict:
-        return {"cached_prefixes": 0, "note": "no prefix cache is kept across generate calls"}
+        """Drop the prompt cache (:mod:`.prompt_cache`): ``{"cached_prefixes", "bytes_released"}``.
+        Runs after the calls decoding now, as a weight load does."""
+        return self._loop.exclusive(self._prompt_cache.clear)
 
     def close(self) -> None:
         """Nothing to release outside this process: the model goes with the engine."""

@@ -36,6 +36,13 @@ def test_client_config_selects_vllm_and_its_settings():
     assert engine.vllm.weight_sync == "reload" and engine.vllm.python == "/opt/vllm/bin/python"
     assert engine.vllm.engine_args == {"max_num_seqs": 4}
     assert spec.ignored_settings == {}  # the vLLM engine uses every key
+    assert engine.prompt_cache_bytes > 0  # on by default, as vLLM's prefix caching
+
+
+def test_vllms_prefix_caching_switch_also_turns_off_our_prompt_cache():
+    spec = _client(vllm={"enable_prefix_caching": False}).to_create_job_request().sub_job_configs[0]
+    assert spec.ignored_settings == {}
+    assert sampling_engine_config(spec, device="cpu").prompt_cache_bytes == 0
 
 
 def test_legacy_vllm_config_folds_into_sampling_vllm():
@@ -60,6 +67,7 @@ def test_legacy_vllm_config_folds_into_sampling_vllm():
         ({"engine": "vllm", "vllm": {"env": ["A=1"]}}, "env"),
         ({"engine": "vllm", "vllm": {"model": "other"}}, "model: the job's model is what vLLM"),
         ({"vllm_config": "fast"}, "vllm_config: expected a mapping"),
+        ({"vllm": {"enable_prefix_caching": "no"}}, "enable_prefix_caching: expected true"),
     ],
 )
 def test_bad_engine_settings_name_the_field(sampling, message):

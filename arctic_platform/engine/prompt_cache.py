@@ -1,0 +1,130 @@
+"""Prefilled prompts kept across ``generate`` calls, so a prompt seen again is not prefilled again.
+
+RL callers send the same prompt many times: SkyRL repeats each prompt ``n`` times in one call,
+verl's agent loop sends each sample as its own request, a multi-sample Tinker ``sample`` may be
+split across calls, and an evaluation re-sends its prompts every round. The running batch already
+prefills a prompt once per admission (:mod:`.running_batch`); this cache keeps, for the prompts it
+prefilled, every layer's keys and values and the logits of the first sampled token, so a later
+admission of the same token ids copies them into its prefix store instead of running the model.
+This is vLLM's automatic prefix caching, for whole prompts.
+
+It is exact-match on the token ids and holds at most ``max_bytes`` (least recently used entries
+leave first; an entry larger than the budget is not kept; ``0`` turns the cache off). Entries are
+only valid for the weights they were computed with: the cache notes every parameter's storage
+and version counter when it stores, and drops everything when any of them changed (a weight load,
+an in-place edit, a move to another device). The sampler also clears it on every weight load,
+sleep and ``reset_prefix_cache``. A model holding inference tensors (which have no version
+counter) is never cached.
+
+The keys and values a hit copies were computed in an earlier prefill, maybe padded beside other
+prompts, so they equal a fresh prefill's to float rounding, as a prompt prefilled beside
+different prompts does.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class CachedPrompt:
+    """One prompt's per-layer ``(keys, values)``, each ``[kv_heads, len, head_dim]``, and the
+    float32 logits ``[vocab]`` of the token after it."""
+
+    layers: list[tuple[torch.Tensor, torch.Tensor]]
+    logits: torch.Tensor
+
+    @property
+    def nbytes(self) -> int:
+        tensors = [t for pair in self.layers for t in pair] + [self.logits]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+
+class PromptCache:
+    """Least-recently-used prefilled prompts of one model, within ``max_bytes`` (module doc)."""
+
+    def __init__(self, model: torch.nn.Module, max_bytes: int) -> None:
+        self.model = model
+        self.max_bytes = max_bytes
+        self._entries: OrderedDict[tuple[int, ...], CachedPrompt] = OrderedDict()
+        self._weights: tuple | None = None
+        self.nbytes = 0
+        self.hits = 0
+        self.misses = 0
+        self.hit_tokens = 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.max_bytes > 0
+
+    def lookup(self, prompts: Sequence[Sequence[int]]) -> list[CachedPrompt | None]:
+        """Each prompt's entry, or None; counts hits and misses."""
+        if not self.enabled:
+            return [None] * len(prompts)
+        if self._entries and self._weights != _weights_state(self.model):
+            self.clear()
+        found = []
+        for prompt in prompts:
+            entry = self._entries.get(tuple(prompt))
+            if entry is None:
+                self.misses += 1
+            else:
+                self._entries.move_to_end(tuple(prompt))
+                self.hits += 1
+                self.hit_tokens += len(prompt)
+            found.append(entry)
+        return found
+
+    def store(self, prompt: Sequence[int], entry: CachedPrompt) -> None:
+        """Keep ``entry`` for ``prompt`` (computed with the model's current weights)."""
+        size = entry.nbytes
+        if size > self.max_bytes:
+            return
+        weights = _weights_state(self.model)
+        if weights is None:
+            return
+        if self._weights != weights:
+            self.clear()
+            self._weights = weights
+        key = tuple(prompt)
+        old = self._entries.pop(key, None)
+        if old is not None:
+            self.nbytes -= old.nbytes
+        while self._entries and self.nbytes + size > self.max_bytes:
+            _, evicted = self._entries.popitem(last=False)
+            self.nbytes -= evicted.nbytes
+        self._entries[key] = entry
+        self.nbytes += size
+
+    def clear(self) -> dict:
+        """Drop every entry; how many and their bytes."""
+        dropped = {"cached_prefixes": len(self._entries), "bytes_released": self.nbytes}
+        self._entries.clear()
+        self._weights = None
+        self.nbytes = 0
+        return dropped
+
+    def state(self) -> dict:
+        """Entries, bytes and budget, and the hits and misses so far (prompts, not samples)."""
+        return {
+            "entries": len(self._entries),
+            "bytes": self.nbytes,
+            "max_bytes": self.max_bytes,
+            "hits": self.hits,
+            "misses": self.misses,
+            "hit_tokens": self.hit_tokens,
+        }
+
+
+def _weights_state(model: torch.nn.Module) -> tuple | None:
+    """Every parameter's storage, device and version counter; None when one has no counter."""
+    state = []
+    for param in model.parameters():
+        if param.is_inference():
+            return None
+        state.append((param.data_ptr(), param.device, param._version))
+    return tuple(state)

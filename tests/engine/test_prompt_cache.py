@@ -1,0 +1,159 @@
+"""The sampler's prompt cache and per-admission prompt grouping, against the same engine without
+them.
+
+Each test counts the prompts the model really prefills (a forward hook on the engine's model:
+a prefill forward is the one whose inputs are wider than one token) and compares outputs with an
+engine whose cache is off (``prompt_cache_bytes: 0``) on the same weights, seeds fixed: token ids
+exactly, log-probs to float tolerance (a cached prompt's keys and values come from an earlier
+prefill, padded beside other prompts).
+"""
+
+import pytest
+import torch
+
+from arctic_platform.engine.config import ModelConfig, SamplingEngineConfig
+from arctic_platform.engine.models import load_causal_lm
+from arctic_platform.engine.sampler import SamplingEngine
+from arctic_platform.engine.weights import export_weights
+from tests.perturbed import perturbed
+
+MODEL = ModelConfig(name="builtin:tiny")
+LONG = list(range(5, 45))
+SHORT = [7, 8, 9]
+OTHER = [11, 12, 13, 14, 15, 16]
+PARAMS = {"seed": 4, "temperature": 1.0, "max_tokens": 12, "n": 3, "logprobs": 1}
+
+
+@pytest.fixture(scope="module")
+def weights():
+    return export_weights(perturbed(load_causal_lm(MODEL)))
+
+
+def _engine(weights, **settings) -> SamplingEngine:
+    engine = SamplingEngine(SamplingEngineConfig(model=MODEL, **settings))
+    engine.load_weights(weights)
+    return engine
+
+
+@pytest.fixture(scope="module")
+def uncached(weights):
+    return _engine(weights, prompt_cache_bytes=0)
+
+
+class Prefills:
+    """The prompts (batch items) of every prefill forward of ``engine``'s model."""
+
+    def __init__(self, engine: SamplingEngine) -> None:
+        self.prompts = 0
+        engine.model.register_forward_pre_hook(self._seen, with_kwargs=True)
+
+    def _seen(self, module, args, kwargs) -> None:
+        ids = kwargs["input_ids"]
+        if ids.shape[1] > 1:
+            self.prompts += ids.shape[0]
+
+    def since(self, before: int) -> int:
+        return self.prompts - before
+
+
+def _same(outputs, expected) -> None:
+    assert [o["token_ids"] for o in outputs] == [o["token_ids"] for o in expected]
+    for got, want in zip(outputs, expected, strict=True):
+        scores = [entry["logprob"] for entry in got["logprobs"]]
+        assert scores == pytest.approx([entry["logprob"] for entry in want["logprobs"]], abs=1e-5)
+
+
+def test_a_prompt_seen_again_is_copied_not_prefilled_and_samples_the_same(weights, uncached):
+    engine = _engine(weights)
+    prefills = Prefills(engine)
+    expected = uncached.generate([LONG, SHORT], PARAMS)
+    _same(engine.generate([LONG, SHORT], PARAMS), expected)
+    assert prefills.prompts == 2
+    _same(engine.generate([LONG, SHORT], PARAMS), expected)
+    assert prefills.since(2) == 0
+    state = engine.batch_state()["prompt_cache"]
+    assert (state["hits"], state["misses"], state["entries"]) == (2, 2, 2)
+    assert state["hit_tokens"] == len(LONG) + len(SHORT)
+    assert 0 < state["bytes"] <= state["max_bytes"]
+
+
+def test_a_cached_prompt_beside_a_new_one_and_joining_a_running_batch(weights, uncached):
+    """A hit written into a fresh cache beside a narrower prompt that is prefilled (the columns
+    before each prompt must read as zeros), and a hit joining a batch that is decoding."""
+    engine = _engine(weights)
+    prefills = Prefills(engine)
+    engine.generate([LONG], PARAMS)
+    _same(engine.generate([LONG, OTHER], PARAMS), uncached.generate([LONG, OTHER], PARAMS))
+    assert prefills.since(1) == 1  # OTHER only
+    both = [dict(PARAMS, max_tokens=30), PARAMS]
+    _same(engine.generate([SHORT, LONG], both), uncached.generate([SHORT, LONG], both))
+    assert prefills.since(2) == 1  # SHORT only
+
+
+def test_a_prompt_sent_as_several_requests_is_prefilled_once(weights, uncached):
+    """SkyRL's shape: each prompt repeated ``n`` times, ``n = 1`` each, one seed per request."""
+    engine = _engine(weights, prompt_cache_bytes=0)
+    prefills = Prefills(engine)
+    prompts = [LONG, SHORT, LONG, LONG, SHORT, LONG, SHORT]
+    params = [dict(PARAMS, n=1, seed=i) for i in range(len(prompts))]
+    outputs = engine.generate(prompts, params)
+    assert prefills.prompts == 2
+    alone = [uncached.generate([p], q)[0] for p, q in zip(prompts, params, strict=True)]
+    _same(outputs, alone)
+    assert len({tuple(o["token_ids"]) for o in outputs}) > 2  # the seeds differ
+
+
+def test_new_weights_are_never_served_from_the_cache(weights):
+    """A weight load clears the cache; an in-place edit that skips ``load_weights`` is noticed by
+    the parameters' version counters. Either way the next call equals a fresh engine's."""
+    engine = _engine(weights)
+    prefills = Prefills(engine)
+    engine.generate([LONG], PARAMS)
+    other = export_weights(perturbed(load_causal_lm(MODEL), seed=1))
+    engine.load_weights(other)
+    assert engine.batch_state()["prompt_cache"]["entries"] == 0
+    fresh = _engine(other, prompt_cache_bytes=0)
+    _same(engine.generate([LONG], PARAMS), fresh.generate([LONG], PARAMS))
+    assert prefills.since(1) == 1
+    with torch.no_grad():
+        for model in (engine.model, fresh.model):
+            model.get_input_embeddings().weight.mul_(1.5)
+    _same(engine.generate([LONG], PARAMS), fresh.generate([LONG], PARAMS))
+    assert prefills.since(2) == 1
+
+
+def test_the_cache_stays_within_its_budget_least_recently_used_leaving_first(weights):
+    first, second, third = ([start + i for i in range(20)] for start in (5, 30, 60))
+    engine = _engine(weights)
+    engine.generate([first], PARAMS)
+    one = engine.batch_state()["prompt_cache"]["bytes"]  # every prompt here has as many tokens
+    engine = _engine(weights, prompt_cache_bytes=2 * one)
+    prefills = Prefills(engine)
+    engine.generate([first], PARAMS)
+    engine.generate([second], PARAMS)
+    engine.generate([first], PARAMS)  # a hit: first is now the most recently used
+    engine.generate([third], PARAMS)  # evicts second
+    assert prefills.prompts == 3
+    engine.generate([first, second], PARAMS)
+    assert prefills.since(3) == 1
+    state = engine.batch_state()["prompt_cache"]
+    assert state["bytes"] == 2 * one and state["entries"] == 2
+
+    off = _engine(weights, prompt_cache_bytes=0)
+    prefills = Prefills(off)
+    off.generate([LONG], PARAMS)
+    off.generate([LONG], PARAMS)
+    assert prefills.prompts == 2 and off.batch_state()["prompt_cache"]["entries"] == 0
+
+
+def test_reset_and_sleep_drop_the_cache(weights):
+    engine = _engine(weights)
+    prefills = Prefills(engine)
+    engine.generate([LONG, SHORT], PARAMS)
+    held = engine.batch_state()["prompt_cache"]["bytes"]
+    assert engine.reset_prefix_cache() == {"cached_prefixes": 2, "bytes_released": held}
+    engine.generate([LONG, SHORT], PARAMS)
+    assert prefills.since(2) == 2
+    assert engine.sleep(1)["prompt_cache_bytes_released"] == held
+    engine.generate([LONG, SHORT], PARAMS)
+    assert prefills.since(4) == 2
