@@ -130,8 +130,18 @@ def _hf_generate(model, input_ids: torch.Tensor, new_tokens: int) -> torch.Tenso
     return out
 
 
-def _ours(engine: SamplingEngine, prompts: list[list[int]], n: int, new_tokens: int):
+def _ours(
+    engine: SamplingEngine,
+    prompts: list[list[int]],
+    n: int,
+    new_tokens: int,
+    seed_each: bool = False,
+):
+    """``generate`` with seed 0, or (``seed_each``) seed ``i`` for the ``i``-th prompt, as a
+    caller sending each sample as its own request gives them."""
     params = {"n": n, "max_tokens": new_tokens, "min_tokens": new_tokens, "seed": 0}
+    if seed_each:
+        params = [dict(params, seed=i) for i in range(len(prompts))]
     outs = engine.generate(prompts, params)
     assert all(len(o["token_ids"]) == new_tokens for o in outs)
     return outs
@@ -207,9 +217,9 @@ def bench_concurrent_clients(engine: SamplingEngine) -> dict:
     sync_in_process(engine.model, one_at_a_time)
     draw = random.Random(3)
     arrivals = sorted(draw.uniform(0, CLIENT_WINDOW_S) for _ in range(CLIENTS))
-    prompts = torch.randint(5, 100, (CLIENTS, 64), generator=_gen(4)).tolist()
     runs: dict[str, list[dict]] = {"one_at_a_time": [], "running_batch": []}
-    for _ in range(2):
+    for batch in _new_prompts((CLIENTS, 64), seed=4, turns=2):
+        prompts = batch.tolist()  # both sides, each engine seeing them once: no prompt cache hit
         for name, which in (("one_at_a_time", one_at_a_time), ("running_batch", engine)):
             latencies = sorted(_client_latencies(which, arrivals, prompts))
             runs[name].append(
@@ -333,7 +343,8 @@ def _vllm_workload(
         if key == "generate":
             _hf_generate(sides[key], prompts.repeat_interleave(n, dim=0), new_tokens)
         elif as_requests:
-            _ours(sides[key], prompts.repeat_interleave(n, dim=0).tolist(), 1, new_tokens)
+            requests = prompts.repeat_interleave(n, dim=0).tolist()
+            _ours(sides[key], requests, 1, new_tokens, seed_each=True)
         else:
             _ours(sides[key], prompts.tolist(), n, new_tokens)
 

@@ -210,8 +210,8 @@ class VllmSettings(BaseModel):
     def _model_is_the_jobs(self) -> VllmSettings:
         if "model" in self.engine_args:
             raise ValueError("model: the job's model is what vLLM loads; set it there")
-        caching = self.engine_args.get("enable_prefix_caching", True)
-        if not isinstance(caching, bool):
+        caching = self.engine_args.get("enable_prefix_caching")
+        if caching is not None and not isinstance(caching, bool):
             raise ValueError(f"enable_prefix_caching: expected true or false, got {caching!r}")
         return self
 

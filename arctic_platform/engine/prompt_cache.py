@@ -9,12 +9,14 @@ admission of the same token ids copies them into its prefix store instead of run
 This is vLLM's automatic prefix caching, for whole prompts.
 
 It is exact-match on the token ids and holds at most ``max_bytes`` (least recently used entries
-leave first; an entry larger than the budget is not kept; ``0`` turns the cache off). Entries are
-only valid for the weights they were computed with: the cache notes every parameter's storage
-and version counter when it stores, and drops everything when any of them changed (a weight load,
-an in-place edit, a move to another device). The sampler also clears it on every weight load,
-sleep and ``reset_prefix_cache``. A model holding inference tensors (which have no version
-counter) is never cached.
+leave first; a prompt whose entry would not fit the budget is not copied at all; ``0`` turns the
+cache off). Entries are only valid for the weights they were computed with. The sampler clears
+the cache on every weight load (every path that changes its weights goes through one), sleep and
+``reset_prefix_cache``; as a second guard the cache notes each parameter's identity, storage,
+device and version counter when it stores and drops everything when one changed, which catches
+a parameter replaced or moved and an in-place edit through torch ops (not a write through
+``.data``, which skips the version counter). A model holding inference tensors (which have no
+version counter) is never cached.
 
 The keys and values a hit copies were computed in an earlier prefill, maybe padded beside other
 prompts, so they equal a fresh prefill's to float rounding, as a prompt prefilled beside
@@ -24,7 +26,7 @@ different prompts does.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -79,18 +81,28 @@ class PromptCache:
             found.append(entry)
         return found
 
-    def store(self, prompt: Sequence[int], entry: CachedPrompt) -> None:
-        """Keep ``entry`` for ``prompt`` (computed with the model's current weights)."""
-        size = entry.nbytes
-        if size > self.max_bytes:
-            return
+    def fits(self, nbytes: int) -> bool:
+        """Whether an entry of ``nbytes`` could be kept (check before copying one)."""
+        return 0 < nbytes <= self.max_bytes
+
+    def store(self, entries: Iterable[tuple[Sequence[int], CachedPrompt]]) -> None:
+        """Keep each ``(prompt, entry)``, computed with the model's current weights. ``entries``
+        is consumed one at a time, after the weights were noted once, and least recently used
+        ones leave as each arrives, so a lazy iterable never holds more than the budget plus one
+        entry; nothing of it is consumed when the weights cannot be noted."""
         weights = _weights_state(self.model)
         if weights is None:
             return
         if self._weights != weights:
             self.clear()
             self._weights = weights
-        key = tuple(prompt)
+        for prompt, entry in entries:
+            self._keep(tuple(prompt), entry)
+
+    def _keep(self, key: tuple[int, ...], entry: CachedPrompt) -> None:
+        size = entry.nbytes
+        if size > self.max_bytes:
+            return
         old = self._entries.pop(key, None)
         if old is not None:
             self.nbytes -= old.nbytes
@@ -121,10 +133,11 @@ class PromptCache:
 
 
 def _weights_state(model: torch.nn.Module) -> tuple | None:
-    """Every parameter's storage, device and version counter; None when one has no counter."""
+    """Every parameter's identity, storage, device and version counter; None when one has no
+    version counter."""
     state = []
     for param in model.parameters():
         if param.is_inference():
             return None
-        state.append((param.data_ptr(), param.device, param._version))
+        state.append((id(param), param.data_ptr(), param.device, param._version))
     return tuple(state)

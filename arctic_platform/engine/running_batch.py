@@ -7,7 +7,8 @@ joins and when; this module holds the batch and runs its steps:
 * :meth:`RunningBatch.plan` — which waiting samples fit now, in arrival order: at most
   ``max_batch_size`` rows whose cache fits ``max_kv_cache_bytes`` (each prompt's keys once, each
   row's completion: :class:`~arctic_platform.engine.kv_cache.Geometry`). A request's ``n``
-  samples may join in parts; a later part finds its prompt in the prompt cache.
+  samples may join in parts; a later part finds its prompt in the prompt cache (unless it is off
+  or the prompt was evicted).
 * :meth:`RunningBatch.admit` — each distinct prompt of the joining samples (whichever requests
   they came from) takes one group of the prefix store, which all its samples' rows read
   (:mod:`~arctic_platform.engine.shared_prefix`): copied from the prompt cache
@@ -344,10 +345,17 @@ class RunningBatch:
                 )
             logits[start : start + len(pieces)] = out.logits[:, -1].float()
         if self.prompt_cache.enabled:
-            for i, prompt in enumerate(misses):
-                layers = self._cache.read_prefix(first_group + i, len(prompt))
-                self.prompt_cache.store(prompt, CachedPrompt(layers, logits[i].clone()))
+            logit_bytes = logits.shape[1] * logits.element_size()
+            self.prompt_cache.store(
+                (prompt, self._cached(first_group + i, prompt, logits[i]))
+                for i, prompt in enumerate(misses)
+                if self.prompt_cache.fits(len(prompt) * side.kv_bytes_per_token + logit_bytes)
+            )
         return logits
+
+    def _cached(self, group: int, prompt: tuple[int, ...], logits: torch.Tensor) -> CachedPrompt:
+        """Copies of what a prefill put in ``group``, for the prompt cache."""
+        return CachedPrompt(self._cache.read_prefix(group, len(prompt)), logits.clone())
 
     def _update_layout(self) -> None:
         """The decode steps' :class:`SharedPrefixStep` for the rows and groups now."""

@@ -70,7 +70,8 @@ def sampling_engine_config(
     engine_args = vllm.engine_args
     if vllm.python is None and vllm_python is not None:
         vllm = vllm.model_copy(update={"python": vllm_python})
-    caching = {} if engine_args.get("enable_prefix_caching", True) else {"prompt_cache_bytes": 0}
+    off = engine_args.get("enable_prefix_caching") is False
+    caching = {"prompt_cache_bytes": 0} if off else {}
     return SamplingEngineConfig(
         model=model_config_of(spec, model_name=model_name, device=device),
         max_batch_size=engine_args.get("max_num_seqs", settings.max_batch_size),

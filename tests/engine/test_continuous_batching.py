@@ -116,8 +116,9 @@ def _hooked(engine) -> Forwards:
 
 
 def _long_then_joining(engine, joining_prompt, *, then=None, token_long=None, token_short=None):
-    """Start the long call; at its 3rd forward (prefill + 2 decode steps) wait until the short
-    call is queued, so it joins at the next step; ``then`` maps later forwards to actions."""
+    """Start the long call; at its 3rd forward (its prefill and 2 decode steps, or 3 decode steps
+    when its prompt came from the prompt cache) wait until the short call is queued, so it joins
+    at the next step; ``then`` maps later forwards to actions."""
     forwards = _hooked(engine)
     waiting = engine.batch_state()["waiting_calls"]
     forwards.on(
@@ -129,24 +130,31 @@ def _long_then_joining(engine, joining_prompt, *, then=None, token_long=None, to
     for n, fn in (then or {}).items():
         forwards.on(n, fn)
     long = _in_thread(engine.generate, [LONG_PROMPT], LONG, token=token_long)
-    assert forwards.on(3).wait(WAIT_S), "the long call never reached its 2nd decode step"
+    assert forwards.on(3).wait(WAIT_S), "the long call never reached its 3rd forward"
     short = _in_thread(engine.generate, [joining_prompt], SHORT, token=token_short)
     return long, short
 
 
+@pytest.mark.parametrize("cached", [False, True], ids=["prefilled", "from-the-prompt-cache"])
 @pytest.mark.parametrize(
     "joining_prompt",
     ["What is the meaning of life?", "a"],
     ids=["longer-prompt-joins", "shorter-prompt-joins"],
 )
-def test_a_call_arriving_mid_decode_joins_and_matches_running_alone(engine, joining_prompt):
+def test_a_call_arriving_mid_decode_joins_and_matches_running_alone(engine, joining_prompt, cached):
+    """Both prompts prefilled, or both copied from the prompt cache (the runs alone cached
+    them): the joining one then lands in the running batch's prefix store by a copy."""
     long_alone = engine.generate([LONG_PROMPT], LONG)
     short_alone = engine.generate([joining_prompt], SHORT)
+    if not cached:
+        engine.reset_prefix_cache()
     joins = engine.batch_state()["joins"]
+    hits = engine.batch_state()["prompt_cache"]["hits"]
     long, short = _long_then_joining(engine, joining_prompt)
     _assert_same(long.result(WAIT_S), long_alone)
     _assert_same(short.result(WAIT_S), short_alone)
     assert engine.batch_state()["joins"] == joins + 1  # it joined the running batch once
+    assert engine.batch_state()["prompt_cache"]["hits"] == hits + (2 if cached else 0)
 
 
 def test_a_finished_call_leaves_and_returns_before_the_long_one(engine):

@@ -77,15 +77,26 @@ def test_a_prompt_seen_again_is_copied_not_prefilled_and_samples_the_same(weight
     assert 0 < state["bytes"] <= state["max_bytes"]
 
 
-def test_a_cached_prompt_beside_a_new_one_and_joining_a_running_batch(weights, uncached):
-    """A hit written into a fresh cache beside a narrower prompt that is prefilled (the columns
-    before each prompt must read as zeros), and a hit joining a batch that is decoding."""
+def _poison(engine: SamplingEngine) -> None:
+    """NaN in every KV buffer the next call reuses: a column it reads without writing or zeroing
+    poisons its rows (a masked NaN still makes NaN)."""
+    with torch.inference_mode():  # the buffers were made in it
+        for buffer in engine._pool._buffers.values():
+            buffer.fill_(float("nan"))
+
+
+def test_a_cached_prompt_beside_new_ones_in_a_fresh_cache(weights, uncached):
+    """A hit written into a fresh cache beside a narrower prompt that is prefilled at an offset:
+    every column before each prompt must read as zeros, whatever the reused buffers held. (A hit
+    joining a batch that is decoding: ``test_continuous_batching``.)"""
     engine = _engine(weights)
     prefills = Prefills(engine)
     engine.generate([LONG], PARAMS)
+    _poison(engine)
     _same(engine.generate([LONG, OTHER], PARAMS), uncached.generate([LONG, OTHER], PARAMS))
     assert prefills.since(1) == 1  # OTHER only
     both = [dict(PARAMS, max_tokens=30), PARAMS]
+    _poison(engine)
     _same(engine.generate([SHORT, LONG], both), uncached.generate([SHORT, LONG], both))
     assert prefills.since(2) == 1  # SHORT only
 

@@ -39,10 +39,13 @@ def test_client_config_selects_vllm_and_its_settings():
     assert engine.prompt_cache_bytes > 0  # on by default, as vLLM's prefix caching
 
 
-def test_vllms_prefix_caching_switch_also_turns_off_our_prompt_cache():
-    spec = _client(vllm={"enable_prefix_caching": False}).to_create_job_request().sub_job_configs[0]
-    assert spec.ignored_settings == {}
-    assert sampling_engine_config(spec, device="cpu").prompt_cache_bytes == 0
+@pytest.mark.parametrize(("switch", "on"), [(False, False), (True, True), (None, True)])
+def test_vllms_prefix_caching_switch_also_turns_off_our_prompt_cache(switch, on):
+    """``null`` is vLLM's own default (on), as leaving the key out."""
+    spec = _client(vllm={"enable_prefix_caching": switch}).to_create_job_request()
+    assert spec.sub_job_configs[0].ignored_settings == {}
+    cache = sampling_engine_config(spec.sub_job_configs[0], device="cpu").prompt_cache_bytes
+    assert (cache > 0) is on
 
 
 def test_legacy_vllm_config_folds_into_sampling_vllm():
