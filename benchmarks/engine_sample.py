@@ -32,6 +32,12 @@ Model ``builtin:small`` (~25 M parameters, float32 on CPU), same weights for bot
     sync into the vLLM engine by ``reload`` and by ``restart``. Written to
     ``benchmarks/results/engine_sample_vllm.json``.
 
+(f) ``--vllm --real-vocab``: (d) on the Qwen3-architecture model with the real 151,936-token
+    vocabulary (4 layers, hidden 1024, ~0.2 B parameters, float32, built locally by
+    ``benchmarks/local_qwen3.py``): 4 new 256-token prompts a turn, n = 4, 64 new tokens (the
+    issue's real-size sampling shape), and the weight syncs. Written to
+    ``benchmarks/results/engine_sample_vllm_real_vocab.json``.
+
 Runs alternate baseline and engine so background load hits both alike; the ratios use the best
 of the alternating runs (medians are reported too), and sync speeds the best of three.
 Run: ``python -m benchmarks.engine_sample`` (writes ``benchmarks/results/engine_sample.json``).
@@ -107,10 +113,10 @@ def _speed(times: dict, tokens: int, target: float) -> dict:
     }
 
 
-def _plain_model():
+def _plain_model(model: ModelConfig = MODEL):
     """The baseline's model: transformers' own, without the sampler's changes to its forward
     (packed CPU linear layers, the shared-prefix attention); the same weights as the engine's."""
-    return load_causal_lm(MODEL).eval().requires_grad_(False)
+    return load_causal_lm(model).eval().requires_grad_(False)
 
 
 def _hf_generate(model, input_ids: torch.Tensor, new_tokens: int) -> torch.Tensor:
@@ -332,6 +338,18 @@ VLLM_WORKLOADS = {
 }
 
 
+# (f) Issue 25's real-size sampling shape, on the Qwen3-architecture model with the real
+# vocabulary (benchmarks/local_qwen3.py): 4 prompts of 256 tokens, n = 4, 64 new tokens.
+REAL_VOCAB_WORKLOADS = {
+    "real_vocab_new_prompts": (
+        lambda: _new_prompts((4, 256), seed=7, turns=VLLM_REPEAT + 1),
+        4,
+        64,
+        False,
+    ),
+}
+
+
 def _vllm_workload(
     sides: dict, batches: list[torch.Tensor], n: int, new_tokens: int, as_requests: bool
 ) -> dict:
@@ -370,26 +388,27 @@ def _vllm_workload(
     }
 
 
-def bench_vllm() -> dict:
-    """(d): the vLLM engine against ours and ``model.generate`` (see the module docstring)."""
+def bench_vllm(model: ModelConfig = MODEL, workloads: dict = VLLM_WORKLOADS) -> dict:
+    """(d) and (f): the vLLM engine against ours and ``model.generate`` (see the module
+    docstring)."""
     from arctic_platform.engine.vllm_backend.engine import VllmSamplingEngine
 
     vllm_config = SamplingEngineConfig(
-        model=MODEL, engine="vllm", vllm={"env": {"VLLM_CPU_KVCACHE_SPACE": "2"}}
+        model=model, engine="vllm", vllm={"env": {"VLLM_CPU_KVCACHE_SPACE": "2"}}
     )
     startup = {}
     start = time.perf_counter()
-    ours = SamplingEngine(SamplingEngineConfig(model=MODEL))
+    ours = SamplingEngine(SamplingEngineConfig(model=model))
     ours.generate([[5, 6, 7]], {"max_tokens": 1})
     startup["engine_s"] = time.perf_counter() - start
     start = time.perf_counter()
     vllm = VllmSamplingEngine(vllm_config)
     vllm.generate([[5, 6, 7]], {"max_tokens": 1})
     startup["vllm_s"] = time.perf_counter() - start
-    plain = _plain_model()
+    plain = _plain_model(model)
     try:
         result: dict = {"startup_to_first_token": startup}
-        for name, (batches, n, new_tokens, as_requests) in VLLM_WORKLOADS.items():
+        for name, (batches, n, new_tokens, as_requests) in workloads.items():
             result[name] = _vllm_workload(
                 {"generate": plain, "engine": ours, "vllm": vllm},
                 batches(),
@@ -397,7 +416,7 @@ def bench_vllm() -> dict:
                 new_tokens,
                 as_requests,
             )
-        trainer = load_causal_lm(MODEL)
+        trainer = load_causal_lm(model)
         with torch.no_grad():
             for param in trainer.parameters():
                 param.mul_(1.01)
@@ -441,6 +460,20 @@ def main() -> None:
 if __name__ == "__main__":
     if "--receive" in sys.argv:
         receive()
+    elif "--vllm" in sys.argv and "--real-vocab" in sys.argv:
+        from benchmarks.local_qwen3 import Qwen3Shape, qwen3_model_path
+
+        torch.manual_seed(0)
+        shape = Qwen3Shape()
+        real = ModelConfig(name=qwen3_model_path(shape))
+        write_result(
+            "engine_sample_vllm_real_vocab",
+            {
+                "model": f"Qwen3 architecture, built locally: {shape}",
+                "torch_threads": torch.get_num_threads(),
+                **bench_vllm(real, REAL_VOCAB_WORKLOADS),
+            },
+        )
     elif "--vllm" in sys.argv:
         torch.manual_seed(0)
         write_result(
