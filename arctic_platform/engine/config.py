@@ -93,13 +93,14 @@ class SamplingEngineConfig(_Strict):
     bytes per token): sequences that do not fit wait for running ones to finish rather than
     exhausting memory. ``prompt_cache_bytes`` bounds the prompts kept prefilled across calls
     (their keys, values and first-step logits; least recently used leave first; ``0``: off;
-    :mod:`.prompt_cache`). ``continuous_batching`` (default on) lets calls from several
-    threads decode together, a call arriving mid-decode joining at the next step; off, calls run
-    one at a time. ``max_logprobs`` caps the ``logprobs`` a request may ask for, and
-    ``seed`` seeds the draws of requests that do not bring their own. ``engine`` picks the
-    engine: ours (``torch``, the default) or vLLM in its own process (``vllm``, set up by
-    ``vllm``). ``prompt_sharing`` and ``logits`` are the training engine's knobs, for a log-prob
-    (reference) job's scoring.
+    :mod:`.prompt_cache`); they also only take what the running batch leaves of
+    ``max_kv_cache_bytes``, so the two together stay within it. ``continuous_batching`` (default
+    on) lets calls from several threads decode together, a call arriving mid-decode joining at
+    the next step; off, calls run one at a time. ``max_logprobs`` caps the ``logprobs`` a
+    request may ask for, and ``seed`` seeds the draws of requests that do not bring their own.
+    ``engine`` picks the engine: ours (``torch``, the default) or vLLM in its own process
+    (``vllm``, set up by ``vllm``). ``prompt_sharing`` and ``logits`` are the training engine's
+    knobs, for a log-prob (reference) job's scoring.
     """
 
     model: ModelConfig

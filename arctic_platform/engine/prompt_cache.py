@@ -8,15 +8,17 @@ prefilled, every layer's keys and values and the logits of the first sampled tok
 admission of the same token ids copies them into its prefix store instead of running the model.
 This is vLLM's automatic prefix caching, for whole prompts.
 
-It is exact-match on the token ids and holds at most ``max_bytes`` (least recently used entries
-leave first; a prompt whose entry would not fit the budget is not copied at all; ``0`` turns the
-cache off). Entries are only valid for the weights they were computed with. The sampler clears
-the cache on every weight load (every path that changes its weights goes through one), sleep and
-``reset_prefix_cache``; as a second guard the cache notes each parameter's identity, storage,
-device and version counter when it stores and drops everything when one changed, which catches
-a parameter replaced or moved and an in-place edit through torch ops (not a write through
-``.data``, which skips the version counter). A model holding inference tensors (which have no
-version counter) is never cached.
+It is exact-match on the token ids and holds at most ``max_bytes``, and at most the room the
+running batch's own cache leaves of the sampler's KV budget (:meth:`PromptCache.make_room`: the
+batch comes first, and entries leave as it grows, so cached prompts never take memory the
+sampler was not allowed). Least recently used entries leave first; a prompt whose entry would
+not fit is not copied at all; ``max_bytes = 0`` turns the cache off. Entries are only valid for
+the weights they were computed with. The sampler clears the cache on every weight load (every
+path that changes its weights goes through one), sleep and ``reset_prefix_cache``; as a second
+guard the cache notes each parameter's identity, storage, device and version counter when it
+stores and drops everything when one changed, which catches a parameter replaced or moved and an
+in-place edit through torch ops (not a write through ``.data``, which skips the version
+counter). A model holding inference tensors (which have no version counter) is never cached.
 
 The keys and values a hit copies were computed in an earlier prefill, maybe padded beside other
 prompts, so they equal a fresh prefill's to float rounding, as a prompt prefilled beside
@@ -54,6 +56,7 @@ class PromptCache:
         self.max_bytes = max_bytes
         self._entries: OrderedDict[tuple[int, ...], CachedPrompt] = OrderedDict()
         self._weights: tuple | None = None
+        self._room = max_bytes  # what the running batch leaves (make_room)
         self.nbytes = 0
         self.hits = 0
         self.misses = 0
@@ -81,9 +84,19 @@ class PromptCache:
             found.append(entry)
         return found
 
+    @property
+    def budget(self) -> int:
+        """The bytes the cache may hold now: ``max_bytes``, within the batch's leftover room."""
+        return max(0, min(self.max_bytes, self._room))
+
+    def make_room(self, room: int) -> None:
+        """The running batch leaves ``room`` bytes of the KV budget: evict down to it."""
+        self._room = room
+        self._evict(0)
+
     def fits(self, nbytes: int) -> bool:
         """Whether an entry of ``nbytes`` could be kept (check before copying one)."""
-        return 0 < nbytes <= self.max_bytes
+        return 0 < nbytes <= self.budget
 
     def store(self, entries: Iterable[tuple[Sequence[int], CachedPrompt]]) -> None:
         """Keep each ``(prompt, entry)``, computed with the model's current weights. ``entries``
@@ -101,16 +114,20 @@ class PromptCache:
 
     def _keep(self, key: tuple[int, ...], entry: CachedPrompt) -> None:
         size = entry.nbytes
-        if size > self.max_bytes:
+        if size > self.budget:
             return
         old = self._entries.pop(key, None)
         if old is not None:
             self.nbytes -= old.nbytes
-        while self._entries and self.nbytes + size > self.max_bytes:
-            _, evicted = self._entries.popitem(last=False)
-            self.nbytes -= evicted.nbytes
+        self._evict(size)
         self._entries[key] = entry
         self.nbytes += size
+
+    def _evict(self, incoming: int) -> None:
+        """Drop least recently used entries until ``incoming`` more bytes fit the budget."""
+        while self._entries and self.nbytes + incoming > self.budget:
+            _, evicted = self._entries.popitem(last=False)
+            self.nbytes -= evicted.nbytes
 
     def clear(self) -> dict:
         """Drop every entry; how many and their bytes."""
@@ -126,6 +143,7 @@ class PromptCache:
             "entries": len(self._entries),
             "bytes": self.nbytes,
             "max_bytes": self.max_bytes,
+            "budget": self.budget,
             "hits": self.hits,
             "misses": self.misses,
             "hit_tokens": self.hit_tokens,

@@ -200,6 +200,7 @@ class RunningBatch:
             rows=(live.rows, live.trim, self._length, live.width),
             groups=(live.groups, live.prompt),
         )
+        self._leave_room()
         state = {k: v[live.rows] for k, v in self._state.items()}
         if state:
             state["suffix_start"] -= live.trim
@@ -345,6 +346,7 @@ class RunningBatch:
                 )
             logits[start : start + len(pieces)] = out.logits[:, -1].float()
         if self.prompt_cache.enabled:
+            self._leave_room()  # the stores now hold this geometry's buffers
             logit_bytes = logits.shape[1] * logits.element_size()
             self.prompt_cache.store(
                 (prompt, self._cached(first_group + i, prompt, logits[i]))
@@ -352,6 +354,12 @@ class RunningBatch:
                 if self.prompt_cache.fits(len(prompt) * side.kv_bytes_per_token + logit_bytes)
             )
         return logits
+
+    def _leave_room(self) -> None:
+        """The prompt cache keeps only what the batch's cache leaves of ``max_kv_cache_bytes``
+        (the pool's buffers, or this geometry if they are not allocated yet)."""
+        used = max(self.pool.nbytes, self._cache.geometry.nbytes(self.side.kv_bytes_per_token))
+        self.prompt_cache.make_room(self.config.max_kv_cache_bytes - used)
 
     def _cached(self, group: int, prompt: tuple[int, ...], logits: torch.Tensor) -> CachedPrompt:
         """Copies of what a prefill put in ``group``, for the prompt cache."""

@@ -157,6 +157,25 @@ def test_the_cache_stays_within_its_budget_least_recently_used_leaving_first(wei
     assert prefills.prompts == 2 and off.batch_state()["prompt_cache"]["entries"] == 0
 
 
+def test_cached_prompts_take_only_what_the_running_batch_leaves_of_the_kv_budget(weights):
+    """The batch comes first: a call whose rows need most of ``max_kv_cache_bytes`` evicts the
+    cached prompts that no longer fit beside it, and the pool's buffers plus the cache never
+    exceed the budget."""
+    per_token = _engine(weights)._kv_bytes_per_token()
+    budget = 512 * per_token
+    engine = _engine(weights, max_kv_cache_bytes=budget)
+    prefills = Prefills(engine)
+    engine.generate([LONG], PARAMS)  # 40 prompt + 3 x 12 completion columns: LONG stays cached
+    assert engine.batch_state()["prompt_cache"]["entries"] == 1
+    many = dict(PARAMS, n=20, max_tokens=24, min_tokens=24)  # 3 + 20 x 24 of 512 columns
+    engine.generate([SHORT], many)
+    state = engine.batch_state()["prompt_cache"]
+    assert state["entries"] == 1  # SHORT's entry fits the 29 columns left, LONG's did not
+    assert engine._pool.nbytes + state["bytes"] <= budget
+    engine.generate([LONG, SHORT], PARAMS)
+    assert prefills.since(2) == 1  # LONG again; SHORT from the cache
+
+
 def test_reset_and_sleep_drop_the_cache(weights):
     engine = _engine(weights)
     prefills = Prefills(engine)
