@@ -9,16 +9,18 @@ admission of the same token ids copies them into its prefix store instead of run
 This is vLLM's automatic prefix caching, for whole prompts.
 
 It is exact-match on the token ids and holds at most ``max_bytes``, and at most the room the
-running batch's own cache leaves of the sampler's KV budget (:meth:`PromptCache.make_room`: the
-batch comes first, and entries leave as it grows, so cached prompts never take memory the
-sampler was not allowed). Least recently used entries leave first; a prompt whose entry would
-not fit is not copied at all; ``max_bytes = 0`` turns the cache off. Entries are only valid for
-the weights they were computed with. The sampler clears the cache on every weight load (every
-path that changes its weights goes through one), sleep and ``reset_prefix_cache``; as a second
-guard the cache notes each parameter's identity, storage, device and version counter when it
-stores and drops everything when one changed, which catches a parameter replaced or moved and an
-in-place edit through torch ops (not a write through ``.data``, which skips the version
-counter). A model holding inference tensors (which have no version counter) is never cached.
+running batch's cache leaves of the sampler's KV budget (:meth:`PromptCache.make_room`). The
+batch comes first: its buffers are kept at their largest, for reuse, and entries leave before
+they grow, so cached prompts never take memory the sampler was not allowed; after a call whose
+batch filled ``max_kv_cache_bytes`` the cache has no room (a larger budget gives room to both).
+Least recently used entries leave first; a prompt whose entry would not fit is not copied at
+all; ``max_bytes = 0`` turns the cache off. Entries are only valid for the weights they were
+computed with. The sampler clears the cache on every weight load (every path that changes its
+weights goes through one), sleep and ``reset_prefix_cache``; as a second guard the cache notes
+each parameter's identity, storage, device and version counter when it stores and drops
+everything when one changed, which catches a parameter replaced or moved and an in-place edit
+through torch ops (not a write through ``.data``, which skips the version counter). A model
+holding inference tensors (which have no version counter) is never cached.
 
 The keys and values a hit copies were computed in an earlier prefill, maybe padded beside other
 prompts, so they equal a fresh prefill's to float rounding, as a prompt prefilled beside
@@ -51,12 +53,12 @@ class CachedPrompt:
 class PromptCache:
     """Least-recently-used prefilled prompts of one model, within ``max_bytes`` (module doc)."""
 
-    def __init__(self, model: torch.nn.Module, max_bytes: int) -> None:
+    def __init__(self, model: torch.nn.Module, max_bytes: int, room: int) -> None:
         self.model = model
         self.max_bytes = max_bytes
         self._entries: OrderedDict[tuple[int, ...], CachedPrompt] = OrderedDict()
         self._weights: tuple | None = None
-        self._room = max_bytes  # what the running batch leaves (make_room)
+        self._room = room  # what the running batch leaves of the KV budget (make_room)
         self.nbytes = 0
         self.hits = 0
         self.misses = 0

@@ -195,12 +195,12 @@ class RunningBatch:
         )
         if self._cache is None:
             self._cache = KVCache(self.side.num_layers, geometry, self.pool)
+        self._leave_room(geometry)  # before the stores grow, so the two never exceed the budget
         self._cache.relayout(
             geometry,
             rows=(live.rows, live.trim, self._length, live.width),
             groups=(live.groups, live.prompt),
         )
-        self._leave_room()
         state = {k: v[live.rows] for k, v in self._state.items()}
         if state:
             state["suffix_start"] -= live.trim
@@ -317,11 +317,12 @@ class RunningBatch:
         ``[prompts, vocab]`` (float32)."""
         side = self.side
         logits = torch.empty(len(prompts), side.vocab_size, device=side.device)
+        misses = [prompt for prompt, entry in zip(prompts, cached, strict=True) if entry is None]
         for i, entry in enumerate(cached):
             if entry is not None:  # before any prefill: it may initialise the stores
                 self._cache.write_prefix(first_group + i, entry.layers)
                 logits[i] = entry.logits
-        misses = [prompt for prompt, entry in zip(prompts, cached, strict=True) if entry is None]
+                cached[i] = None  # the prefix store holds it now: an evicted entry can go
         if not misses:
             return logits
         widest = max(len(prompt) for prompt in misses)
@@ -346,7 +347,7 @@ class RunningBatch:
                 )
             logits[start : start + len(pieces)] = out.logits[:, -1].float()
         if self.prompt_cache.enabled:
-            self._leave_room()  # the stores now hold this geometry's buffers
+            self._leave_room(self._cache.geometry)  # the stores now hold their buffers
             logit_bytes = logits.shape[1] * logits.element_size()
             self.prompt_cache.store(
                 (prompt, self._cached(first_group + i, prompt, logits[i]))
@@ -355,10 +356,11 @@ class RunningBatch:
             )
         return logits
 
-    def _leave_room(self) -> None:
-        """The prompt cache keeps only what the batch's cache leaves of ``max_kv_cache_bytes``
-        (the pool's buffers, or this geometry if they are not allocated yet)."""
-        used = max(self.pool.nbytes, self._cache.geometry.nbytes(self.side.kv_bytes_per_token))
+    def _leave_room(self, geometry: Geometry) -> None:
+        """The prompt cache keeps only what the batch's cache leaves of ``max_kv_cache_bytes``:
+        the pool's buffers (kept at their largest, for reuse), or
+        ``geometry``'s bytes where they will be larger."""
+        used = max(self.pool.nbytes, geometry.nbytes(self.side.kv_bytes_per_token))
         self.prompt_cache.make_room(self.config.max_kv_cache_bytes - used)
 
     def _cached(self, group: int, prompt: tuple[int, ...], logits: torch.Tensor) -> CachedPrompt:

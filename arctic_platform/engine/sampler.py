@@ -120,7 +120,9 @@ class SamplingEngine:
             kv_bytes_per_token=self._kv_bytes_per_token(),
             tokenizer=self.tokenizer,
         )
-        self._prompt_cache = PromptCache(self.model, config.prompt_cache_bytes)
+        self._prompt_cache = PromptCache(
+            self.model, config.prompt_cache_bytes, room=config.max_kv_cache_bytes
+        )
         batch = RunningBatch(side, config, self._pool, self._prompt_cache)
         self._loop = DecodeLoop(batch, self._ready)
         self._validating = threading.Lock()  # the tokenizer and the seed stream, one call at a time

@@ -165,15 +165,25 @@ def test_cached_prompts_take_only_what_the_running_batch_leaves_of_the_kv_budget
     budget = 512 * per_token
     engine = _engine(weights, max_kv_cache_bytes=budget)
     prefills = Prefills(engine)
+    held = []  # pool plus cache, at every allocation of the batch's buffers
+    views = engine._pool.views
+
+    def counted_views(*args, **kwargs):
+        taken = views(*args, **kwargs)
+        held.append(engine._pool.nbytes + engine.batch_state()["prompt_cache"]["bytes"])
+        return taken
+
+    engine._pool.views = counted_views
     engine.generate([LONG], PARAMS)  # 40 prompt + 3 x 12 completion columns: LONG stays cached
     assert engine.batch_state()["prompt_cache"]["entries"] == 1
     many = dict(PARAMS, n=20, max_tokens=24, min_tokens=24)  # 3 + 20 x 24 of 512 columns
     engine.generate([SHORT], many)
     state = engine.batch_state()["prompt_cache"]
     assert state["entries"] == 1  # SHORT's entry fits the 29 columns left, LONG's did not
-    assert engine._pool.nbytes + state["bytes"] <= budget
     engine.generate([LONG, SHORT], PARAMS)
     assert prefills.since(2) == 1  # LONG again; SHORT from the cache
+    assert engine.batch_state()["prompt_cache"]["entries"] == 1  # LONG still does not fit
+    assert held and max(held) <= budget
 
 
 def test_reset_and_sleep_drop_the_cache(weights):
