@@ -76,13 +76,14 @@ class PromptCache:
             self.clear()
         found = []
         for prompt in prompts:
-            entry = self._entries.get(tuple(prompt))
+            key = tuple(prompt)
+            entry = self._entries.get(key)
             if entry is None:
                 self.misses += 1
             else:
-                self._entries.move_to_end(tuple(prompt))
+                self._entries.move_to_end(key)
                 self.hits += 1
-                self.hit_tokens += len(prompt)
+                self.hit_tokens += len(key)
             found.append(entry)
         return found
 
