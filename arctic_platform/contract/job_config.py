@@ -77,7 +77,9 @@ CORTEX_INFERENCE_PASSTHROUGH = frozenset(
     {"gpu_memory_utilization", "multiplex_job_id", "peft_config"}
 )
 # vLLM engine arguments that mean something on our sampler; the rest are recorded as ignored.
-VLLM_KEYS_USED = frozenset({"max_num_seqs", "max_model_len", "enable_prefix_caching"})
+VLLM_KEYS_USED = frozenset(
+    {"max_num_seqs", "max_model_len", "enable_prefix_caching", "kv_cache_memory_bytes"}
+)
 
 
 _Spec = Settings

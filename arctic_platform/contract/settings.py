@@ -192,8 +192,10 @@ class VllmSettings(BaseModel):
     ``env`` adds environment variables for the vLLM process (``VLLM_CPU_KVCACHE_SPACE``, ...).
     Every other key is a vLLM engine argument (``enforce_eager``, ``gpu_memory_utilization``, ...),
     checked against the installed vLLM when the engine starts; ``max_num_seqs`` and
-    ``max_model_len`` also bound our own sampler, and ``enable_prefix_caching: false`` also turns
-    off its prompt cache (``engine/prompt_cache.py``). On CPU vLLM's KV cache is sized from the job
+    ``max_model_len`` also bound our own sampler, ``kv_cache_memory_bytes`` is its KV budget
+    too (``max_kv_cache_bytes``: the running batch's cache and, in what that leaves, the prompt
+    cache), and ``enable_prefix_caching: false`` also turns off its prompt cache
+    (``engine/prompt_cache.py``). On CPU vLLM's KV cache is sized from the job
     (``max_num_seqs`` x ``max_model_len``; see ``engine/vllm_backend/cpu_budget.py``) unless
     ``kv_cache_memory_bytes``, ``env.VLLM_CPU_KVCACHE_SPACE`` or ``gpu_memory_utilization``
     size it; a budget that cannot fit is refused when the job is created.
@@ -213,6 +215,13 @@ class VllmSettings(BaseModel):
         caching = self.engine_args.get("enable_prefix_caching")
         if caching is not None and not isinstance(caching, bool):
             raise ValueError(f"enable_prefix_caching: expected true or false, got {caching!r}")
+        kv_bytes = self.engine_args.get("kv_cache_memory_bytes")
+        if kv_bytes is not None and (
+            isinstance(kv_bytes, bool) or not isinstance(kv_bytes, int) or kv_bytes <= 0
+        ):
+            raise ValueError(
+                f"kv_cache_memory_bytes: expected a positive number of bytes, got {kv_bytes!r}"
+            )
         return self
 
     @property

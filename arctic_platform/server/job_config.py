@@ -71,7 +71,9 @@ def sampling_engine_config(
     if vllm.python is None and vllm_python is not None:
         vllm = vllm.model_copy(update={"python": vllm_python})
     off = engine_args.get("enable_prefix_caching") is False
-    caching = {"prompt_cache_bytes": 0} if off else {}
+    memory = {"prompt_cache_bytes": 0} if off else {}
+    if engine_args.get("kv_cache_memory_bytes") is not None:
+        memory["max_kv_cache_bytes"] = engine_args["kv_cache_memory_bytes"]
     return SamplingEngineConfig(
         model=model_config_of(spec, model_name=model_name, device=device),
         max_batch_size=engine_args.get("max_num_seqs", settings.max_batch_size),
@@ -82,5 +84,5 @@ def sampling_engine_config(
         seed=default_seed if spec.seed is None else spec.seed,
         engine=settings.engine or "torch",
         vllm=vllm,
-        **caching,
+        **memory,
     )

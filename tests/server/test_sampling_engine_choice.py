@@ -48,6 +48,17 @@ def test_vllms_prefix_caching_switch_also_turns_off_our_prompt_cache(switch, on)
     assert (cache > 0) is on
 
 
+def test_vllms_kv_cache_size_is_also_our_samplers_kv_budget():
+    """``kv_cache_memory_bytes`` bounds our running batch and prompt cache as it bounds vLLM's KV
+    cache, so a job can give either engine room with one key."""
+    spec = _client(vllm={"kv_cache_memory_bytes": 2**28}).to_create_job_request()
+    assert spec.sub_job_configs[0].ignored_settings == {}
+    engine = sampling_engine_config(spec.sub_job_configs[0], device="cpu")
+    assert engine.max_kv_cache_bytes == 2**28
+    default = _client().to_create_job_request().sub_job_configs[0]
+    assert sampling_engine_config(default, device="cpu").max_kv_cache_bytes == 4 * 2**30
+
+
 def test_legacy_vllm_config_folds_into_sampling_vllm():
     top = ArcticRLClientConfig.model_validate(
         {"model": "builtin:tiny", "sampling": {}, "vllm_config": {"max_num_seqs": 8}}
@@ -71,6 +82,9 @@ def test_legacy_vllm_config_folds_into_sampling_vllm():
         ({"engine": "vllm", "vllm": {"model": "other"}}, "model: the job's model is what vLLM"),
         ({"vllm_config": "fast"}, "vllm_config: expected a mapping"),
         ({"vllm": {"enable_prefix_caching": "no"}}, "enable_prefix_caching: expected true"),
+        ({"vllm": {"kv_cache_memory_bytes": "1GiB"}}, "kv_cache_memory_bytes: expected a posit"),
+        ({"vllm": {"kv_cache_memory_bytes": 0}}, "kv_cache_memory_bytes: expected a positive"),
+        ({"vllm": {"kv_cache_memory_bytes": True}}, "kv_cache_memory_bytes: expected a posit"),
     ],
 )
 def test_bad_engine_settings_name_the_field(sampling, message):
