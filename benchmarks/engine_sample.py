@@ -22,12 +22,19 @@ Model ``builtin:small`` (~25 M parameters, float32 on CPU), same weights for bot
     behaviour before the running batch). Ratios are one-at-a-time / running batch, for the mean
     and the 90th percentile latency, from the better of two alternating runs each.
 
+(g) ``multi_turn``: 16 rollouts of 4 turns; a turn's prompt is the last turn's prompt, its
+    completion (32 tokens, a seed per rollout) and a new 64-token observation, from 256 tokens
+    to 544 (:data:`MULTI_TURN`). Generated tokens per second over the turns' generate calls, our
+    engine (its prompt cache reuses each last prompt: a prefix hit) against the same engine with
+    the cache off (``prompt_cache_bytes: 0``) and ``model.generate``; new prompts every run.
+
 (d) ``--vllm`` (needs ``$ARCTIC_VLLM_PYTHON``, see README "vLLM sampling engine"): the vLLM engine
     beside ours and ``model.generate`` on the workloads of (a) and (b) with the same prompts
     every turn (the issue's workloads: from the second turn on, vLLM's prefix caching and our
     prompt cache skip the prefill), on (b) with new prompts every turn (neither cache helps), and
     on (b)'s new prompts sent as SkyRL sends them, each prompt as 8 requests of n = 1
-    (:data:`VLLM_WORKLOADS`); startup to the first token
+    (:data:`VLLM_WORKLOADS`), and on (g) (vLLM's prefix caching reuses each turn's prompt and
+    completion blocks); startup to the first token
     (engine construction plus a one-token generate) for both engines, and the time of one weight
     sync into the vLLM engine by ``reload`` and by ``restart``. Written to
     ``benchmarks/results/engine_sample_vllm.json``.
@@ -196,6 +203,65 @@ def bench_prefix_sharing(engine: SamplingEngine, plain) -> dict:
     }
 
 
+# (g) A multi-turn rollout: each turn's prompt is the last turn's prompt, its completion and a
+# new observation (a tool's output, the environment's reply), as agentic RL sends them.
+MULTI_TURN = {
+    "rollouts": 16,
+    "turns": 4,
+    "prompt_len": 256,
+    "observation_len": 64,
+    "new_tokens": 32,
+}
+
+
+def _multi_turn_run(side, seed: int) -> float:
+    """One multi-turn run of ``side`` (an engine, or the plain model for ``model.generate``):
+    new random prompts and observations from ``seed``; the seconds spent in its generate calls.
+    Every completion has exactly ``new_tokens`` tokens, so each turn's prompts are equally long
+    on every side, whatever tokens it sampled."""
+    shape = MULTI_TURN
+    rollouts, new_tokens = shape["rollouts"], shape["new_tokens"]
+    gen = _gen(seed)
+    prompts = torch.randint(5, 100, (rollouts, shape["prompt_len"]), generator=gen).tolist()
+    elapsed = 0.0
+    for _ in range(shape["turns"]):
+        start = time.perf_counter()
+        if isinstance(side, torch.nn.Module):
+            out = _hf_generate(side, torch.tensor(prompts), new_tokens)
+            completions = out[:, -new_tokens:].tolist()
+        else:
+            params = [
+                {"max_tokens": new_tokens, "min_tokens": new_tokens, "seed": i}
+                for i in range(rollouts)
+            ]
+            completions = [o["token_ids"] for o in side.generate(prompts, params)]
+        elapsed += time.perf_counter() - start
+        observations = torch.randint(5, 100, (rollouts, shape["observation_len"]), generator=gen)
+        prompts = [
+            p + c + o for p, c, o in zip(prompts, completions, observations.tolist(), strict=True)
+        ]
+    return elapsed
+
+
+def bench_multi_turn(sides: dict) -> dict:
+    """(g): every side in turn, ``REPEAT`` runs each after a warm-up run, new prompts every run;
+    tokens per second from each side's best run (generated tokens over time in generate)."""
+    for side in sides.values():
+        _multi_turn_run(side, seed=20)
+    times: dict[str, list[float]] = {key: [] for key in sides}
+    for run in range(REPEAT):
+        for key, side in sides.items():
+            times[key].append(_multi_turn_run(side, seed=21 + run))
+    best = {key: min(values) for key, values in times.items()}
+    tokens = MULTI_TURN["rollouts"] * MULTI_TURN["turns"] * MULTI_TURN["new_tokens"]
+    return {
+        **MULTI_TURN,
+        **{f"{key}_tokens_per_s": tokens / best[key] for key in sides},
+        **{f"{key}_s": best[key] for key in sides},
+        "median_s": {key: statistics.median(values) for key, values in times.items()},
+    }
+
+
 def _client_latencies(engine: SamplingEngine, arrivals: list[float], prompts: list) -> list[float]:
     """Each client waits for its arrival time, sends its request, records its latency."""
     latencies = [0.0] * len(arrivals)
@@ -246,6 +312,15 @@ def bench_concurrent_clients(engine: SamplingEngine) -> dict:
         "joins": engine.batch_state()["joins"],
         "target": "mean latency drops (ratio > 1)",
     }
+
+
+def _multi_turn_ratios(engine: SamplingEngine, plain) -> dict:
+    """(g) for our engine with its prompt cache, without it, and ``model.generate``."""
+    uncached = SamplingEngine(SamplingEngineConfig(model=MODEL, prompt_cache_bytes=0))
+    result = bench_multi_turn({"generate": plain, "cache_off": uncached, "engine": engine})
+    result["engine_vs_cache_off"] = result["cache_off_s"] / result["engine_s"]
+    result["engine_vs_generate"] = result["generate_s"] / result["engine_s"]
+    return result
 
 
 def bench_weight_sync(engine: SamplingEngine) -> dict:
@@ -430,6 +505,10 @@ def bench_vllm(model: ModelConfig = MODEL, workloads: dict = VLLM_WORKLOADS) -> 
             _timed(lambda: sync_in_process(trainer, ours)) for _ in range(REPEAT)
         )
         result["weight_sync"] = sync
+        if model == MODEL:
+            turns = bench_multi_turn({"generate": plain, "engine": ours, "vllm": vllm})
+            turns["vllm_vs_engine"] = turns["engine_s"] / turns["vllm_s"]
+            result["multi_turn"] = turns
         result["vllm"] = vllm.info
         return result
     finally:
@@ -451,6 +530,7 @@ def main() -> None:
         "throughput": bench_throughput(engine, plain),
         "prefix_sharing": bench_prefix_sharing(engine, plain),
         "concurrent_clients": bench_concurrent_clients(engine),
+        "multi_turn": _multi_turn_ratios(engine, plain),
         "weight_sync": bench_weight_sync(engine),
         "load_average": list(os.getloadavg()),
     }

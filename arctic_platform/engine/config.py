@@ -88,19 +88,20 @@ class SamplingEngineConfig(_Strict):
     ``max_batch_size`` bounds how many sequences decode together; ``max_model_len`` bounds prompt
     plus completion (defaults to the model's ``max_position_embeddings``).
     ``max_tokens_per_microbatch`` bounds the padded prompt tokens of one prefill forward;
-    ``max_kv_cache_bytes`` bounds the key/value cache of the running batch (each prefilled
-    prompt once, however many samples decode from it, plus each row's completion, times the
-    bytes per token): sequences that do not fit wait for running ones to finish rather than
-    exhausting memory. ``prompt_cache_bytes`` bounds the prompts kept prefilled across calls
-    (their keys, values and first-step logits; least recently used leave first; ``0``: off;
-    :mod:`.prompt_cache`); they also only take what the running batch leaves of
+    ``max_kv_cache_bytes`` (a job's ``sampling.vllm.kv_cache_memory_bytes``) bounds the key/value
+    cache of the running batch (each prefilled prompt once, however many samples decode from it,
+    plus each row's completion, times the bytes per token): sequences that do not fit wait for
+    running ones to finish rather than exhausting memory. ``prompt_cache_bytes`` bounds the prompts
+    kept prefilled across calls (their keys, values and first-step logits; a prompt that starts
+    like a kept one is prefilled only from where they part; least recently used leave first; ``0``:
+    off; :mod:`.prompt_cache`); they also only take what the running batch leaves of
     ``max_kv_cache_bytes``, so the two together stay within it. ``continuous_batching`` (default
-    on) lets calls from several threads decode together, a call arriving mid-decode joining at
-    the next step; off, calls run one at a time. ``max_logprobs`` caps the ``logprobs`` a
-    request may ask for, and ``seed`` seeds the draws of requests that do not bring their own.
-    ``engine`` picks the engine: ours (``torch``, the default) or vLLM in its own process
-    (``vllm``, set up by ``vllm``). ``prompt_sharing`` and ``logits`` are the training engine's
-    knobs, for a log-prob (reference) job's scoring.
+    on) lets calls from several threads decode together, a call arriving mid-decode joining at the
+    next step; off, calls run one at a time. ``max_logprobs`` caps the ``logprobs`` a request may
+    ask for, and ``seed`` seeds the draws of requests that do not bring their own. ``engine`` picks
+    the engine: ours (``torch``, the default) or vLLM in its own process (``vllm``, set up by
+    ``vllm``). ``prompt_sharing`` and ``logits`` are the training engine's knobs, for a log-prob
+    (reference) job's scoring.
     """
 
     model: ModelConfig

@@ -22,6 +22,9 @@ It adds what the sampler needs on top of a plain cache:
   ``relayout`` moves what is kept into the new geometry (dropping the suffix columns no kept
   row uses, left-padding whichever side is shorter) and the newcomers' prompts are prefilled
   into their groups;
+- **prefixes from elsewhere**: a prompt's keys and values copied in (``write_prefix``, from the
+  prompt cache), whole or its first tokens; a prefill of the rest attends to those columns and
+  writes only its own tokens' (``prefill_groups`` with ``written``);
 - **buffer reuse**: buffers come from a :class:`KVBufferPool`, which keeps them across batches and
   calls (no re-allocation per step or per call) until the sampler goes to sleep and releases them.
 
@@ -56,6 +59,16 @@ class Geometry:
     def nbytes(self, per_token: int) -> int:
         """Bytes of every layer's keys and values, ``per_token`` bytes per token."""
         return (self.groups * self.prefix_width + self.rows * self.capacity) * per_token
+
+
+@dataclass(frozen=True)
+class PrefillTarget:
+    """Where a prefill forward writes (see :meth:`KVCache.prefill_groups`)."""
+
+    first: int
+    at: int
+    past: int
+    written: torch.Tensor | None
 
 
 class KVBufferPool:
@@ -147,12 +160,21 @@ class _PreallocatedLayer(CacheLayerMixin):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         cache = self._cache
-        if cache.prefill_target is not None:
-            first, at = cache.prefill_target
+        target = cache.prefill_target
+        if target is not None:
             groups, width = key_states.shape[0], key_states.shape[-2]
-            self.prefix_keys[first : first + groups, :, at : at + width] = key_states
-            self.prefix_values[first : first + groups, :, at : at + width] = value_states
-            return key_states, value_states
+            rows = slice(target.first, target.first + groups)
+            columns = slice(target.at, target.at + width)
+            if target.written is None:
+                self.prefix_keys[rows, :, columns] = key_states
+                self.prefix_values[rows, :, columns] = value_states
+                return key_states, value_states
+            keep = target.written[:, None, :, None]
+            for store, new in ((self.prefix_keys, key_states), (self.prefix_values, value_states)):
+                region = store[rows, :, columns]
+                region.copy_(torch.where(keep, new, region))
+            seen = slice(target.at - target.past, target.at + width)
+            return self.prefix_keys[rows, :, seen], self.prefix_values[rows, :, seen]
         start, stop = self.length, self.length + key_states.shape[-2]
         active = cache.active_rows
         self.keys[:active, :, start:stop] = key_states
@@ -165,7 +187,7 @@ class _PreallocatedLayer(CacheLayerMixin):
 
     def get_seq_length(self) -> int:
         if self._cache.prefill_target is not None:
-            return 0
+            return self._cache.prefill_target.past
         return self._cache.geometry.prefix_width + self.length
 
     def get_max_cache_shape(self) -> int:
@@ -176,15 +198,17 @@ class KVCache(Cache):
     """A ``transformers`` cache of a prefix store and a suffix store per layer (module doc).
 
     Use: ``with cache.prefill_groups(first, at): model(...)`` for each prefill microbatch (its
-    batch item ``i`` is group ``first + i``), then ``cache.start_decoding(column)``, then one model
-    call per step, whose attention reads :meth:`prefix` for its layer; ``keep`` compacts.
+    batch item ``i`` is group ``first + i``; a prompt whose cached prefix :meth:`write_prefix`
+    put in place prefills only its new tokens, attending to that prefix), then
+    ``cache.start_decoding(column)``, then one model call per step, whose attention reads
+    :meth:`prefix` for its layer; ``keep`` compacts.
     """
 
     def __init__(self, num_layers: int, geometry: Geometry, pool: KVBufferPool) -> None:
         self.geometry = geometry
         self.pool = pool
         self.active_rows = geometry.rows
-        self.prefill_target: tuple[int, int] | None = None
+        self.prefill_target: PrefillTarget | None = None
         super().__init__(layers=[_PreallocatedLayer(self, i) for i in range(num_layers)])
 
     def prefix(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -193,12 +217,18 @@ class KVCache(Cache):
         return store.prefix_keys, store.prefix_values
 
     @contextmanager
-    def prefill_groups(self, first: int, at: int = 0):
+    def prefill_groups(
+        self, first: int, at: int = 0, past: int = 0, written: torch.Tensor | None = None
+    ):
         """Write the next forward's batch item ``i`` into group ``first + i``, from column ``at``.
 
-        The forward attends only to its own inputs (the cache reads as empty during prefill).
+        Without ``written`` the forward attends only to its own inputs (the cache reads as empty)
+        and all of them are written. With ``written`` (``[groups, inputs]``, bool) the groups
+        already hold a cached prefix of each prompt, ending where its new tokens start: the
+        forward also attends to the ``past`` columns before ``at``, and only the inputs marked
+        in ``written`` are kept, since an unmarked input is padding over a prefix's column.
         """
-        self.prefill_target = (first, at)
+        self.prefill_target = PrefillTarget(first, at, past, written)
         try:
             yield self
         finally:
@@ -216,19 +246,28 @@ class KVCache(Cache):
             for layer in self.layers
         ]
 
-    def write_prefix(self, group: int, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Put a prompt's keys and values (as :meth:`read_prefix` gives them) into ``group``,
-        right-aligned, zeros before them. A layer no forward initialised yet takes its views
-        now, its prefix store zeroed, so a prefill beside it leaves no column undefined."""
+    def write_prefix(
+        self,
+        group: int,
+        layers: list[tuple[torch.Tensor, torch.Tensor]],
+        length: int | None = None,
+        before: int = 0,
+    ) -> None:
+        """Put a prompt's keys and values (as :meth:`read_prefix` gives them; their first
+        ``length`` columns, default all) into ``group``, ending ``before`` columns left of its
+        right edge (where that prompt's new tokens will be prefilled), zeros everywhere else. A
+        layer no forward initialised yet takes its views now, its prefix store zeroed, so a
+        prefill beside it leaves no column undefined."""
         for layer, (keys, values) in zip(self.layers, layers, strict=True):
             if not layer.is_initialized:
                 layer.lazy_initialization(keys[None], values[None])
                 layer.prefix_keys.zero_()
                 layer.prefix_values.zero_()
-            start = self.geometry.prefix_width - keys.shape[-2]
+            count = keys.shape[-2] if length is None else length
+            end = self.geometry.prefix_width - before
             for store, data in ((layer.prefix_keys, keys), (layer.prefix_values, values)):
-                store[group, :, :start] = 0
-                store[group, :, start:] = data
+                store[group] = 0
+                store[group, :, end - count : end] = data[:, :count]
 
     def start_decoding(self, column: int) -> None:
         """The next decode step writes every row's suffix at ``column``."""

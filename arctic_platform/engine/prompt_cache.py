@@ -1,30 +1,42 @@
-"""Prefilled prompts kept across ``generate`` calls, so a prompt seen again is not prefilled again.
+"""Prefilled prompts kept across ``generate`` calls, so a prompt seen again is not prefilled again
+and one that starts like a cached prompt is prefilled only from where they part.
 
 RL callers send the same prompt many times: SkyRL repeats each prompt ``n`` times in one call,
 verl's agent loop sends each sample as its own request, a multi-sample Tinker ``sample`` may be
-split across calls, and an evaluation re-sends its prompts every round. The running batch already
-prefills a prompt once per admission (:mod:`.running_batch`); this cache keeps, for the prompts it
-prefilled, every layer's keys and values and the logits of the first sampled token, so a later
-admission of the same token ids copies them into its prefix store instead of running the model.
-This is vLLM's automatic prefix caching, for whole prompts.
+split across calls, and an evaluation re-sends its prompts every round. A multi-turn rollout sends
+each turn's prompt again with the completion and the next observation appended. The running batch
+already prefills a prompt once per admission (:mod:`.running_batch`); this cache keeps, for the
+prompts it prefilled, every layer's keys and values and the logits of the first sampled token.
+A later admission of the same token ids copies them into its prefix store instead of running the
+model (a hit); one whose first tokens are the first tokens of a cached prompt copies the keys and
+values of those and runs the model only on the rest, attending to them (a prefix hit). This is
+vLLM's automatic prefix caching, except that only prompts are kept (vLLM also keeps the
+completion's blocks), and a prompt sharing its start with a cached one is kept whole beside it
+(vLLM's blocks are shared).
 
-It is exact-match on the token ids and holds at most ``max_bytes``, and at most the room the
-running batch's cache leaves of the sampler's KV budget (:meth:`PromptCache.make_room`). The
-batch comes first: its buffers are kept at their largest, for reuse, and entries leave before
-they grow, so cached prompts never take memory the sampler was not allowed; after a call whose
-batch filled ``max_kv_cache_bytes`` the cache has no room (a larger budget gives room to both).
-Least recently used entries leave first; a prompt whose entry would not fit is not copied at
-all; ``max_bytes = 0`` turns the cache off. Entries are only valid for the weights they were
-computed with. The sampler clears the cache on every weight load (every path that changes its
-weights goes through one), sleep and ``reset_prefix_cache``; as a second guard the cache notes
-each parameter's identity, storage, device and version counter when it stores and drops
-everything when one changed, which catches a parameter replaced or moved and an in-place edit
-through torch ops (not a write through ``.data``, which skips the version counter). A model
-holding inference tensors (which have no version counter) is never cached.
+Prefix hits are found a block of :data:`BLOCK` tokens at a time: every entry is indexed by the
+chained hash of each run of whole blocks it starts with, so a lookup hashes the prompt's blocks
+until one is not indexed, checks the tokens of the entries found (a hash proves nothing), and
+then extends the match token by token into the next block. A match is at least one block and at
+most all but the prompt's last token, whose forward gives the first step's logits.
+
+The cache holds at most ``max_bytes``, and at most the room the running batch's cache leaves of the
+sampler's KV budget (:meth:`PromptCache.make_room`). The batch comes first: its buffers are kept at
+their largest, for reuse, and entries leave before they grow, so cached prompts never take memory
+the sampler was not allowed; after a call whose batch filled ``max_kv_cache_bytes`` the cache has
+no room (a larger budget gives room to both). Least recently used entries leave first; a prompt
+whose entry would not fit is not copied at all; ``max_bytes = 0`` turns the cache off. Entries are
+only valid for the weights they were computed with. The sampler clears the cache on every weight
+load (every path that changes its weights goes through one), sleep and ``reset_prefix_cache``; as a
+second guard the cache notes each parameter's identity, storage, device and version counter when it
+stores and drops everything when one changed, which catches a parameter replaced or moved and an
+in-place edit through torch ops (not a write through ``.data``, which skips the version counter). A
+model holding inference tensors (which have no version counter) is never cached.
 
 The keys and values a hit copies were computed in an earlier prefill, maybe padded beside other
 prompts, so they equal a fresh prefill's to float rounding, as a prompt prefilled beside
-different prompts does.
+different prompts does; the same holds for a prefix hit's (causal attention: a token's keys and
+values depend only on the tokens before it).
 """
 
 from __future__ import annotations
@@ -34,6 +46,10 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
+
+# Prefix matches are found a block of this many tokens at a time (vLLM's block size on CPU is 16
+# too): each entry is indexed by the chained hash of every whole block it starts with.
+BLOCK = 16
 
 
 @dataclass(frozen=True)
@@ -50,6 +66,17 @@ class CachedPrompt:
         return sum(t.numel() * t.element_size() for t in tensors)
 
 
+@dataclass(frozen=True)
+class Match:
+    """What the cache holds of one prompt: the first ``length`` tokens of ``entry`` (a cached
+    prompt that starts like it). ``complete``: the entry is this very prompt, logits included;
+    otherwise the tokens after ``length`` (at least one) must still be prefilled."""
+
+    entry: CachedPrompt
+    length: int
+    complete: bool
+
+
 class PromptCache:
     """Least-recently-used prefilled prompts of one model, within ``max_bytes`` (module doc)."""
 
@@ -57,10 +84,13 @@ class PromptCache:
         self.model = model
         self.max_bytes = max_bytes
         self._entries: OrderedDict[tuple[int, ...], CachedPrompt] = OrderedDict()
+        # chained hash of a run of whole blocks -> the entries that start with that run
+        self._blocks: dict[int, dict[tuple[int, ...], None]] = {}
         self._weights: tuple | None = None
         self._room = room  # what the running batch leaves of the KV budget (make_room)
         self.nbytes = 0
         self.hits = 0
+        self.prefix_hits = 0
         self.misses = 0
         self.hit_tokens = 0
 
@@ -68,8 +98,10 @@ class PromptCache:
     def enabled(self) -> bool:
         return self.max_bytes > 0
 
-    def lookup(self, prompts: Sequence[Sequence[int]]) -> list[CachedPrompt | None]:
-        """Each prompt's entry, or None; counts hits and misses."""
+    def lookup(self, prompts: Sequence[Sequence[int]]) -> list[Match | None]:
+        """Each prompt's match, or None: the prompt itself when it is cached, else the longest
+        run of its first tokens (one block at least, all but its last token at most) that a
+        cached prompt starts with. Counts hits, prefix hits and misses."""
         if not self.enabled:
             return [None] * len(prompts)
         if self._entries and self._weights != _weights_state(self.model):
@@ -78,14 +110,44 @@ class PromptCache:
         for prompt in prompts:
             key = tuple(prompt)
             entry = self._entries.get(key)
-            if entry is None:
+            if entry is not None:
+                source, match = key, Match(entry, len(key), True)
+            else:
+                source, match = self._prefix(key)
+            if match is None:
                 self.misses += 1
             else:
-                self._entries.move_to_end(key)
-                self.hits += 1
-                self.hit_tokens += len(key)
-            found.append(entry)
+                self._entries.move_to_end(source)
+                self.hits += match.complete
+                self.prefix_hits += not match.complete
+                self.hit_tokens += match.length
+            found.append(match)
         return found
+
+    def _prefix(self, key: tuple[int, ...]) -> tuple[tuple[int, ...] | None, Match | None]:
+        """The longest cached start of ``key`` that leaves at least its last token to prefill,
+        and the key of the entry it comes from."""
+        usable = len(key) - 1
+        if not self._blocks or usable < BLOCK:
+            return None, None
+        chain = _chain(key, usable // BLOCK)
+        blocks = 0
+        while blocks < len(chain) and chain[blocks] in self._blocks:
+            blocks += 1
+        for count in range(blocks, 0, -1):  # a longer run whose hash matched but tokens do not
+            shared = count * BLOCK
+            best: tuple[int, tuple[int, ...]] | None = None
+            for source in reversed(self._blocks[chain[count - 1]]):  # newest first among equals
+                if source[:shared] != key[:shared]:
+                    continue
+                n, limit = shared, min(len(source), usable)
+                while n < limit and source[n] == key[n]:
+                    n += 1
+                if best is None or n > best[0]:
+                    best = (n, source)
+            if best is not None:
+                return best[1], Match(self._entries[best[1]], best[0], False)
+        return None, None
 
     @property
     def budget(self) -> int:
@@ -119,38 +181,58 @@ class PromptCache:
         size = entry.nbytes
         if size > self.budget:
             return
-        old = self._entries.pop(key, None)
-        if old is not None:
-            self.nbytes -= old.nbytes
+        if key in self._entries:
+            self._drop(key)
         self._evict(size)
         self._entries[key] = entry
         self.nbytes += size
+        for block in _chain(key, len(key) // BLOCK):
+            self._blocks.setdefault(block, {})[key] = None
 
     def _evict(self, incoming: int) -> None:
         """Drop least recently used entries until ``incoming`` more bytes fit the budget."""
         while self._entries and self.nbytes + incoming > self.budget:
-            _, evicted = self._entries.popitem(last=False)
-            self.nbytes -= evicted.nbytes
+            self._drop(next(iter(self._entries)))
+
+    def _drop(self, key: tuple[int, ...]) -> None:
+        self.nbytes -= self._entries.pop(key).nbytes
+        for block in _chain(key, len(key) // BLOCK):
+            holders = self._blocks[block]
+            del holders[key]
+            if not holders:
+                del self._blocks[block]
 
     def clear(self) -> dict:
         """Drop every entry; how many and their bytes."""
         dropped = {"cached_prefixes": len(self._entries), "bytes_released": self.nbytes}
         self._entries.clear()
+        self._blocks.clear()
         self._weights = None
         self.nbytes = 0
         return dropped
 
     def state(self) -> dict:
-        """Entries, bytes and budget, and the hits and misses so far (prompts, not samples)."""
+        """Entries, bytes and budget, and the hits, prefix hits and misses so far (prompts, not
+        samples) with the tokens they took from the cache instead of a prefill."""
         return {
             "entries": len(self._entries),
             "bytes": self.nbytes,
             "max_bytes": self.max_bytes,
             "budget": self.budget,
             "hits": self.hits,
+            "prefix_hits": self.prefix_hits,
             "misses": self.misses,
             "hit_tokens": self.hit_tokens,
         }
+
+
+def _chain(tokens: tuple[int, ...], blocks: int) -> list[int]:
+    """The chained hash of ``tokens``' first 1, 2, .. ``blocks`` whole blocks."""
+    hashes, previous = [], 0
+    for start in range(0, blocks * BLOCK, BLOCK):
+        previous = hash((previous, tokens[start : start + BLOCK]))
+        hashes.append(previous)
+    return hashes
 
 
 def _weights_state(model: torch.nn.Module) -> tuple | None:

@@ -14,9 +14,11 @@ joins and when; this module holds the batch and runs its steps:
   (:mod:`~arctic_platform.engine.shared_prefix`): copied from the prompt cache
   (:mod:`~arctic_platform.engine.prompt_cache`) when an earlier admission prefilled it on these
   weights, else prefilled **once** (left-padded to the widest of them, in microbatches of at most
-  ``max_tokens_per_microbatch`` padded tokens) and then cached. Rows share one suffix write
-  column: the running rows keep their completions but drop the columns none of them uses, and
-  the newcomers start left-padded at the write column
+  ``max_tokens_per_microbatch`` padded tokens) and then cached. When the cache holds a prompt
+  that starts like it, the keys and values of that start are copied and only the rest is
+  prefilled, attending to them (those prompts' prefills come after the others'). Rows share
+  one suffix write column: the running rows keep their completions but drop the columns none of
+  them uses, and the newcomers start left-padded at the write column
   (:meth:`~arctic_platform.engine.kv_cache.KVCache.relayout`); position ids are per row.
 * :meth:`RunningBatch.sample` — one token for every row (each row at its own step, so its random
   numbers depend only on its seed, its sample index and its step: a seeded request gets the
@@ -184,7 +186,7 @@ class RunningBatch:
         live = self._live_extent()
         if len(live.rows):
             self.joins += 1
-        prompts, cached, slices, slice_group = self._distinct_prompts(slices)
+        prompts, matches, slices, slice_group = self._distinct_prompts(slices)
         counts = torch.tensor([s.count for s in slices])
         width = max(live.prompt, *(len(p) for p in prompts))
         geometry = Geometry(
@@ -215,7 +217,7 @@ class RunningBatch:
             for sample in range(s.first, s.first + s.count)
         ]
         self._out = self._grown_outputs(live.rows, geometry.rows)
-        per_prompt = self._prefill(prompts, cached, len(live.groups), width)
+        per_prompt = self._prefill(prompts, matches, len(live.groups), width)
         logits = per_prompt[slice_group.to(self.side.device)]
         logits = logits.repeat_interleave(counts.to(self.side.device), dim=0)
         old = self._logits[live.rows] if self._logits is not None else logits[:0]
@@ -227,20 +229,21 @@ class RunningBatch:
     def _distinct_prompts(self, slices: list[Slice]):
         """The admission's distinct prompts (each becomes one prefix group, read by every sample
         of every slice that asked for it: SkyRL sends a prompt ``n`` times as ``n`` requests),
-        the prompt cache's entry for each (or None), the slices regrouped so each prompt's
-        samples sit together, and each slice's prompt index. Prompts to prefill come first, so
-        their groups are consecutive (:meth:`_prefill`)."""
+        the prompt cache's match for each (or None), the slices regrouped so each prompt's
+        samples sit together, and each slice's prompt index. Prompts to prefill whole come
+        first, then those with a cached prefix, so each kind's groups are consecutive
+        (:meth:`_prefill`)."""
         by_prompt: dict[tuple[int, ...], list[Slice]] = {}
         for piece in slices:
             by_prompt.setdefault(tuple(piece.request.token_ids), []).append(piece)
         keys = list(by_prompt)
-        entries = self.prompt_cache.lookup(keys)
-        order = sorted(range(len(keys)), key=lambda i: entries[i] is not None)
+        matches = self.prompt_cache.lookup(keys)
+        order = sorted(range(len(keys)), key=lambda i: _prefill_order(matches[i]))
         grouped = [piece for i in order for piece in by_prompt[keys[i]]]
         slice_group = [g for g, i in enumerate(order) for _ in by_prompt[keys[i]]]
         return (
             [keys[i] for i in order],
-            [entries[i] for i in order],
+            [matches[i] for i in order],
             grouped,
             torch.tensor(slice_group, dtype=torch.long),
         )
@@ -309,52 +312,89 @@ class RunningBatch:
         return out
 
     def _prefill(
-        self, prompts: list[tuple[int, ...]], cached: list, first_group: int, width: int
+        self, prompts: list[tuple[int, ...]], matches: list, first_group: int, width: int
     ) -> torch.Tensor:
         """Put ``prompts`` into groups ``first_group ..`` of a prefix store ``width`` columns wide:
-        a cached one by copying its entry, the others (first in ``prompts``) by running the
-        model, which the prompt cache then keeps. Returns each prompt's first-step logits
-        ``[prompts, vocab]`` (float32)."""
+        a cached one by copying its entry; one whose start is cached by copying that and running
+        the model on the rest; the others (first in ``prompts``) by running the model on all of
+        it. The prompt cache then keeps each prompt the model ran on. Returns each prompt's
+        first-step logits ``[prompts, vocab]`` (float32)."""
         side = self.side
         logits = torch.empty(len(prompts), side.vocab_size, device=side.device)
-        misses = [prompt for prompt, entry in zip(prompts, cached, strict=True) if entry is None]
-        for i, entry in enumerate(cached):
-            if entry is not None:  # before any prefill: it may initialise the stores
-                self._cache.write_prefix(first_group + i, entry.layers)
-                logits[i] = entry.logits
-                cached[i] = None  # the prefix store holds it now: an evicted entry can go
-        if not misses:
-            return logits
-        widest = max(len(prompt) for prompt in misses)
-        per_batch = max(1, self.config.max_tokens_per_microbatch // widest)
-        for start in range(0, len(misses), per_batch):
-            pieces = misses[start : start + per_batch]
-            ids = torch.full((len(pieces), widest), side.pad_token_id, dtype=torch.long)
-            attention = torch.zeros(len(pieces), widest, dtype=torch.bool)
-            positions = torch.zeros(len(pieces), widest, dtype=torch.long)
-            for i, prompt in enumerate(pieces):
-                ids[i, widest - len(prompt) :] = torch.tensor(prompt)
-                attention[i, widest - len(prompt) :] = True
-                positions[i, widest - len(prompt) :] = torch.arange(len(prompt))
-            with self._cache.prefill_groups(first_group + start, width - widest):
-                out = side.model(
-                    input_ids=ids.to(side.device),
-                    attention_mask=attention.to(side.device),
-                    position_ids=positions.to(side.device),
-                    past_key_values=self._cache,
-                    use_cache=True,
-                    logits_to_keep=1,
+        runs: list[list[tuple[int, tuple[int, ...], int]]] = [[], []]  # whole, rest of a prefix
+        for i, (prompt, match) in enumerate(zip(prompts, matches, strict=True)):
+            if match is None:
+                runs[0].append((i, prompt, 0))
+                continue
+            # before any prefill: it may initialise the stores
+            before = len(prompt) - match.length
+            self._cache.write_prefix(first_group + i, match.entry.layers, match.length, before)
+            if match.complete:
+                logits[i] = match.entry.logits
+            else:
+                runs[1].append((i, prompt, match.length))
+            matches[i] = None  # the prefix store holds it now: an evicted entry can go
+        for pieces in runs:
+            if not pieces:
+                continue
+            # One width for every microbatch of a run: a prompt prefilled whole writes every
+            # column of the run's widest, so no column it may read is left as the buffer held it.
+            inputs = max(len(prompt) - reused for _, prompt, reused in pieces)
+            span = max(len(prompt) for _, prompt, _ in pieces)  # the columns attention reads
+            per_batch = max(1, self.config.max_tokens_per_microbatch // inputs)
+            for start in range(0, len(pieces), per_batch):
+                batch = pieces[start : start + per_batch]
+                first = batch[0][0]
+                logits[first : first + len(batch)] = self._forward(
+                    batch, first_group + first, width, inputs, span
                 )
-            logits[start : start + len(pieces)] = out.logits[:, -1].float()
-        if self.prompt_cache.enabled:
+        ran = [piece for pieces in runs for piece in pieces]
+        if ran and self.prompt_cache.enabled:
             self._leave_room(self._cache.geometry)  # the stores now hold their buffers
             logit_bytes = logits.shape[1] * logits.element_size()
             self.prompt_cache.store(
                 (prompt, self._cached(first_group + i, prompt, logits[i]))
-                for i, prompt in enumerate(misses)
+                for i, prompt, _ in ran
                 if self.prompt_cache.fits(len(prompt) * side.kv_bytes_per_token + logit_bytes)
             )
         return logits
+
+    def _forward(
+        self,
+        pieces: list[tuple[int, tuple[int, ...], int]],
+        first: int,
+        width: int,
+        inputs: int,
+        span: int,
+    ) -> torch.Tensor:
+        """One prefill forward of ``pieces`` ``(index, prompt, reused)`` into groups ``first ..``
+        (right-aligned at ``width``), ``inputs`` tokens wide, attending over ``span`` columns:
+        each prompt's tokens after its first ``reused`` ones, which its group holds already (all
+        rows reuse some, or none does). Returns each one's last-token logits."""
+        side = self.side
+        ids = torch.full((len(pieces), inputs), side.pad_token_id, dtype=torch.long)
+        attention = torch.zeros(len(pieces), span, dtype=torch.bool)
+        positions = torch.zeros(len(pieces), inputs, dtype=torch.long)
+        written = torch.zeros(len(pieces), inputs, dtype=torch.bool)
+        for row, (_, prompt, reused) in enumerate(pieces):
+            new = len(prompt) - reused
+            ids[row, inputs - new :] = torch.tensor(prompt[reused:])
+            attention[row, span - len(prompt) :] = True
+            positions[row, inputs - new :] = torch.arange(reused, len(prompt))
+            written[row, inputs - new :] = True
+        past = span - inputs
+        with self._cache.prefill_groups(
+            first, width - inputs, past, written.to(side.device) if past else None
+        ):
+            out = side.model(
+                input_ids=ids.to(side.device),
+                attention_mask=attention.to(side.device),
+                position_ids=positions.to(side.device),
+                past_key_values=self._cache,
+                use_cache=True,
+                logits_to_keep=1,
+            )
+        return out.logits[:, -1].float()
 
     def _leave_room(self, geometry: Geometry) -> None:
         """The prompt cache keeps only what the batch's cache leaves of ``max_kv_cache_bytes``:
@@ -554,6 +594,11 @@ def _bias(start: torch.Tensor, columns: int) -> torch.Tensor | None:
     visible = torch.arange(columns, device=start.device)[None, :] >= start[:, None]
     bias = torch.zeros(visible.shape, device=start.device)
     return bias.masked_fill_(~visible, float("-inf"))[:, None, None, :]
+
+
+def _prefill_order(match) -> int:
+    """Prompts to prefill whole, then those whose start is cached, then cached ones."""
+    return 0 if match is None else 2 if match.complete else 1
 
 
 def _concat(old: dict[str, torch.Tensor], new: dict[str, torch.Tensor]) -> dict:

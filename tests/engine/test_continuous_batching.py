@@ -157,6 +157,24 @@ def test_a_call_arriving_mid_decode_joins_and_matches_running_alone(engine, join
     assert engine.batch_state()["prompt_cache"]["hits"] == hits + (2 if cached else 0)
 
 
+def test_a_call_whose_prompt_extends_a_cached_one_joins_mid_decode(engine):
+    """The joining prompt's start is in the prompt cache (a multi-turn rollout's last turn): it is
+    copied into the running batch's prefix store and only the rest is prefilled, attending to it."""
+    joining = "What is the meaning of life?"
+    long_alone = engine.generate([LONG_PROMPT], LONG)
+    short_alone = engine.generate([joining], SHORT)
+    engine.reset_prefix_cache()
+    ids = engine.tokenizer(joining, add_special_tokens=False)["input_ids"]
+    engine.generate([ids[:-3]], {"max_tokens": 1})
+    joins = engine.batch_state()["joins"]
+    prefix_hits = engine.batch_state()["prompt_cache"]["prefix_hits"]
+    long, short = _long_then_joining(engine, joining)
+    _assert_same(long.result(WAIT_S), long_alone)
+    _assert_same(short.result(WAIT_S), short_alone)
+    assert engine.batch_state()["joins"] == joins + 1
+    assert engine.batch_state()["prompt_cache"]["prefix_hits"] == prefix_hits + 1
+
+
 def test_a_finished_call_leaves_and_returns_before_the_long_one(engine):
     """The short call (6 tokens) joins at the long call's 3rd forward; by the 12th its rows are
     done. The hook holds the long call (it drives) there until the short call has returned:

@@ -1,11 +1,10 @@
 """The sampler's prompt cache and per-admission prompt grouping, against the same engine without
 them.
 
-Each test counts the prompts the model really prefills (a forward hook on the engine's model:
-a prefill forward is the one whose inputs are wider than one token) and compares outputs with an
-engine whose cache is off (``prompt_cache_bytes: 0``) on the same weights, seeds fixed: token ids
-exactly, log-probs to float tolerance (a cached prompt's keys and values come from an earlier
-prefill, padded beside other prompts).
+Each test counts the prompts and tokens the model really prefills (a forward hook on the engine's
+model) and compares outputs with an engine whose cache is off (``prompt_cache_bytes: 0``) on the
+same weights, seeds fixed: token ids exactly, log-probs to float tolerance (a cached prompt's keys
+and values come from an earlier prefill, padded beside other prompts).
 """
 
 import pytest
@@ -13,6 +12,7 @@ import torch
 
 from arctic_platform.engine.config import ModelConfig, SamplingEngineConfig
 from arctic_platform.engine.models import load_causal_lm
+from arctic_platform.engine.prompt_cache import BLOCK
 from arctic_platform.engine.sampler import SamplingEngine
 from arctic_platform.engine.weights import export_weights
 from tests.perturbed import perturbed
@@ -41,16 +41,19 @@ def uncached(weights):
 
 
 class Prefills:
-    """The prompts (batch items) of every prefill forward of ``engine``'s model."""
+    """The prompts (batch items) of every prefill forward of ``engine``'s model (a decode step's
+    forward is the one given ``shared_prefix``), and each such forward's width in tokens."""
 
     def __init__(self, engine: SamplingEngine) -> None:
         self.prompts = 0
+        self.widths: list[int] = []
         engine.model.register_forward_pre_hook(self._seen, with_kwargs=True)
 
     def _seen(self, module, args, kwargs) -> None:
         ids = kwargs["input_ids"]
-        if ids.shape[1] > 1:
+        if "shared_prefix" not in kwargs:
             self.prompts += ids.shape[0]
+            self.widths.append(ids.shape[1])
 
     def since(self, before: int) -> int:
         return self.prompts - before
@@ -197,3 +200,87 @@ def test_reset_and_sleep_drop_the_cache(weights):
     assert engine.sleep(1)["prompt_cache_bytes_released"] == held
     engine.generate([LONG, SHORT], PARAMS)
     assert prefills.since(4) == 2
+
+
+def _turn(prompt: list[int], output: dict, observation: list[int]) -> list[int]:
+    """A multi-turn rollout's next prompt: this one, the sampled completion, then new tokens."""
+    return prompt + output["token_ids"] + observation
+
+
+@pytest.mark.parametrize("microbatch", [16384, 8], ids=["one-forward", "a-forward-each"])
+def test_a_prompt_that_extends_a_cached_one_prefills_only_its_new_tokens(
+    weights, uncached, microbatch
+):
+    """A multi-turn rollout's next turn starts with the last turn's prompt: that start is copied
+    from the cache and only the rest goes through the model. Two extensions of different
+    lengths, beside different reused lengths, share one prefill forward, or (a microbatch of 8
+    tokens) take one each."""
+    engine = _engine(weights, max_tokens_per_microbatch=microbatch)
+    prefills = Prefills(engine)
+    first = [LONG, list(range(50, 70))]
+    params = dict(PARAMS, n=1, ignore_eos=True)
+    outputs = engine.generate(first, params)
+    second = [_turn(first[0], outputs[0], [3, 4]), _turn(first[1], outputs[1], [9] * 7)]
+    expected = uncached.generate(second, PARAMS)
+    _poison(engine)
+    seen = len(prefills.widths)
+    _same(engine.generate(second, PARAMS), expected)
+    width = params["max_tokens"] + 7  # the longest new run, for every forward of the admission
+    assert prefills.widths[seen:] == [width] * (1 if microbatch >= 2 * width else 2)
+    state = engine.batch_state()["prompt_cache"]
+    assert (state["prefix_hits"], state["hits"]) == (2, 0)
+    assert state["hit_tokens"] == len(first[0]) + len(first[1])
+    third = [_turn(second[0], expected[0], [5]), second[1]]  # a turn on, and an exact repeat
+    seen = len(prefills.widths)
+    _same(engine.generate(third, PARAMS), uncached.generate(third, PARAMS))
+    assert prefills.widths[seen:] == [params["max_tokens"] + 1]
+
+
+def test_a_prefix_hit_beside_a_hit_and_a_miss_in_a_reused_cache(weights, uncached):
+    """One admission with each kind: copied whole, copied in part and the rest prefilled, and
+    prefilled whole; KV buffers poisoned first, so every column each reads must be written."""
+    engine = _engine(weights)
+    prefills = Prefills(engine)
+    engine.generate([LONG, SHORT], PARAMS)
+    extended = [*LONG, 1, 2, 3]
+    prompts = [OTHER, extended, SHORT]
+    _poison(engine)
+    _same(engine.generate(prompts, PARAMS), uncached.generate(prompts, PARAMS))
+    assert prefills.widths[1:] == [len(OTHER), 3]
+    state = engine.batch_state()["prompt_cache"]
+    assert (state["hits"], state["prefix_hits"], state["misses"]) == (1, 1, 3)
+
+
+def test_prefixes_match_a_whole_block_at_least_and_leave_a_token_to_prefill(weights, uncached):
+    """A prompt that shares a start of a block or more with a cached one reuses all it shares;
+    one that is the start of a cached one reuses all but its last token (its logits come from a
+    forward); fewer shared tokens than a block reuse nothing."""
+    engine = _engine(weights)
+    prefills = Prefills(engine)
+    engine.generate([LONG], PARAMS)
+    diverging = [*LONG[: BLOCK + 5], 99, 98, 97]
+    start_of = LONG[: 2 * BLOCK]
+    short_share = [*LONG[: BLOCK - 1], 99]
+    for prompt, width in ((diverging, 3), (start_of, 1), (short_share, BLOCK)):
+        _same(engine.generate([prompt], PARAMS), uncached.generate([prompt], PARAMS))
+        assert prefills.widths[-1] == width
+    state = engine.batch_state()["prompt_cache"]
+    assert (state["prefix_hits"], state["misses"]) == (2, 2)
+
+
+def test_an_evicted_or_reset_prompt_is_no_prefix_any_more(weights):
+    engine = _engine(weights)
+    engine.generate([LONG], PARAMS)
+    one = engine.batch_state()["prompt_cache"]["bytes"]
+    engine = _engine(weights, prompt_cache_bytes=one)
+    prefills = Prefills(engine)
+    other = list(range(60, 100))  # as long as LONG: its entry takes LONG's place
+    engine.generate([LONG], PARAMS)
+    engine.generate([other], PARAMS)
+    engine.generate([[*LONG, 1]], PARAMS)
+    assert prefills.widths[-1] == len(LONG) + 1
+    engine.generate([[*other, 1]], PARAMS)
+    assert prefills.widths[-1] == 1
+    engine.reset_prefix_cache()
+    engine.generate([[*other, 1, 2]], PARAMS)
+    assert prefills.widths[-1] == len(other) + 2
