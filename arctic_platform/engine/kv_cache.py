@@ -228,6 +228,8 @@ class KVCache(Cache):
         forward also attends to the ``past`` columns before ``at``, and only the inputs marked
         in ``written`` are kept, since an unmarked input is padding over a prefix's column.
         """
+        if past and written is None:
+            raise ValueError("a prefill that attends to past columns must say which inputs to keep")
         self.prefill_target = PrefillTarget(first, at, past, written)
         try:
             yield self

@@ -136,17 +136,20 @@ class PromptCache:
             blocks += 1
         for count in range(blocks, 0, -1):  # a longer run whose hash matched but tokens do not
             shared = count * BLOCK
-            best: tuple[int, tuple[int, ...]] | None = None
-            for source in reversed(self._blocks[chain[count - 1]]):  # newest first among equals
-                if source[:shared] != key[:shared]:
-                    continue
+            # Rank the entries of the run by how far they go on matching (a few tokens each:
+            # past the run they differ within a block), then check the run's tokens of the best
+            # only, so a lookup costs one comparison of the shared start, however many cached
+            # prompts start with it (a long system prompt).
+            ranked = []
+            for source in self._blocks[chain[count - 1]]:
                 n, limit = shared, min(len(source), usable)
                 while n < limit and source[n] == key[n]:
                     n += 1
-                if best is None or n > best[0]:
-                    best = (n, source)
-            if best is not None:
-                return best[1], Match(self._entries[best[1]], best[0], False)
+                ranked.append((n, source))
+            ranked.sort(key=lambda pair: pair[0], reverse=True)
+            for n, source in ranked:
+                if source[:shared] == key[:shared]:  # else a hash collision
+                    return source, Match(self._entries[source], n, False)
         return None, None
 
     @property

@@ -339,6 +339,9 @@ class RunningBatch:
                 continue
             # One width for every microbatch of a run: a prompt prefilled whole writes every
             # column of the run's widest, so no column it may read is left as the buffer held it.
+            # A microbatch holds at most max_tokens_per_microbatch input tokens; with a cached
+            # start its attention reads span columns a row, as a whole prompt of span tokens
+            # would, so its scores are no larger than those of prompts that long prefilled whole.
             inputs = max(len(prompt) - reused for _, prompt, reused in pieces)
             span = max(len(prompt) for _, prompt, _ in pieces)  # the columns attention reads
             per_batch = max(1, self.config.max_tokens_per_microbatch // inputs)

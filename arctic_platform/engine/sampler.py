@@ -11,7 +11,8 @@ How a call runs:
    call that arrives while others decode joins them at the next step (each distinct prompt
    prefilled once for all the samples that ask for it, between two decode steps, or copied from
    the prompt cache, :mod:`.prompt_cache`, when an earlier call prefilled it on the same
-   weights), and each call returns as soon as its own
+   weights; a prompt that starts like a cached one copies that start and prefills the rest),
+   and each call returns as soon as its own
    sequences finish. The batch stays within ``max_batch_size`` rows and ``max_kv_cache_bytes``
    of cache; samples that do not fit wait for rows to free up, in arrival order.
 3. ``load_weights``, ``sleep``, ``wake``, ``prompt_logprobs`` and ``reset_prefix_cache`` run
@@ -136,7 +137,7 @@ class SamplingEngine:
 
     def batch_state(self) -> dict:
         """Rows decoding, calls running and waiting, joins so far (see ``DecodeLoop.state``),
-        and the prompt cache's entries, bytes, hits and misses."""
+        and the prompt cache's entries, bytes, hits, prefix hits and misses."""
         return {**self._loop.state(), "prompt_cache": self._prompt_cache.state()}
 
     # ------------------------------------------------------------------------------------------
@@ -190,7 +191,8 @@ class SamplingEngine:
                 raise EngineInputError(
                     f"prompts[{request.index}]",
                     f"one sequence of {length} tokens needs more KV cache than "
-                    f"max_kv_cache_bytes={self.config.max_kv_cache_bytes}",
+                    f"max_kv_cache_bytes={self.config.max_kv_cache_bytes} (a job's "
+                    "sampling.vllm.kv_cache_memory_bytes)",
                 )
         return requests
 

@@ -10,6 +10,7 @@ and values come from an earlier prefill, padded beside other prompts).
 import pytest
 import torch
 
+from arctic_platform.engine import prompt_cache
 from arctic_platform.engine.config import ModelConfig, SamplingEngineConfig
 from arctic_platform.engine.models import load_causal_lm
 from arctic_platform.engine.prompt_cache import BLOCK
@@ -236,19 +237,24 @@ def test_a_prompt_that_extends_a_cached_one_prefills_only_its_new_tokens(
     assert prefills.widths[seen:] == [params["max_tokens"] + 1]
 
 
-def test_a_prefix_hit_beside_a_hit_and_a_miss_in_a_reused_cache(weights, uncached):
+@pytest.mark.parametrize("microbatch", [16384, 8], ids=["one-forward-a-kind", "a-forward-each"])
+def test_prefix_hits_beside_hits_and_misses_in_a_reused_cache(weights, uncached, microbatch):
     """One admission with each kind: copied whole, copied in part and the rest prefilled, and
-    prefilled whole; KV buffers poisoned first, so every column each reads must be written."""
-    engine = _engine(weights)
+    prefilled whole, in a prefix store wider than the prefix hits (a wider miss); KV buffers
+    poisoned first, so every column each reads must be written."""
+    engine = _engine(weights, max_tokens_per_microbatch=microbatch)
     prefills = Prefills(engine)
-    engine.generate([LONG, SHORT], PARAMS)
-    extended = [*LONG, 1, 2, 3]
-    prompts = [OTHER, extended, SHORT]
+    middle = list(range(60, 85))
+    engine.generate([LONG, SHORT, middle], PARAMS)
+    wide = [50 + (i * 7) % 45 for i in range(60)]
+    prompts = [[*LONG, 1, 2, 3], wide, SHORT, [*middle, 9, 9, 9, 9, 9], OTHER]
     _poison(engine)
+    seen = len(prefills.widths)
     _same(engine.generate(prompts, PARAMS), uncached.generate(prompts, PARAMS))
-    assert prefills.widths[1:] == [len(OTHER), 3]
+    each = 1 if microbatch > len(wide) else 2  # forwards per kind: 2 prompts of each
+    assert prefills.widths[seen:] == [len(wide)] * each + [5] * each
     state = engine.batch_state()["prompt_cache"]
-    assert (state["hits"], state["prefix_hits"], state["misses"]) == (1, 1, 3)
+    assert (state["hits"], state["prefix_hits"], state["misses"]) == (1, 2, 5)
 
 
 def test_prefixes_match_a_whole_block_at_least_and_leave_a_token_to_prefill(weights, uncached):
@@ -284,3 +290,18 @@ def test_an_evicted_or_reset_prompt_is_no_prefix_any_more(weights):
     engine.reset_prefix_cache()
     engine.generate([[*other, 1, 2]], PARAMS)
     assert prefills.widths[-1] == len(other) + 2
+
+
+def test_a_block_hash_that_collides_is_checked_against_the_tokens(weights, uncached, monkeypatch):
+    """Every block hashing alike makes every cached prompt a candidate: only one whose tokens
+    match is used."""
+    monkeypatch.setattr(prompt_cache, "_chain", lambda tokens, blocks: [0] * blocks)
+    engine = _engine(weights)
+    prefills = Prefills(engine)
+    engine.generate([LONG], PARAMS)
+    other = list(range(60, 100))
+    _same(engine.generate([other], PARAMS), uncached.generate([other], PARAMS))
+    assert prefills.widths[-1] == len(other)
+    extended = [*LONG, 4]
+    _same(engine.generate([extended], PARAMS), uncached.generate([extended], PARAMS))
+    assert prefills.widths[-1] == 1
