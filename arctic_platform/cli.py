@@ -277,6 +277,14 @@ def serve(
             "frame it can send in chunks); a chunk beyond it gets 413.",
         ),
     ] = ServerLimits.max_chunk_group_mb,
+    max_long_polls_per_tenant: Annotated[
+        int,
+        typer.Option(
+            min=1,
+            help="Long polls (get-job with wait_s, Tinker retrieve_future) one tenant may have "
+            "waiting at once, each holding a connection; one more gets 429.",
+        ),
+    ] = ServerLimits.max_long_polls_per_tenant,
     max_json_mb: Annotated[
         int,
         typer.Option(
@@ -392,6 +400,7 @@ def serve(
             header_read_timeout=header_read_timeout,
             max_uploads_per_tenant=max_uploads_per_tenant,
             max_chunk_group_mb=max_chunk_group_mb,
+            max_long_polls_per_tenant=max_long_polls_per_tenant,
             max_json_mb=max_json_mb,
         ),
     )

@@ -18,11 +18,12 @@ from arctic_platform.server.access_log import AccessLog
 from arctic_platform.server.auth import TokenAuth
 from arctic_platform.server.errors import BadRequest, ServiceError
 from arctic_platform.server.http_common import (
-    UploadSlots,
+    TenantSlots,
     close_unread_bodies,
     owner_of,
     service_error_response,
 )
+from arctic_platform.server.limits import ServerLimits
 from arctic_platform.server.openai import routes as openai_routes
 from arctic_platform.server.service import Service
 from arctic_platform.server.tinker import routes as tinker_routes
@@ -64,7 +65,8 @@ def create_app(
     app.state.auth = auth or TokenAuth([])
     app.state.metrics_auth = metrics_auth or TokenAuth([])
     app.state.max_body_bytes = max_body_bytes
-    app.state.uploads = UploadSlots()
+    app.state.uploads = TenantSlots(ServerLimits.check_uploads)
+    app.state.long_polls = TenantSlots(ServerLimits.check_long_polls)
     app.state.instance = instance or new_instance_id()
     app.state.tinker = tinker
     app.add_exception_handler(ServiceError, service_error_response)

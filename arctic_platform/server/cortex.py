@@ -27,6 +27,7 @@ from arctic_platform.server.errors import BadRequest, NotFound
 from arctic_platform.server.http_common import (
     frame_of,
     json_of,
+    long_poll,
     owner_of,
     read_body,
 )
@@ -84,7 +85,13 @@ async def cancel_job(job_id: str, request: Request) -> dict:
 async def get_job(job_id: str, request: Request, wait_s: WaitS = 0.0) -> dict:
     """The job's info; ``wait_s`` holds the answer while it starts (a long poll)."""
     service = _service(request)
-    return await settled_info(service, job_id, owner=owner_of(request), wait_s=wait_s)
+    return await settled_info(
+        service,
+        job_id,
+        owner=owner_of(request),
+        wait_s=wait_s,
+        waiting=functools.partial(long_poll, request),
+    )
 
 
 @router.get("/{job_id}/experiment-run")

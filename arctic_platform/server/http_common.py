@@ -5,7 +5,8 @@ arrived (a Content-Length above the limit is refused at once, but one below it a
 nothing), within the read deadline, and a tenant has a bounded number of bodies being read at
 once: bodies the server holds part of, waiting for the rest. A body that arrives whole with its
 first bytes (every small request) was never partly held, so it takes no slot: a burst of small
-requests (an RL loop's hundreds of single-sample requests) is never refused for it.
+requests (an RL loop's hundreds of single-sample requests) is never refused for it. A tenant's
+long polls waiting at once are bounded the same way (:func:`long_poll`): each holds a connection.
 ``bytearray +=`` grows geometrically and large blocks are resized in place (realloc), so an
 honest large upload still costs about one copy from the socket; DSSST1 frames are decoded
 zero-copy from the result.
@@ -17,7 +18,7 @@ import asyncio
 import collections
 import json
 from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from typing import Any, TypeVar
 
 from fastapi import Request
@@ -113,23 +114,35 @@ def _declared_length(request: Request, limit: int) -> int | None:
     return size
 
 
-class UploadSlots:
-    """Request bodies being read, per tenant. Touched only on the event loop (by
-    :func:`read_body`), so it needs no lock."""
+class TenantSlots:
+    """What each tenant has under way at once (request bodies being read, long polls waiting),
+    bounded by ``check`` (a :class:`ServerLimits` method, given the count with the new one).
+    Touched only on the event loop, so it needs no lock."""
 
-    def __init__(self) -> None:
-        self._reading: collections.Counter = collections.Counter()
+    def __init__(self, check: Callable[[ServerLimits, int], None]) -> None:
+        self._check = check
+        self._held: collections.Counter = collections.Counter()
+
+    def held(self, tenant: str | None) -> int:
+        return self._held[tenant]
 
     @contextmanager
     def hold(self, tenant: str | None, limits: ServerLimits) -> Iterator[None]:
-        limits.check_uploads(self._reading[tenant] + 1)
-        self._reading[tenant] += 1
+        self._check(limits, self._held[tenant] + 1)
+        self._held[tenant] += 1
         try:
             yield
         finally:
-            self._reading[tenant] -= 1
-            if not self._reading[tenant]:
-                del self._reading[tenant]
+            self._held[tenant] -= 1
+            if not self._held[tenant]:
+                del self._held[tenant]
+
+
+def long_poll(request: Request) -> AbstractContextManager:
+    """A slot among the caller's long polls waiting at once, to hold while the route waits (429
+    ``limit_exceeded`` beyond ``--max-long-polls-per-tenant``)."""
+    state = request.app.state
+    return state.long_polls.hold(caller_of(request), state.service.limits)
 
 
 def close_unread_bodies(app):

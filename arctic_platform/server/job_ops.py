@@ -5,13 +5,16 @@ like any op (``Service.execute``), answered here with the contract's result mode
 (``Service.get_job(wait_s=)`` holds a get-job on the caller's thread). The on-prem and Cortex
 routes serve the same ops in their APIs' own answer shapes and hold a ``get-job`` with
 :func:`settled_info`, which waits on the event loop rather than on a worker thread, so many
-waiting clients cost no threads.
+waiting clients cost no threads (each holds a connection, so a tenant's long polls waiting at
+once are bounded: ``--max-long-polls-per-tenant``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from typing import Annotated, Any
 
 from fastapi import Query
@@ -42,11 +45,22 @@ def run_job_op(service: Any, op: str, job_id: str, body: Any, *, owner: str | No
     raise KeyError(f"{op!r} is not a job op")
 
 
-async def settled_info(service: Any, job_id: str, *, owner: str | None, wait_s: float) -> dict:
-    """The job's info once it is no longer starting, or after ``wait_s`` (a route's long poll)."""
+async def settled_info(
+    service: Any,
+    job_id: str,
+    *,
+    owner: str | None,
+    wait_s: float,
+    waiting: Callable[[], AbstractContextManager] = nullcontext,
+) -> dict:
+    """The job's info once it is no longer starting, or after ``wait_s`` (a route's long poll,
+    which holds ``waiting()`` while it waits: a slot among the tenant's long polls)."""
     deadline = time.monotonic() + wait_s
     info = service.get_job(job_id, owner=owner)
-    while info["status"] in STARTING_JOB_STATES and time.monotonic() < deadline:
-        await asyncio.sleep(JOB_POLL_S)
-        info = service.get_job(job_id, owner=owner)
+    if info["status"] not in STARTING_JOB_STATES or wait_s <= 0:
+        return info
+    with waiting():
+        while info["status"] in STARTING_JOB_STATES and time.monotonic() < deadline:
+            await asyncio.sleep(JOB_POLL_S)
+            info = service.get_job(job_id, owner=owner)
     return info

@@ -4,7 +4,8 @@ A ``generate`` with ``n = 1_000_000`` or a training batch of millions of tokens 
 would occupy an op slot for hours. The server refuses such requests before they are queued, with
 413 ``limit_exceeded`` naming the limit and the flag that sets it. A tenant's uploads are bounded
 the same way: bodies partly sent at once (429, since waiting helps) and bytes held in incomplete
-chunk groups. Each limit is a ``serve`` flag with a default sized for one GPU server.
+chunk groups; and so are its long polls waiting at once (429), each of which holds a
+connection. Each limit is a ``serve`` flag with a default sized for one GPU server.
 """
 
 from __future__ import annotations
@@ -36,6 +37,10 @@ class ServerLimits:
     header_read_timeout: float = 30.0
     max_uploads_per_tenant: int = 8
     max_chunk_group_mb: int = 1024
+    # Long polls (get-job's ``?wait_s=``, Tinker's ``retrieve_future``) one tenant may have
+    # waiting at once: each holds a connection for up to a minute. Above the 1,000 connections
+    # one Tinker SDK client pools, so a single client is never refused.
+    max_long_polls_per_tenant: int = 1024
     # MiB of JSON in one body or DSSST1 header (server/http_common.py): parsed JSON costs several
     # times its size in Python objects, a tensor's bytes are only viewed. 64 MiB holds a generate
     # of 8192 prompts x 1024 tokens sent as JSON (about 40 MB).
@@ -95,6 +100,24 @@ class ServerLimits:
                 message,
                 limit="max_uploads_per_tenant",
                 value=uploading,
+                maximum=bound,
+                error=TooManyRequests,
+            )
+
+    def check_long_polls(self, waiting: int) -> None:
+        """``waiting``: the tenant's long polls waiting, this one included (429 beyond the limit:
+        polling again once one of them has answered succeeds; the Tinker SDK backs off and
+        retries a 429)."""
+        bound = self.max_long_polls_per_tenant
+        if waiting > bound:
+            message = (
+                f"this tenant already has {waiting - 1} long polls waiting, the server's limit "
+                f"of long polls waiting per tenant is {bound}"
+            )
+            raise limit_exceeded(
+                message,
+                limit="max_long_polls_per_tenant",
+                value=waiting,
                 maximum=bound,
                 error=TooManyRequests,
             )

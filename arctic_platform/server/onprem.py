@@ -27,6 +27,7 @@ from arctic_platform.server.errors import BadRequest, NotFound
 from arctic_platform.server.http_common import (
     frame_response,
     json_of,
+    long_poll,
     owner_of,
     read_body,
     read_op_body,
@@ -106,7 +107,13 @@ async def initialize(request: Request) -> dict:
 async def get_job(job_id: str, request: Request, wait_s: WaitS = 0.0) -> dict:
     """The sub-job's state; ``wait_s`` holds the answer while its job starts (a long poll)."""
     service = _service(request)
-    info = await settled_info(service, job_id, owner=owner_of(request), wait_s=wait_s)
+    info = await settled_info(
+        service,
+        job_id,
+        owner=owner_of(request),
+        wait_s=wait_s,
+        waiting=functools.partial(long_poll, request),
+    )
     for sub in info["sub_jobs"]:
         if sub["sub_job_id"] == job_id or ":" not in job_id:
             return _onprem_info(info, sub)

@@ -7,7 +7,9 @@ unanticipated errors live there). This module holds only Tinker's wire form of a
 
 * ``retrieve_future`` long-polls: it waits up to :data:`LONG_POLL_S` for the result and
   otherwise answers HTTP 408 with a ``try_again`` body, which the SDK re-polls at once. The
-  SDK's own retrieve timeout is 45 s, so the long poll stays well inside it.
+  SDK's own retrieve timeout is 45 s, so the long poll stays well inside it. A tenant's long
+  polls waiting at once are bounded (``--max-long-polls-per-tenant``, 429 beyond it, which the
+  SDK backs off from and retries).
 * A result is protobuf for the types the SDK reads as protobuf (forward/backward outputs and
   samples), JSON otherwise (:class:`OpResult`).
 * A failed op answers 200 ``{"error", "category"}``: ``user`` when the request was at fault (a
@@ -17,7 +19,9 @@ unanticipated errors live there). This module holds only Tinker's wire form of a
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import Future
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
 from fastapi.responses import JSONResponse, Response
@@ -55,15 +59,27 @@ class FutureStore:
         """Register ``future`` as an op of ``owner``; returns its new request id."""
         return self._requests.add(TrackedRequest(future=future), scope=owner).request_id
 
-    async def retrieve(self, request_id: str, owner: str | None) -> Response:
-        """The ``retrieve_future`` answer (module doc). An unknown id, or another owner's, is a
-        404."""
+    async def retrieve(
+        self,
+        request_id: str,
+        owner: str | None,
+        waiting: Callable[[], AbstractContextManager] = nullcontext,
+    ) -> Response:
+        """The ``retrieve_future`` answer (module doc), holding ``waiting()`` while it waits (a
+        slot among the tenant's long polls). An unknown id, or another owner's, is a 404."""
         future = self._requests.get(request_id, scope=owner).future
-        if not await finished_within(future, LONG_POLL_S):
-            return JSONResponse(
-                status_code=408,
-                content={"type": "try_again", "request_id": request_id, "queue_state": "active"},
-            )
+        if not future.done():
+            with waiting():
+                finished = await finished_within(future, LONG_POLL_S)
+            if not finished:
+                return JSONResponse(
+                    status_code=408,
+                    content={
+                        "type": "try_again",
+                        "request_id": request_id,
+                        "queue_state": "active",
+                    },
+                )
         try:
             result: OpResult = outcome(request_id, lambda: result_of(future))
         except ServiceError as exc:

@@ -25,7 +25,13 @@ from pydantic import BaseModel, ValidationError
 from arctic_platform.engine.builtin import BUILTIN_MODELS, BUILTIN_PREFIX, BuiltinSpec
 from arctic_platform.server.auth import API_KEY_HEADER
 from arctic_platform.server.errors import BadRequest, NotFound, Unauthorized
-from arctic_platform.server.http_common import caller_of, decode_json, off_loop, read_body
+from arctic_platform.server.http_common import (
+    caller_of,
+    decode_json,
+    long_poll,
+    off_loop,
+    read_body,
+)
 from arctic_platform.server.op_bodies import describe, field_of
 from arctic_platform.server.tinker import bodies, codec, proto
 from arctic_platform.server.tinker.checkpoints import TinkerPath
@@ -267,7 +273,9 @@ async def asample(request: Request) -> dict:
 async def retrieve_future(request: Request) -> Response:
     owner = _owner(request)
     body = await _parse(request, bodies.RetrieveBody, "retrieve_future")
-    return await _ops(request).futures.retrieve(body.request_id, owner)
+    return await _ops(request).futures.retrieve(
+        body.request_id, owner, waiting=functools.partial(long_poll, request)
+    )
 
 
 # -- checkpoints and runs (RestClient) ------------------------------------------------------

@@ -1,0 +1,98 @@
+"""Long polls from one tenant are bounded, against the real server over 127.0.0.1.
+
+A get-job with ``?wait_s=`` (on-prem and Cortex routes) and Tinker's ``retrieve_future`` hold
+their answer, and a connection, while they wait. A tenant has at most
+``--max-long-polls-per-tenant`` of them waiting at once: one more gets 429 ``limit_exceeded`` at
+once, naming the limit and its flag. Another tenant, a poll that need not wait, and the same
+tenant once one of its polls has answered are not refused. Jobs stay starting because their
+engine builds wait on a gate; the Tinker poll waits on an op future the test finishes itself
+(the subject is the poll, not the op).
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import httpx
+from typer.testing import CliRunner
+
+from arctic_platform import cli
+from arctic_platform.server import serve
+from arctic_platform.server.limits import ServerLimits
+from arctic_platform.server.service import Service, ServiceSettings
+from arctic_platform.server.tinker.futures import OpResult
+from tests.fake_engine import build_fake_engine
+from tests.live_server import serve_app
+from tests.server.conftest import CORTEX, job_request, make_app
+from tests.server.test_hostile_uploads import ALICE, BOB, credentials
+from tests.waiting import wait_until
+
+WAIT_S = 30  # longer than the test takes to refuse the extra poll
+
+
+def _get(url: str, path: str, token: str, wait_s: float = 0) -> httpx.Response:
+    with httpx.Client(base_url=url, timeout=60) as http:
+        return http.get(path, params={"wait_s": wait_s}, headers=credentials(token))
+
+
+def _retrieve(url: str, request_id: str, token: str) -> httpx.Response:
+    with httpx.Client(base_url=url, timeout=60) as http:
+        body = {"request_id": request_id}
+        return http.post("/api/v1/retrieve_future", json=body, headers=credentials(token))
+
+
+def test_a_tenant_has_at_most_max_long_polls_per_tenant_waiting(tmp_path):
+    gate = threading.Event()
+
+    def build(service, sub, source):
+        gate.wait(timeout=60)
+        return build_fake_engine(service, sub, source)
+
+    limits = ServerLimits(max_long_polls_per_tenant=2)
+    settings = ServiceSettings(data_dir=tmp_path / "data", device="cpu", limits=limits)
+    service = Service(settings, engine_builder=build)
+    app = make_app(service, tokens=[ALICE, BOB])
+    alice, bob = (app.state.auth.owner(f"Bearer {token}") for token in (ALICE, BOB))
+    polls = app.state.long_polls
+    try:
+        with serve_app(app) as url, ThreadPoolExecutor(2) as pool:
+            job = service.create_job(job_request("sampling"), owner=alice)["job_id"]
+            bobs = service.create_job(job_request("sampling"), owner=bob)["job_id"]
+            pending: Future = Future()
+            request_id = app.state.tinker.futures.add(alice, pending)
+            waiting = [
+                pool.submit(_get, url, f"/job/{job}:sampling:0", ALICE, WAIT_S),
+                pool.submit(_retrieve, url, request_id, ALICE),
+            ]
+            wait_until(lambda: polls.held(alice) == 2, what="Alice's two long polls waiting")
+
+            refused = _get(url, f"{CORTEX}/{job}", ALICE, WAIT_S)
+            assert refused.status_code == 429, refused.text
+            body = refused.json()
+            assert body["code"] == "limit_exceeded" and body["limit"] == "max_long_polls_per_tenant"
+            assert body["maximum"] == 2 and "--max-long-polls-per-tenant" in body["message"]
+            # A poll that need not wait takes no slot; another tenant's long poll is its own.
+            assert _get(url, f"{CORTEX}/{job}", ALICE).json()["status"] == "initializing"
+            assert _get(url, f"{CORTEX}/{bobs}", BOB, 0.2).status_code == 200
+
+            pending.set_result(OpResult(json={"answered": True}))
+            assert waiting[1].result(timeout=60).json() == {"answered": True}
+            wait_until(lambda: polls.held(alice) == 1, what="the answered poll's slot back")
+            assert _get(url, f"{CORTEX}/{job}", ALICE, 0.2).status_code == 200
+            gate.set()
+            assert waiting[0].result(timeout=60).status_code == 200
+            assert polls.held(alice) == 0
+    finally:
+        gate.set()
+        service.close()
+
+
+def test_serve_flag_sets_the_long_poll_limit(monkeypatch):
+    seen = []
+    monkeypatch.setattr(serve, "serve", lambda **kwargs: seen.append(kwargs["limits"]))
+    assert CliRunner().invoke(cli.app, ["serve"]).exit_code == 0
+    assert CliRunner().invoke(cli.app, ["serve", "--max-long-polls-per-tenant", "5"]).exit_code == 0
+    assert [limits.max_long_polls_per_tenant for limits in seen] == [1024, 5]
+    refused = CliRunner().invoke(cli.app, ["serve", "--max-long-polls-per-tenant", "0"])
+    assert refused.exit_code == 2 and "--max-long-polls-per-tenant" in refused.output
