@@ -124,6 +124,7 @@ class TenantSlots:
         self._held: collections.Counter = collections.Counter()
 
     def held(self, tenant: str | None) -> int:
+        """How many ``tenant`` holds now."""
         return self._held[tenant]
 
     @contextmanager

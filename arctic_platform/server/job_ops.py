@@ -6,7 +6,7 @@ like any op (``Service.execute``), answered here with the contract's result mode
 routes serve the same ops in their APIs' own answer shapes and hold a ``get-job`` with
 :func:`settled_info`, which waits on the event loop rather than on a worker thread, so many
 waiting clients cost no threads (each holds a connection, so a tenant's long polls waiting at
-once are bounded: ``--max-long-polls-per-tenant``).
+once are bounded: ``--max-long-polls-per-tenant``; one more is answered at once).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager, ExitStack
 from typing import Annotated, Any
 
 from fastapi import Query
@@ -22,6 +22,7 @@ from fastapi import Query
 from arctic_platform.contract.job_ops import JOB_OPS, MAX_WAIT_S, JobStatus
 from arctic_platform.contract.ops import OpName
 from arctic_platform.contract.states import STARTING_JOB_STATES
+from arctic_platform.server.errors import TooManyRequests
 from arctic_platform.server.op_bodies import parse
 
 # How often a waiting get-job looks at its job again.
@@ -51,15 +52,21 @@ async def settled_info(
     *,
     owner: str | None,
     wait_s: float,
-    waiting: Callable[[], AbstractContextManager] = nullcontext,
+    waiting: Callable[[], AbstractContextManager],
 ) -> dict:
     """The job's info once it is no longer starting, or after ``wait_s`` (a route's long poll,
-    which holds ``waiting()`` while it waits: a slot among the tenant's long polls)."""
+    which holds ``waiting()`` while it waits: a slot among the tenant's long polls). With every
+    slot taken it answers at once, as a server without long polls would: ``wait_s`` is how long
+    the server may hold the answer, and clients pace their next get-job themselves."""
     deadline = time.monotonic() + wait_s
     info = service.get_job(job_id, owner=owner)
     if info["status"] not in STARTING_JOB_STATES or wait_s <= 0:
         return info
-    with waiting():
+    with ExitStack() as slot:
+        try:
+            slot.enter_context(waiting())
+        except TooManyRequests:
+            return info
         while info["status"] in STARTING_JOB_STATES and time.monotonic() < deadline:
             await asyncio.sleep(JOB_POLL_S)
             info = service.get_job(job_id, owner=owner)

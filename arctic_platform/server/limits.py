@@ -38,8 +38,8 @@ class ServerLimits:
     max_uploads_per_tenant: int = 8
     max_chunk_group_mb: int = 1024
     # Long polls (get-job's ``?wait_s=``, Tinker's ``retrieve_future``) one tenant may have
-    # waiting at once: each holds a connection for up to a minute. Above the 1,000 connections
-    # one Tinker SDK client pools, so a single client is never refused.
+    # waiting at once: each holds a connection for up to a minute. The Tinker SDK is told to keep
+    # at most half of them in sample requests (``/client/config``), so one client is not refused.
     max_long_polls_per_tenant: int = 1024
     # MiB of JSON in one body or DSSST1 header (server/http_common.py): parsed JSON costs several
     # times its size in Python objects, a tensor's bytes are only viewed. 64 MiB holds a generate
@@ -105,9 +105,9 @@ class ServerLimits:
             )
 
     def check_long_polls(self, waiting: int) -> None:
-        """``waiting``: the tenant's long polls waiting, this one included (429 beyond the limit:
-        polling again once one of them has answered succeeds; the Tinker SDK backs off and
-        retries a 429)."""
+        """``waiting``: the tenant's long polls waiting, this one included (beyond the limit a
+        get-job is answered at once instead, ``job_ops.settled_info``; a Tinker
+        ``retrieve_future`` gets this 429, which the SDK backs off from and retries)."""
         bound = self.max_long_polls_per_tenant
         if waiting > bound:
             message = (

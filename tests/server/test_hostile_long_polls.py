@@ -2,11 +2,12 @@
 
 A get-job with ``?wait_s=`` (on-prem and Cortex routes) and Tinker's ``retrieve_future`` hold
 their answer, and a connection, while they wait. A tenant has at most
-``--max-long-polls-per-tenant`` of them waiting at once: one more gets 429 ``limit_exceeded`` at
-once, naming the limit and its flag. Another tenant, a poll that need not wait, and the same
-tenant once one of its polls has answered are not refused. Jobs stay starting because their
-engine builds wait on a gate; the Tinker poll waits on an op future the test finishes itself
-(the subject is the poll, not the op).
+``--max-long-polls-per-tenant`` of them waiting at once: one more get-job is answered at once (as
+by a server without long polls), one more ``retrieve_future`` gets 429 ``limit_exceeded`` naming
+the limit and its flag, and the SDK is told to keep at most half the limit in sample requests.
+Another tenant, a poll that need not wait, and the same tenant once one of its polls has
+answered are not held back. Jobs stay starting because their engine builds wait on a gate; the
+Tinker polls wait on op futures the test finishes itself (the subject is the poll, not the op).
 """
 
 from __future__ import annotations
@@ -28,16 +29,17 @@ from tests.server.conftest import CORTEX, job_request, make_app
 from tests.server.test_hostile_uploads import ALICE, BOB, credentials
 from tests.waiting import wait_until
 
-WAIT_S = 30  # longer than the test takes to refuse the extra poll
+WAIT_S = 60  # get-job's longest wait: a poll that waited it out would time out the client
+CLIENT_TIMEOUT_S = 30
 
 
 def _get(url: str, path: str, token: str, wait_s: float = 0) -> httpx.Response:
-    with httpx.Client(base_url=url, timeout=60) as http:
+    with httpx.Client(base_url=url, timeout=CLIENT_TIMEOUT_S) as http:
         return http.get(path, params={"wait_s": wait_s}, headers=credentials(token))
 
 
 def _retrieve(url: str, request_id: str, token: str) -> httpx.Response:
-    with httpx.Client(base_url=url, timeout=60) as http:
+    with httpx.Client(base_url=url, timeout=CLIENT_TIMEOUT_S) as http:
         body = {"request_id": request_id}
         return http.post("/api/v1/retrieve_future", json=body, headers=credentials(token))
 
@@ -67,14 +69,20 @@ def test_a_tenant_has_at_most_max_long_polls_per_tenant_waiting(tmp_path):
             ]
             wait_until(lambda: polls.held(alice) == 2, what="Alice's two long polls waiting")
 
-            refused = _get(url, f"{CORTEX}/{job}", ALICE, WAIT_S)
+            # A third get-job is answered at once, the job still starting (had it waited its
+            # 60 s, the client's 30 s timeout would have ended it).
+            answer = _get(url, f"{CORTEX}/{job}", ALICE, WAIT_S)
+            assert answer.json()["status"] == "initializing"
+            # A third retrieve is refused, naming the limit.
+            other = app.state.tinker.futures.add(alice, Future())
+            refused = _retrieve(url, other, ALICE)
             assert refused.status_code == 429, refused.text
             body = refused.json()
             assert body["code"] == "limit_exceeded" and body["limit"] == "max_long_polls_per_tenant"
             assert body["maximum"] == 2 and "--max-long-polls-per-tenant" in body["message"]
-            # A poll that need not wait takes no slot; another tenant's long poll is its own.
-            assert _get(url, f"{CORTEX}/{job}", ALICE).json()["status"] == "initializing"
+            # Another tenant's long poll is its own.
             assert _get(url, f"{CORTEX}/{bobs}", BOB, 0.2).status_code == 200
+            assert polls.held(alice) == 2
 
             pending.set_result(OpResult(json={"answered": True}))
             assert waiting[1].result(timeout=60).json() == {"answered": True}
@@ -83,6 +91,10 @@ def test_a_tenant_has_at_most_max_long_polls_per_tenant_waiting(tmp_path):
             gate.set()
             assert waiting[0].result(timeout=60).status_code == 200
             assert polls.held(alice) == 0
+
+            with httpx.Client(base_url=url, timeout=CLIENT_TIMEOUT_S) as http:
+                config = http.post("/api/v1/client/config", json={}, headers=credentials(ALICE))
+            assert config.json()["sample_max_concurrent_requests"] == 1  # half of 2
     finally:
         gate.set()
         service.close()

@@ -95,12 +95,17 @@ def _future(request_id: str, **extra: Any) -> dict:
 
 @router.post("/client/config")
 async def client_config(request: Request) -> dict:
+    """What the SDK should do. Each sample request is polled on its own (no sampling session),
+    so a sampling client keeps at most half of the tenant's long polls waiting
+    (``--max-long-polls-per-tenant``), the rest left to training futures and other clients."""
     _owner(request)
+    long_polls = request.app.state.service.limits.max_long_polls_per_tenant
     return {
         "pjwt_auth_enabled": False,
         "custom_loss_server_side": False,
         "sample_use_retrieve_futures": False,
         "sample_join_sampling_session": False,
+        "sample_max_concurrent_requests": max(1, long_polls // 2),
         "use_pyqwest_transport": False,
     }
 
