@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
-from contextlib import AbstractContextManager, ExitStack
+from contextlib import AbstractContextManager, ExitStack, nullcontext
 from typing import Annotated, Any
 
 from fastapi import Query
@@ -44,6 +44,14 @@ def run_job_op(service: Any, op: str, job_id: str, body: Any, *, owner: str | No
         service.cancel_job(job_id, owner=owner)
         return None
     raise KeyError(f"{op!r} is not a job op")
+
+
+async def running_info(service: Any, job_id: str, *, owner: str | None, timeout: float) -> dict:
+    """``Service.wait_until_running`` on the event loop: the job's info once it runs; raises if
+    it ends or ``timeout`` passes first. A route waiting for a job holds no worker thread, so
+    requests waiting for slow starts cannot take the threads every other route runs on."""
+    await settled_info(service, job_id, owner=owner, wait_s=timeout, waiting=nullcontext)
+    return service.running_job_info(job_id, owner=owner, waited=timeout)
 
 
 async def settled_info(

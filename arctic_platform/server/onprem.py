@@ -32,7 +32,7 @@ from arctic_platform.server.http_common import (
     read_body,
     read_op_body,
 )
-from arctic_platform.server.job_ops import WaitS, settled_info
+from arctic_platform.server.job_ops import WaitS, running_info, settled_info
 from arctic_platform.server.reference_logprobs import as_reference_logprobs
 from arctic_platform.server_identity import health_answer
 
@@ -93,9 +93,7 @@ async def initialize(request: Request) -> dict:
     writable = functools.partial(service.paths.writable, owner)
     spec, ignored = await run_in_threadpool(_sub_job_from_init, body, writable)
     info = await run_in_threadpool(service.create_job, {"sub_job_configs": [spec]}, owner=owner)
-    await run_in_threadpool(
-        service.wait_until_running, info["job_id"], owner=owner, timeout=STARTUP_TIMEOUT_S
-    )
+    await running_info(service, info["job_id"], owner=owner, timeout=STARTUP_TIMEOUT_S)
     sub = info["sub_jobs"][0]
     answer = {"job_id": sub["sub_job_id"], "job_type": spec["job_type"], "running": True}
     if ignored:

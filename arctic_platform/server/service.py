@@ -196,11 +196,17 @@ class Service:
         return self.paths.redact_all(owner, infos)
 
     def wait_until_running(self, job_id: str, *, owner: str | None = None, timeout: float) -> dict:
-        """Block until the job runs; raise if it ends or ``timeout`` passes first."""
-        job = self.jobs.get(job_id, owner)
+        """Block until the job runs; raise if it ends or ``timeout`` passes first (the HTTP
+        routes wait on the event loop instead, ``server/job_ops.running_info``)."""
         self.get_job(job_id, owner=owner, wait_s=timeout)
+        return self.running_job_info(job_id, owner=owner, waited=timeout)
+
+    def running_job_info(self, job_id: str, *, owner: str | None = None, waited: float) -> dict:
+        """The info of a job that runs; raise if it is still starting after the ``waited``
+        seconds a caller waited, or ended."""
+        job = self.jobs.get(job_id, owner)
         if job.status in STARTING_JOB_STATES:
-            raise TimeoutError(f"job {job_id} is still {job.status} after {timeout:.0f}s")
+            raise TimeoutError(f"job {job_id} is still {job.status} after {waited:.0f}s")
         if job.status != "running":
             raise Conflict(f"job {job_id} is {job.status}: {job.reason}", code=f"job_{job.status}")
         return job.info()

@@ -18,14 +18,17 @@ recently used idle one released first.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
+
+from fastapi.concurrency import run_in_threadpool
 
 from arctic_platform.contract.job_ids import parent_of
 from arctic_platform.engine.builtin import BUILTIN_MODELS, BUILTIN_PREFIX
 from arctic_platform.server.engines import weights_dir
 from arctic_platform.server.errors import BadRequest, NotFound
+from arctic_platform.server.job_ops import running_info
 from arctic_platform.server.job_registry import SubJob
 from arctic_platform.server.service import Service
 from arctic_platform.server.tinker.checkpoints import SCHEME as TINKER_SCHEME
@@ -79,17 +82,18 @@ def listed(service: Service, tinker: TinkerOps, owner: str | None) -> list[str]:
     return names
 
 
-@contextmanager
-def model_sub_job(
+@asynccontextmanager
+async def model_sub_job(
     service: Service, tinker: TinkerOps, owner: str | None, model: ModelRef, kind: str
-) -> Iterator[SubJob]:
+) -> AsyncIterator[SubJob]:
     """The caller's running ``kind`` sub-job (``sampling`` or ``log_prob``) on ``model``'s
-    weights, started (and waited for) on first use; counted busy until the block ends, so it is
-    not released under a request."""
+    weights, started on first use and waited for on the event loop (a request waiting for a
+    model to start holds no worker thread); counted busy until the block ends, so it is not
+    released under a request."""
     jobs = tinker.model_jobs
-    sub_job_id = jobs.begin(None, owner, model.weights, kind)
+    sub_job_id = await run_in_threadpool(jobs.begin, None, owner, model.weights, kind)
     try:
-        service.wait_until_running(parent_of(sub_job_id), owner=owner, timeout=STARTUP_TIMEOUT_S)
+        await running_info(service, parent_of(sub_job_id), owner=owner, timeout=STARTUP_TIMEOUT_S)
         yield service.resolve(sub_job_id, owner=owner)
     finally:
         jobs.end(owner, model.weights, sub_job_id, kind)

@@ -15,12 +15,13 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import StreamingResponse
 
 from arctic_platform.contract.ops import OpName
-from arctic_platform.server.errors import BadRequest
+from arctic_platform.server.errors import BadRequest, result_of
 from arctic_platform.server.http_common import json_of, read_body
 from arctic_platform.server.openai import codec, models
 from arctic_platform.server.openai.bodies import ChatRequest, CompletionRequest, parse
 from arctic_platform.server.openai.errors import OpenAIRoute
 from arctic_platform.server.ops import check_generate
+from arctic_platform.server.request_registry import finished_within
 
 PREFIXES = ("/v1", "/oai/api/v1")
 API_KEY_HEADER = "x-api-key"
@@ -38,12 +39,12 @@ def _owner(request: Request) -> str | None:
 
 
 async def _serve(request: Request, model, what: str, run):
-    """Parse the body as ``model``, run ``run(service, tinker, owner, body)`` off the event
-    loop, and answer with its result: JSON, or server-sent events for ``stream``."""
+    """Parse the body as ``model``, await ``run(service, tinker, owner, body)`` and answer with
+    its result: JSON, or server-sent events for ``stream``."""
     owner = _owner(request)
     body = parse(model, await json_of(request, await read_body(request), what=what))
     state = request.app.state
-    answer = await run_in_threadpool(run, state.service, state.tinker, owner, body)
+    answer = await run(state.service, state.tinker, owner, body)
     if not body.stream:
         return answer
     usage = body.stream_options is not None and body.stream_options.include_usage
@@ -74,7 +75,16 @@ async def chat_completions(request: Request):
     return await _serve(request, ChatRequest, "chat/completions", _chat)
 
 
-def _complete(service, tinker, owner, body: CompletionRequest) -> dict:
+async def _op(service, sub, op: str, body: dict) -> dict:
+    """Run ``op`` on ``sub`` and wait for its result on the event loop, not on a worker thread:
+    a request holds a thread only while it submits or shapes, never while its op queues or runs,
+    so many waiting requests cannot take the threads every other route runs on."""
+    future = await run_in_threadpool(service.submit, sub, op, body)
+    await finished_within(future, None)
+    return result_of(future)
+
+
+async def _complete(service, tinker, owner, body: CompletionRequest) -> dict:
     """``generate`` for the samples and, with ``echo`` (and ``logprobs``, or ``max_tokens=0``:
     scoring only), ``log-probs`` for the prompt's log-probs (on a log-prob job of the same
     weights: the engine that scores as training does); the generated tokens then continue the
@@ -86,38 +96,44 @@ def _complete(service, tinker, owner, body: CompletionRequest) -> dict:
     prompts = body.prompts()
     params = codec.sampling_params(body)
     check_generate(service, None, OpName.GENERATE, prompts, params)
-    model = models.resolve(service, tinker, owner, body.model)
+    model = await run_in_threadpool(models.resolve, service, tinker, owner, body.model)
     scored, spell, token_prompts = None, None, prompts
     if body.echo and (body.logprobs is not None or body.max_tokens == 0):
         top_k = max(1, body.logprobs)
-        with models.model_sub_job(service, tinker, owner, model, "log_prob") as sub:
-            scored = service.submit(sub, OpName.LOG_PROBS, {"prompts": prompts, "top_k": top_k})
-            scored = scored.result()["results"]
+        async with models.model_sub_job(service, tinker, owner, model, "log_prob") as sub:
+            op = {"prompts": prompts, "top_k": top_k}
+            scored = (await _op(service, sub, OpName.LOG_PROBS, op))["results"]
             spell = codec.Spelling(sub.engine, model.weights)
         token_prompts = [s["prompt_token_ids"] for s in scored]
     samples: list[dict] = []
     if body.max_tokens > 0:
-        with models.model_sub_job(service, tinker, owner, model, "sampling") as sub:
+        async with models.model_sub_job(service, tinker, owner, model, "sampling") as sub:
             op = {"prompts": token_prompts, "sampling_params": params}
-            samples = service.submit(sub, OpName.GENERATE, op).result()["results"]
+            samples = (await _op(service, sub, OpName.GENERATE, op))["results"]
             spell = codec.Spelling(sub.engine, model.weights)
-    return codec.completion(body, prompts, samples, scored, spell)
+    return await run_in_threadpool(codec.completion, body, prompts, samples, scored, spell)
 
 
-def _chat(service, tinker, owner, body: ChatRequest) -> dict:
+async def _chat(service, tinker, owner, body: ChatRequest) -> dict:
     """The messages rendered with the model's chat template, then ``generate``."""
     params = codec.sampling_params(body)
     check_generate(service, None, OpName.GENERATE, [""], params)
-    model = models.resolve(service, tinker, owner, body.model)
-    with models.model_sub_job(service, tinker, owner, model, "sampling") as sub:
-        tokenizer = codec.tokenizer_of(sub.engine, model.weights)
-        if not getattr(tokenizer, "chat_template", None):
-            raise BadRequest(
-                f"messages: model {body.model!r} has no chat template; use /completions",
-                param="messages",
-            )
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    model = await run_in_threadpool(models.resolve, service, tinker, owner, body.model)
+    async with models.model_sub_job(service, tinker, owner, model, "sampling") as sub:
+        prompt = await run_in_threadpool(_chat_prompt, sub, model, body)
         op = {"prompts": [prompt], "sampling_params": params}
-        samples = service.submit(sub, OpName.GENERATE, op).result()["results"]
-        return codec.chat(body, samples, codec.Spelling(sub.engine, model.weights))
+        samples = (await _op(service, sub, OpName.GENERATE, op))["results"]
+        spell = codec.Spelling(sub.engine, model.weights)
+    return await run_in_threadpool(codec.chat, body, samples, spell)
+
+
+def _chat_prompt(sub, model, body: ChatRequest) -> str:
+    """The messages rendered with the model's chat template (its tokenizer may load from disk)."""
+    tokenizer = codec.tokenizer_of(sub.engine, model.weights)
+    if not getattr(tokenizer, "chat_template", None):
+        raise BadRequest(
+            f"messages: model {body.model!r} has no chat template; use /completions",
+            param="messages",
+        )
+    messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)

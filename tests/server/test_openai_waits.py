@@ -1,0 +1,65 @@
+"""OpenAI requests wait for their model on the event loop, not on a worker thread.
+
+Every route that runs blocking work does so on AnyIO's worker threads (40 by default, shared by
+all tenants). A completion that waits for its model's job to start, and then for its op, holds
+none of them: more completions than there are threads wait at once, and a route that needs a
+thread still answers meanwhile. Real server over 127.0.0.1, real ``builtin:tiny`` engines, whose
+build waits on a gate so the requests are seen waiting.
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+
+from arctic_platform.server.engines import build_engine
+from arctic_platform.server.service import Service, ServiceSettings
+from tests.live_server import serve_app
+from tests.server.conftest import make_app
+from tests.waiting import wait_until
+
+ALICE = "tml-alice"
+HEADERS = {"authorization": f"Bearer {ALICE}"}
+WAITING = 45  # more than AnyIO's 40 worker threads
+BODY = {"model": "builtin:tiny", "prompt": "1+2=", "max_tokens": 3, "seed": 7}
+
+
+def _complete(url: str) -> httpx.Response:
+    with httpx.Client(base_url=url, timeout=120) as http:
+        return http.post("/v1/completions", json=BODY, headers=HEADERS)
+
+
+def test_completions_waiting_for_their_model_hold_no_worker_thread(tmp_path):
+    gate = threading.Event()
+
+    def build(service, sub, source):
+        gate.wait(timeout=120)
+        return build_engine(service, sub, source)
+
+    service = Service(
+        ServiceSettings(data_dir=tmp_path / "data", device="cpu"), engine_builder=build
+    )
+    app = make_app(service, tokens=[ALICE])
+    jobs = app.state.tinker.model_jobs
+
+    def waiting() -> int:  # requests counted on their model's job
+        return sum(job.in_flight for job in jobs._jobs.values())
+
+    try:
+        with serve_app(app) as url, ThreadPoolExecutor(WAITING) as pool:
+            requests = [pool.submit(_complete, url) for _ in range(WAITING)]
+            wait_until(lambda: waiting() == WAITING, what="every completion waiting for its model")
+            with httpx.Client(base_url=url, timeout=60) as http:
+                listed = http.get("/v1/models", headers=HEADERS)  # runs on a worker thread
+            assert listed.status_code == 200 and listed.json()["data"]
+            gate.set()
+            answers = [request.result(timeout=120) for request in requests]
+            assert [a.status_code for a in answers] == [200] * WAITING
+            texts = {a.json()["choices"][0]["text"] for a in answers}
+            assert len(texts) == 1  # the same seeded request, answered alike
+            assert waiting() == 0
+    finally:
+        gate.set()
+        service.close()
