@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import math
+import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,6 +55,17 @@ MAX_MODEL_LEN = 256
 # What a fake checkpoint folder holds besides the trainer state: a config.json, so that a
 # sampling sub-job can start from it as from a real full-model checkpoint (engines.weights_dir).
 MODEL_CONFIG = "config.json"
+
+
+def gated_builder(build, gate: threading.Event, timeout_s: float = 120):
+    """The engine builder ``build`` behind ``gate``: a job stays starting until the test sets it
+    (or ``timeout_s`` passes)."""
+
+    def builder(service, sub, source: dict | None):
+        gate.wait(timeout=timeout_s)
+        return build(service, sub, source)
+
+    return builder
 
 
 def build_fake_engine(service, sub, source: dict | None):

@@ -29,7 +29,7 @@ from arctic_platform.contract.ops import OpName
 from arctic_platform.server.cortex import PREFIX
 from arctic_platform.server.service import Service, ServiceSettings
 from tests.client.conftest import TINY, Recording, backend_config
-from tests.fake_engine import build_fake_engine
+from tests.fake_engine import build_fake_engine, gated_builder
 from tests.live_server import serve_app
 from tests.server.conftest import make_app
 from tests.waiting import wait_until
@@ -42,13 +42,9 @@ def gated(tmp_path_factory):
     """A FakeEngine Service served on 127.0.0.1 whose engines are built once ``gate`` is set."""
     gate = threading.Event()
 
-    def build(service, sub, source):
-        gate.wait(timeout=60)
-        return build_fake_engine(service, sub, source)
-
     service = Service(
         ServiceSettings(data_dir=tmp_path_factory.mktemp("server"), device="cpu"),
-        engine_builder=build,
+        engine_builder=gated_builder(build_fake_engine, gate),
     )
     with serve_app(make_app(service)) as url:
         yield service, url, gate

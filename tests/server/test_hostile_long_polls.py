@@ -23,7 +23,7 @@ from arctic_platform.server import serve
 from arctic_platform.server.limits import ServerLimits
 from arctic_platform.server.service import Service, ServiceSettings
 from arctic_platform.server.tinker.futures import OpResult
-from tests.fake_engine import build_fake_engine
+from tests.fake_engine import build_fake_engine, gated_builder
 from tests.live_server import serve_app
 from tests.server.conftest import CORTEX, job_request, make_app
 from tests.server.test_hostile_uploads import ALICE, BOB, credentials
@@ -47,13 +47,9 @@ def _retrieve(url: str, request_id: str, token: str) -> httpx.Response:
 def test_a_tenant_has_at_most_max_long_polls_per_tenant_waiting(tmp_path):
     gate = threading.Event()
 
-    def build(service, sub, source):
-        gate.wait(timeout=60)
-        return build_fake_engine(service, sub, source)
-
     limits = ServerLimits(max_long_polls_per_tenant=2)
     settings = ServiceSettings(data_dir=tmp_path / "data", device="cpu", limits=limits)
-    service = Service(settings, engine_builder=build)
+    service = Service(settings, engine_builder=gated_builder(build_fake_engine, gate))
     app = make_app(service, tokens=[ALICE, BOB])
     alice, bob = (app.state.auth.owner(f"Bearer {token}") for token in (ALICE, BOB))
     polls = app.state.long_polls

@@ -16,6 +16,7 @@ import httpx
 
 from arctic_platform.server.engines import build_engine
 from arctic_platform.server.service import Service, ServiceSettings
+from tests.fake_engine import gated_builder
 from tests.live_server import serve_app
 from tests.server.conftest import make_app
 from tests.waiting import wait_until
@@ -34,12 +35,9 @@ def _complete(url: str) -> httpx.Response:
 def test_completions_waiting_for_their_model_hold_no_worker_thread(tmp_path):
     gate = threading.Event()
 
-    def build(service, sub, source):
-        gate.wait(timeout=120)
-        return build_engine(service, sub, source)
-
     service = Service(
-        ServiceSettings(data_dir=tmp_path / "data", device="cpu"), engine_builder=build
+        ServiceSettings(data_dir=tmp_path / "data", device="cpu"),
+        engine_builder=gated_builder(build_engine, gate),
     )
     app = make_app(service, tokens=[ALICE])
     jobs = app.state.tinker.model_jobs

@@ -71,11 +71,6 @@ def test_the_kv_cache_is_what_the_job_needs():
         ({"env": {"VLLM_CPU_KVCACHE_SPACE": HUGE}}, "sampling.vllm", "is free where it would run"),
         ({"kv_cache_memory_bytes": 1000}, "sampling.vllm", "cannot hold one sequence"),
         ({"gpu_memory_utilization": 1.0}, "sampling.vllm", "is free where it would run"),
-        (
-            {"kv_cache_memory_bytes": "lots"},
-            "sampling.vllm.kv_cache_memory_bytes",
-            "expected a positive int",
-        ),
     ],
 )
 def test_a_budget_that_cannot_fit_is_refused(vllm, field, message):
@@ -83,6 +78,13 @@ def test_a_budget_that_cannot_fit_is_refused(vllm, field, message):
     with pytest.raises(EngineInputError, match=message) as info:
         plan(env=env, vllm=vllm)
     assert info.value.field == field
+
+
+@pytest.mark.parametrize("value", ["lots", "1000", 0, True])
+def test_a_kv_cache_size_that_is_not_a_positive_int_is_refused_with_the_config(value):
+    """Refused where ``sampling.vllm`` is validated, before any plan, naming the key."""
+    with pytest.raises(ValueError, match="kv_cache_memory_bytes: expected a positive"):
+        plan(vllm={"kv_cache_memory_bytes": value})
 
 
 @pytest.fixture

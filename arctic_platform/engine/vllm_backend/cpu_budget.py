@@ -85,9 +85,9 @@ def plan_cpu_memory(
     if space:
         source = f"{FIELD}.env.{KV_SPACE_ENV}={space} GiB"
         kv_bytes = _number(space, int, f"{FIELD}.env.{KV_SPACE_ENV}") * _GIB
-    elif args.get(KV_BYTES_ARG) is not None:
+    elif args.get(KV_BYTES_ARG) is not None:  # a positive int: VllmSettings checked it
         source = f"{FIELD}.{KV_BYTES_ARG}"
-        kv_bytes = _number(args[KV_BYTES_ARG], int, source)
+        kv_bytes = args[KV_BYTES_ARG]
     elif args.get(MEMORY_FRACTION_ARG) is not None:
         share = _number(args[MEMORY_FRACTION_ARG], float, f"{FIELD}.{MEMORY_FRACTION_ARG}")
         source, by_fraction = f"{FIELD}.{MEMORY_FRACTION_ARG}={share}", True
