@@ -25,8 +25,9 @@ Model ``builtin:small`` (~25 M parameters, float32 on CPU), same weights for bot
 (g) ``multi_turn``: 16 rollouts of 4 turns; a turn's prompt is the last turn's prompt, its
     completion (32 tokens, a seed per rollout) and a new 64-token observation, from 256 tokens
     to 544 (:data:`MULTI_TURN`). Generated tokens per second over the turns' generate calls, our
-    engine (its prompt cache reuses each last prompt: a prefix hit) against the same engine with
-    the cache off (``prompt_cache_bytes: 0``) and ``model.generate``; new prompts every run.
+    engine (its prompt cache reuses each last prompt, a prefix hit, and from the third turn the
+    last completion too) against the same engine with the cache off (``prompt_cache_bytes: 0``)
+    and ``model.generate``; new prompts every run.
 
 (d) ``--vllm`` (needs ``$ARCTIC_VLLM_PYTHON``, see README "vLLM sampling engine"): the vLLM engine
     beside ours and ``model.generate`` on the workloads of (a) and (b) with the same prompts

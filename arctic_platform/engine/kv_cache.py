@@ -236,17 +236,32 @@ class KVCache(Cache):
         finally:
             self.prefill_target = None
 
-    def read_prefix(self, group: int, length: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def read_prefix(
+        self, group: int, length: int, tail: tuple[int, int, int] | None = None
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Copies of every layer's keys and values of ``group``'s prompt (its last ``length``
-        columns), each ``[kv_heads, length, head_dim]``."""
+        columns), each ``[kv_heads, columns, head_dim]``; with ``tail = (row, start, count)``,
+        followed by ``row``'s suffix columns ``start .. start + count`` (a finished sequence:
+        its prompt, then the completion tokens fed so far)."""
         start = self.geometry.prefix_width - length
-        return [
-            (
-                layer.prefix_keys[group, :, start:].clone(),
-                layer.prefix_values[group, :, start:].clone(),
+        copies = []
+        for layer in self.layers:
+            keys, values = (
+                layer.prefix_keys[group, :, start:],
+                layer.prefix_values[group, :, start:],
             )
-            for layer in self.layers
-        ]
+            if tail is None:
+                copies.append((keys.clone(), values.clone()))
+                continue
+            row, first, count = tail
+            columns = slice(first, first + count)
+            copies.append(
+                (
+                    torch.cat([keys, layer.keys[row, :, columns]], dim=1),
+                    torch.cat([values, layer.values[row, :, columns]], dim=1),
+                )
+            )
+        return copies
 
     def write_prefix(
         self,

@@ -6,13 +6,15 @@ verl's agent loop sends each sample as its own request, a multi-sample Tinker ``
 split across calls, and an evaluation re-sends its prompts every round. A multi-turn rollout sends
 each turn's prompt again with the completion and the next observation appended. The running batch
 already prefills a prompt once per admission (:mod:`.running_batch`); this cache keeps, for the
-prompts it prefilled, every layer's keys and values and the logits of the first sampled token.
-A later admission of the same token ids copies them into its prefix store instead of running the
+prompts it prefilled, every layer's keys and values and the logits of the first sampled token. A
+later admission of the same token ids copies them into its prefix store instead of running the
 model (a hit); one whose first tokens are the first tokens of a cached prompt copies the keys and
-values of those and runs the model only on the rest, attending to them (a prefix hit). This is
-vLLM's automatic prefix caching, except that only prompts are kept (vLLM also keeps the
-completion's blocks), and a prompt sharing its start with a cached one is kept whole beside it
-(vLLM's blocks are shared).
+values of those and runs the model only on the rest, attending to them (a prefix hit). A call whose
+prompt extends a whole cached one (a next turn) also has its finished sequences kept, each as its
+prompt and its tokens but the last, so the turn after prefills only its new observation.
+Single-turn work extends nothing and pays no copy. This is vLLM's automatic prefix caching, except
+that vLLM keeps every completion's blocks from the first turn on, and that a prompt sharing its
+start with a cached one is kept whole beside it (vLLM's blocks are shared).
 
 Prefix hits are found a block of :data:`BLOCK` tokens at a time: every entry is indexed by the
 chained hash of each run of whole blocks it starts with, so a lookup hashes the prompt's blocks
@@ -70,11 +72,14 @@ class CachedPrompt:
 class Match:
     """What the cache holds of one prompt: the first ``length`` tokens of ``entry`` (a cached
     prompt that starts like it). ``complete``: the entry is this very prompt, logits included;
-    otherwise the tokens after ``length`` (at least one) must still be prefilled."""
+    otherwise the tokens after ``length`` (at least one) must still be prefilled. ``extends``:
+    the whole entry starts the prompt, as a multi-turn rollout's next turn starts with its last
+    one (a shared system prompt matches only part of an entry)."""
 
     entry: CachedPrompt
     length: int
     complete: bool
+    extends: bool = False
 
 
 class PromptCache:
@@ -145,11 +150,11 @@ class PromptCache:
                 n, limit = shared, min(len(source), usable)
                 while n < limit and source[n] == key[n]:
                     n += 1
-                ranked.append((n, source))
-            ranked.sort(key=lambda pair: pair[0], reverse=True)
-            for n, source in ranked:
+                ranked.append((n, n == len(source), source))
+            ranked.sort(key=lambda match: match[:2], reverse=True)  # a whole entry wins a tie
+            for n, whole, source in ranked:
                 if source[:shared] == key[:shared]:  # else a hash collision
-                    return source, Match(self._entries[source], n, False)
+                    return source, Match(self._entries[source], n, False, whole)
         return None, None
 
     @property

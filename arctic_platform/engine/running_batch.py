@@ -83,6 +83,7 @@ class _Row:
     request: SampleRequest
     sample: int
     stops: SamplingParams | None  # the params, when the request has stop strings
+    continues: bool  # its prompt extends a whole cached one: a multi-turn rollout's next turn
 
 
 @dataclass(frozen=True)
@@ -211,9 +212,16 @@ class RunningBatch:
         self._state = _concat(state, new)
         lengths = torch.tensor([len(p) for p in prompts], device=self.side.device)
         self._group_len = torch.cat([self._group_len[live.groups], lengths])
+        extends = [match is not None and match.extends for match in matches]
         self._rows = [self._rows[i] for i in live.rows.tolist()] + [
-            _Row(s.owner, s.request, sample, s.request.params if s.request.params.stop else None)
-            for s in slices
+            _Row(
+                s.owner,
+                s.request,
+                sample,
+                s.request.params if s.request.params.stop else None,
+                extends[group],
+            )
+            for s, group in zip(slices, slice_group.tolist(), strict=True)
             for sample in range(s.first, s.first + s.count)
         ]
         self._out = self._grown_outputs(live.rows, geometry.rows)
@@ -481,8 +489,33 @@ class RunningBatch:
         self._tokens = tokens
         ended = finished.nonzero().squeeze(1)
         results = self._read_out(ended, matched) if len(ended) else []
+        continuing = [row for row in ended.tolist() if self._rows[row].continues]
+        if continuing and self.prompt_cache.enabled:
+            self.prompt_cache.store(self._finished_sequences(ended, results))
         self._compact()
         return results
+
+    def _finished_sequences(self, ended: torch.Tensor, results: list[Finished]):
+        """For the prompt cache, each sequence that just finished on a prompt that continued a
+        cached one, as the start of its next turn (a multi-turn rollout sends its prompt and
+        completion back, with an observation): its prompt and the completion tokens fed so far
+        (all but the last sampled), with the logits the last token was sampled from; one too
+        large for the cache is not copied. Single-turn work (a GRPO step's new prompts, an
+        evaluation's repeated ones) continues nothing, so it pays no copy."""
+        state = self._state
+        starts = state["suffix_start"][ended].tolist()
+        groups = state["group"][ended].tolist()
+        per_token = self.side.kv_bytes_per_token
+        logit_bytes = self._logits.shape[1] * self._logits.element_size()
+        for row, start, group, done in zip(ended.tolist(), starts, groups, results, strict=True):
+            if not self._rows[row].continues:
+                continue
+            fed = len(done.token_ids) - 1
+            prompt = done.request.token_ids
+            key = (*prompt, *done.token_ids[:fed])
+            if fed > 0 and self.prompt_cache.fits(len(key) * per_token + logit_bytes):
+                layers = self._cache.read_prefix(group, len(prompt), (row, start, fed))
+                yield key, CachedPrompt(layers, self._logits[row].clone())
 
     def advance(self) -> None:
         """One forward over the rows: the tokens sampled last go into the cache."""

@@ -23,6 +23,9 @@ LONG = list(range(5, 45))
 SHORT = [7, 8, 9]
 OTHER = [11, 12, 13, 14, 15, 16]
 PARAMS = {"seed": 4, "temperature": 1.0, "max_tokens": 12, "n": 3, "logprobs": 1}
+# One token each: a finished sequence then has no completion token fed, so only prompts are
+# cached (for the tests whose subject is how prompt entries are kept).
+ONE_TOKEN = dict(PARAMS, max_tokens=1)
 
 
 @pytest.fixture(scope="module")
@@ -65,6 +68,11 @@ def _same(outputs, expected) -> None:
     for got, want in zip(outputs, expected, strict=True):
         scores = [entry["logprob"] for entry in got["logprobs"]]
         assert scores == pytest.approx([entry["logprob"] for entry in want["logprobs"]], abs=1e-5)
+
+
+def _fed(prompts: list[list[int]], outputs: list[dict], n: int) -> set[tuple[int, ...]]:
+    """What each finished sequence is cached as: its prompt and its tokens but the last."""
+    return {(*prompts[i // n], *o["token_ids"][:-1]) for i, o in enumerate(outputs)}
 
 
 def test_a_prompt_seen_again_is_copied_not_prefilled_and_samples_the_same(weights, uncached):
@@ -140,24 +148,24 @@ def test_new_weights_are_never_served_from_the_cache(weights):
 def test_the_cache_stays_within_its_budget_least_recently_used_leaving_first(weights):
     first, second, third = ([start + i for i in range(20)] for start in (5, 30, 60))
     engine = _engine(weights)
-    engine.generate([first], PARAMS)
+    engine.generate([first], ONE_TOKEN)
     one = engine.batch_state()["prompt_cache"]["bytes"]  # every prompt here has as many tokens
     engine = _engine(weights, prompt_cache_bytes=2 * one)
     prefills = Prefills(engine)
-    engine.generate([first], PARAMS)
-    engine.generate([second], PARAMS)
-    engine.generate([first], PARAMS)  # a hit: first is now the most recently used
-    engine.generate([third], PARAMS)  # evicts second
+    engine.generate([first], ONE_TOKEN)
+    engine.generate([second], ONE_TOKEN)
+    engine.generate([first], ONE_TOKEN)  # a hit: first is now the most recently used
+    engine.generate([third], ONE_TOKEN)  # evicts second
     assert prefills.prompts == 3
-    engine.generate([first, second], PARAMS)
+    engine.generate([first, second], ONE_TOKEN)
     assert prefills.since(3) == 1
     state = engine.batch_state()["prompt_cache"]
     assert state["bytes"] == 2 * one and state["entries"] == 2
 
     off = _engine(weights, prompt_cache_bytes=0)
     prefills = Prefills(off)
-    off.generate([LONG], PARAMS)
-    off.generate([LONG], PARAMS)
+    off.generate([LONG], ONE_TOKEN)
+    off.generate([LONG], ONE_TOKEN)
     assert prefills.prompts == 2 and off.batch_state()["prompt_cache"]["entries"] == 0
 
 
@@ -178,24 +186,29 @@ def test_cached_prompts_take_only_what_the_running_batch_leaves_of_the_kv_budget
         return taken
 
     engine._pool.views = counted_views
+    cached = engine._prompt_cache._entries
     engine.generate([LONG], PARAMS)  # 40 prompt + 3 x 12 completion columns: LONG stays cached
-    assert engine.batch_state()["prompt_cache"]["entries"] == 1
+    assert tuple(LONG) in cached
     many = dict(PARAMS, n=20, max_tokens=24, min_tokens=24)  # 3 + 20 x 24 of 512 columns
     engine.generate([SHORT], many)
-    state = engine.batch_state()["prompt_cache"]
-    assert state["entries"] == 1  # SHORT's entry fits the 29 columns left, LONG's did not
+    assert tuple(SHORT) in cached and tuple(LONG) not in cached  # 29 columns left: SHORT fits
     engine.generate([LONG, SHORT], PARAMS)
     assert prefills.since(2) == 1  # LONG again; SHORT from the cache
-    assert engine.batch_state()["prompt_cache"]["entries"] == 1  # LONG still does not fit
+    assert tuple(LONG) not in cached  # LONG still does not fit
     assert held and max(held) <= budget
+    assert engine._pool.nbytes + engine.batch_state()["prompt_cache"]["bytes"] <= budget
 
 
 def test_reset_and_sleep_drop_the_cache(weights):
     engine = _engine(weights)
     prefills = Prefills(engine)
     engine.generate([LONG, SHORT], PARAMS)
-    held = engine.batch_state()["prompt_cache"]["bytes"]
-    assert engine.reset_prefix_cache() == {"cached_prefixes": 2, "bytes_released": held}
+    state = engine.batch_state()["prompt_cache"]
+    held = state["bytes"]
+    assert engine.reset_prefix_cache() == {
+        "cached_prefixes": state["entries"],
+        "bytes_released": held,
+    }
     engine.generate([LONG, SHORT], PARAMS)
     assert prefills.since(2) == 2
     assert engine.sleep(1)["prompt_cache_bytes_released"] == held
@@ -213,9 +226,9 @@ def test_a_prompt_that_extends_a_cached_one_prefills_only_its_new_tokens(
     weights, uncached, microbatch
 ):
     """A multi-turn rollout's next turn starts with the last turn's prompt: that start is copied
-    from the cache and only the rest goes through the model. Two extensions of different
-    lengths, beside different reused lengths, share one prefill forward, or (a microbatch of 8
-    tokens) take one each."""
+    from the cache and only the rest goes through the model; from the third turn on the last
+    turn's completion is cached too. Two extensions of different lengths, beside different
+    reused lengths, share one prefill forward, or (a microbatch of 8 tokens) take one each."""
     engine = _engine(weights, max_tokens_per_microbatch=microbatch)
     prefills = Prefills(engine)
     first = [LONG, list(range(50, 70))]
@@ -231,10 +244,18 @@ def test_a_prompt_that_extends_a_cached_one_prefills_only_its_new_tokens(
     state = engine.batch_state()["prompt_cache"]
     assert (state["prefix_hits"], state["hits"]) == (2, 0)
     assert state["hit_tokens"] == len(first[0]) + len(first[1])
-    third = [_turn(second[0], expected[0], [5]), second[1]]  # a turn on, and an exact repeat
+    # The second turn continued the first, so its finished sequences were cached as the starts
+    # of a third (prompt and tokens but the last): only the last token and the observation go
+    # through the model; an exact repeat of a second-turn prompt is a hit.
+    third = [_turn(second[0], expected[0], [5]), second[1]]
     seen = len(prefills.widths)
     _same(engine.generate(third, PARAMS), uncached.generate(third, PARAMS))
-    assert prefills.widths[seen:] == [params["max_tokens"] + 1]
+    assert prefills.widths[seen:] == [1 + 1]
+    # A finished sequence sent back as it is: a hit, its logits those its last token came from.
+    back = [*second[1], *expected[-1]["token_ids"][:-1]]
+    seen = len(prefills.widths)
+    _same(engine.generate([back], PARAMS), uncached.generate([back], PARAMS))
+    assert prefills.widths[seen:] == []
 
 
 @pytest.mark.parametrize("microbatch", [16384, 8], ids=["one-forward-a-kind", "a-forward-each"])
@@ -276,19 +297,19 @@ def test_prefixes_match_a_whole_block_at_least_and_leave_a_token_to_prefill(weig
 
 def test_an_evicted_or_reset_prompt_is_no_prefix_any_more(weights):
     engine = _engine(weights)
-    engine.generate([LONG], PARAMS)
+    engine.generate([LONG], ONE_TOKEN)
     one = engine.batch_state()["prompt_cache"]["bytes"]
     engine = _engine(weights, prompt_cache_bytes=one)
     prefills = Prefills(engine)
     other = list(range(60, 100))  # as long as LONG: its entry takes LONG's place
-    engine.generate([LONG], PARAMS)
-    engine.generate([other], PARAMS)
-    engine.generate([[*LONG, 1]], PARAMS)
+    engine.generate([LONG], ONE_TOKEN)
+    engine.generate([other], ONE_TOKEN)
+    engine.generate([[*LONG, 1]], ONE_TOKEN)
     assert prefills.widths[-1] == len(LONG) + 1
-    engine.generate([[*other, 1]], PARAMS)
+    engine.generate([[*other, 1]], ONE_TOKEN)
     assert prefills.widths[-1] == 1
     engine.reset_prefix_cache()
-    engine.generate([[*other, 1, 2]], PARAMS)
+    engine.generate([[*other, 1, 2]], ONE_TOKEN)
     assert prefills.widths[-1] == len(other) + 2
 
 
@@ -305,3 +326,25 @@ def test_a_block_hash_that_collides_is_checked_against_the_tokens(weights, uncac
     extended = [*LONG, 4]
     _same(engine.generate([extended], PARAMS), uncached.generate([extended], PARAMS))
     assert prefills.widths[-1] == 1
+
+
+def test_only_a_call_that_continues_a_cached_prompt_has_its_sequences_cached(weights):
+    """A call whose prompt extends a whole cached one (a next turn) has its finished sequences
+    cached as the starts of the turn after; a call that continues nothing (single-turn work,
+    or a prompt sharing only part of an entry, as a system prompt) has none cached."""
+    engine = _engine(weights)
+    cached = engine._prompt_cache._entries
+    stem = list(range(60, 80))
+    engine.generate([LONG], PARAMS)
+    engine.generate([stem], ONE_TOKEN)
+    engine.generate([[*LONG[:BLOCK], 99, 98]], PARAMS)  # shares part of LONG's entry
+    assert len(cached) == 3  # the prompts only
+    turn = [*stem, 1, 2]
+    outputs = engine.generate([turn], PARAMS)
+    assert set(cached) == {
+        tuple(LONG),
+        tuple(stem),
+        (*LONG[:BLOCK], 99, 98),
+        tuple(turn),
+        *_fed([turn], outputs, PARAMS["n"]),
+    }
