@@ -186,6 +186,10 @@ class Service:
             time.sleep(JOB_POLL_S)
         return self.paths.redact_all(owner, job.info())
 
+    def job_status(self, job_id: str, *, owner: str | None = None) -> str:
+        """The job's status alone: what a waiting poll checks, without building its info."""
+        return self.jobs.get(job_id, owner).status
+
     def job_request(self, job_id: str, *, owner: str | None = None) -> dict:
         """The create-job request the job was made from (its configuration)."""
         return self.paths.redact_all(owner, self.jobs.get(job_id, owner).request)

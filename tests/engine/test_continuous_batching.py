@@ -157,7 +157,7 @@ def test_a_call_arriving_mid_decode_joins_and_matches_running_alone(engine, join
     assert engine.batch_state()["prompt_cache"]["hits"] == hits + (2 if cached else 0)
 
 
-def test_a_call_whose_prompt_extends_a_cached_one_joins_mid_decode(engine):
+def test_a_call_whose_prompt_extends_a_cached_one_joins_mid_decode(engine, weights):
     """The joining prompt's start is in the prompt cache (a multi-turn rollout's last turn): it is
     copied into the running batch's prefix store and only the rest is prefilled, attending to it."""
     joining = "What is the meaning of life?"
@@ -173,6 +173,14 @@ def test_a_call_whose_prompt_extends_a_cached_one_joins_mid_decode(engine):
     _assert_same(short.result(WAIT_S), short_alone)
     assert engine.batch_state()["joins"] == joins + 1
     assert engine.batch_state()["prompt_cache"]["prefix_hits"] == prefix_hits + 1
+    # It continued a cached prompt, so its finished sequences were cached, from the suffix
+    # columns they were written to beside the long call's: sent back whole, one is a hit.
+    back = [*ids, *short_alone[1]["token_ids"][:-1]]
+    hits = engine.batch_state()["prompt_cache"]["hits"]
+    uncached = SamplingEngine(SamplingEngineConfig(model=MODEL, prompt_cache_bytes=0))
+    uncached.load_weights(weights)
+    _assert_same(engine.generate([back], SHORT), uncached.generate([back], SHORT))
+    assert engine.batch_state()["prompt_cache"]["hits"] == hits + 1
 
 
 def test_a_finished_call_leaves_and_returns_before_the_long_one(engine):

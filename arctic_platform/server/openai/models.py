@@ -95,5 +95,5 @@ async def model_sub_job(
     try:
         await running_info(service, parent_of(sub_job_id), owner=owner, timeout=STARTUP_TIMEOUT_S)
         yield service.resolve(sub_job_id, owner=owner)
-    finally:
-        jobs.end(owner, model.weights, sub_job_id, kind)
+    finally:  # off the loop: ``begin`` holds the registry's lock while it creates a job
+        await run_in_threadpool(jobs.end, owner, model.weights, sub_job_id, kind)
