@@ -362,11 +362,10 @@ class RunningBatch:
         ran = [piece for pieces in runs for piece in pieces]
         if ran and self.prompt_cache.enabled:
             self._leave_room(self._cache.geometry)  # the stores now hold their buffers
-            logit_bytes = logits.shape[1] * logits.element_size()
             self.prompt_cache.store(
-                (prompt, self._cached(first_group + i, prompt, logits[i]))
+                (prompt, self._cached(first_group + i, len(prompt), logits[i]))
                 for i, prompt, _ in ran
-                if self.prompt_cache.fits(len(prompt) * side.kv_bytes_per_token + logit_bytes)
+                if self._entry_fits(len(prompt))
             )
         return logits
 
@@ -414,9 +413,23 @@ class RunningBatch:
         used = max(self.pool.nbytes, geometry.nbytes(self.side.kv_bytes_per_token))
         self.prompt_cache.make_room(self.config.max_kv_cache_bytes - used)
 
-    def _cached(self, group: int, prompt: tuple[int, ...], logits: torch.Tensor) -> CachedPrompt:
-        """Copies of what a prefill put in ``group``, for the prompt cache."""
-        return CachedPrompt(self._cache.read_prefix(group, len(prompt)), logits.clone())
+    def _entry_fits(self, tokens: int) -> bool:
+        """Whether the prompt cache could keep an entry of ``tokens`` tokens (asked before any
+        copy is made)."""
+        logit_bytes = self.side.vocab_size * torch.float32.itemsize  # CachedPrompt's logits
+        return self.prompt_cache.fits(tokens * self.side.kv_bytes_per_token + logit_bytes)
+
+    def _cached(
+        self,
+        group: int,
+        length: int,
+        logits: torch.Tensor,
+        tail: tuple[int, int, int] | None = None,
+    ) -> CachedPrompt:
+        """Copies of ``group``'s prompt of ``length`` tokens (and, with ``tail``, a row's suffix
+        columns after it: :meth:`KVCache.read_prefix`) and of ``logits``, for the prompt
+        cache."""
+        return CachedPrompt(self._cache.read_prefix(group, length, tail), logits.clone())
 
     def _update_layout(self) -> None:
         """The decode steps' :class:`SharedPrefixStep` for the rows and groups now."""
@@ -489,7 +502,7 @@ class RunningBatch:
         self._tokens = tokens
         ended = finished.nonzero().squeeze(1)
         results = self._read_out(ended, matched) if len(ended) else []
-        continuing = [row for row in ended.tolist() if self._rows[row].continues]
+        continuing = any(self._rows[row].continues for row in ended.tolist())
         if continuing and self.prompt_cache.enabled:
             self.prompt_cache.store(self._finished_sequences(ended, results))
         self._compact()
@@ -505,17 +518,15 @@ class RunningBatch:
         state = self._state
         starts = state["suffix_start"][ended].tolist()
         groups = state["group"][ended].tolist()
-        per_token = self.side.kv_bytes_per_token
-        logit_bytes = self._logits.shape[1] * self._logits.element_size()
         for row, start, group, done in zip(ended.tolist(), starts, groups, results, strict=True):
             if not self._rows[row].continues:
                 continue
             fed = len(done.token_ids) - 1
             prompt = done.request.token_ids
             key = (*prompt, *done.token_ids[:fed])
-            if fed > 0 and self.prompt_cache.fits(len(key) * per_token + logit_bytes):
-                layers = self._cache.read_prefix(group, len(prompt), (row, start, fed))
-                yield key, CachedPrompt(layers, self._logits[row].clone())
+            if fed > 0 and self._entry_fits(len(key)):
+                tail = (row, start, fed)
+                yield key, self._cached(group, len(prompt), self._logits[row], tail)
 
     def advance(self) -> None:
         """One forward over the rows: the tokens sampled last go into the cache."""
