@@ -10,8 +10,11 @@ the form of their answers:
   a stranger that it exists;
 * bounded retention: finished requests stay retrievable (a client whose poll response was lost
   polls again) until more than ``max_finished`` have finished, then the one that finished first
-  is dropped; requests still running are always kept (they are kept in finishing order, so no
-  call scans the store);
+  *in the scope holding the most finished requests* is dropped: a tenant running thousands of
+  quick ops drops its own old results, not another tenant's result that its client has yet to
+  poll (with one queue for all, a tenant's 4,096 quick ops dropped every other tenant's
+  unpolled results). Requests still running are always kept; each scope keeps its finished ones
+  in finishing order, so a drop scans the scopes, never the requests;
 * the one mapping of an exception nobody anticipated onto ``internal_error(request_id)``, whose
   traceback is logged under that id (:func:`outcome`);
 * waiting for an op's end with a timeout, for long polls (:func:`finished_within`).
@@ -58,7 +61,8 @@ class RequestRegistry(Generic[R]):
     def __init__(self, max_finished: int) -> None:
         self._lock = threading.Lock()
         self._requests: dict[str, tuple[str | None, R]] = {}
-        self._finished: deque[str] = deque()
+        self._finished: dict[str | None, deque[str]] = {}  # scope -> its finished, in order
+        self._finished_count = 0
         self._max_finished = max_finished
 
     def add(self, request: R, *, scope: str | None) -> R:
@@ -80,9 +84,16 @@ class RequestRegistry(Generic[R]):
 
     def _finish(self, request_id: str) -> None:
         with self._lock:
-            self._finished.append(request_id)
-            while len(self._finished) > self._max_finished:
-                del self._requests[self._finished.popleft()]
+            scope = self._requests[request_id][0]
+            self._finished.setdefault(scope, deque()).append(request_id)
+            self._finished_count += 1
+            if self._finished_count > self._max_finished:
+                heaviest = max(self._finished, key=lambda s: len(self._finished[s]))
+                finished = self._finished[heaviest]
+                del self._requests[finished.popleft()]
+                self._finished_count -= 1
+                if not finished:
+                    del self._finished[heaviest]
 
 
 def outcome(request_id: str, compute: Callable[[], T]) -> T:

@@ -126,3 +126,26 @@ async def test_an_op_whose_job_ended_before_it_ran_is_a_job_cancelled_conflict()
         "error": "the op did not run: its job ended first",
         "category": "user",
     }
+
+
+def test_past_the_limit_the_scope_holding_the_most_drops_its_own_first_finished():
+    # Bob runs many quick ops; Alice's one result, not yet polled, stays retrievable.
+    registry: RequestRegistry[TrackedRequest] = RequestRegistry(max_finished=4)
+    alices = registry.add(TrackedRequest(future=finished("alice")), scope="alice").request_id
+    bobs = [
+        registry.add(TrackedRequest(future=finished(i)), scope="bob").request_id for i in range(10)
+    ]
+    assert registry.get(alices, scope="alice").future.result() == "alice"
+    for dropped in bobs[:7]:
+        with pytest.raises(NotFound):
+            registry.get(dropped, scope="bob")
+    assert [registry.get(i, scope="bob").future.result() for i in bobs[7:]] == [7, 8, 9]
+    # Alice's next finished ones drop Bob's oldest while he holds more, then her own.
+    more = [
+        registry.add(TrackedRequest(future=finished(i)), scope="alice").request_id for i in range(3)
+    ]
+    for dropped, scope in ((alices, "alice"), (more[0], "alice"), (bobs[7], "bob")):
+        with pytest.raises(NotFound):
+            registry.get(dropped, scope=scope)
+    assert [registry.get(i, scope="alice").future.result() for i in more[1:]] == [1, 2]
+    assert [registry.get(i, scope="bob").future.result() for i in bobs[8:]] == [8, 9]
