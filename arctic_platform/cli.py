@@ -285,6 +285,14 @@ def serve(
             "waiting at once, each holding a connection; one more gets 429.",
         ),
     ] = ServerLimits.max_long_polls_per_tenant,
+    max_pending_mb_per_tenant: Annotated[
+        int,
+        typer.Option(
+            min=1,
+            help="MiB of ops one tenant may have accepted and not finished (queued, waiting "
+            "for their turn, or running), each holding its body; one more gets 429.",
+        ),
+    ] = ServerLimits.max_pending_mb_per_tenant,
     max_json_mb: Annotated[
         int,
         typer.Option(
@@ -401,6 +409,7 @@ def serve(
             max_uploads_per_tenant=max_uploads_per_tenant,
             max_chunk_group_mb=max_chunk_group_mb,
             max_long_polls_per_tenant=max_long_polls_per_tenant,
+            max_pending_mb_per_tenant=max_pending_mb_per_tenant,
             max_json_mb=max_json_mb,
         ),
     )

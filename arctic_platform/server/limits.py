@@ -4,8 +4,9 @@ A ``generate`` with ``n = 1_000_000`` or a training batch of millions of tokens 
 would occupy an op slot for hours. The server refuses such requests before they are queued, with
 413 ``limit_exceeded`` naming the limit and the flag that sets it. A tenant's uploads are bounded
 the same way: bodies partly sent at once (429, since waiting helps) and bytes held in incomplete
-chunk groups; and so are its long polls waiting at once (429), each of which holds a
-connection. Each limit is a ``serve`` flag with a default sized for one GPU server.
+chunk groups; its long polls waiting at once (429), each of which holds a connection; and the
+bytes of its ops not yet finished (429; 413 for one op beyond the bound alone). Each limit is a
+``serve`` flag with a default sized for one GPU server.
 """
 
 from __future__ import annotations
@@ -41,6 +42,11 @@ class ServerLimits:
     # waiting at once: each holds a connection for up to a minute. The Tinker SDK is told to keep
     # at most half of them in sample requests (``/client/config``), so one client is not refused.
     max_long_polls_per_tenant: int = 1024
+    # MiB of ops one tenant has submitted and not seen finish (queued, parked for their turn, or
+    # running; server/pending_work.py): each holds its body until it ends, so without a bound a
+    # tenant could queue bodies until the server runs out of memory. Eight of the largest bodies
+    # (``--max-body-mb``) fit.
+    max_pending_mb_per_tenant: int = 2048
     # MiB of JSON in one body or DSSST1 header (server/http_common.py): parsed JSON costs several
     # times its size in Python objects, a tensor's bytes are only viewed. 64 MiB holds a generate
     # of 8192 prompts x 1024 tokens sent as JSON (about 40 MB).
@@ -118,6 +124,32 @@ class ServerLimits:
                 message,
                 limit="max_long_polls_per_tenant",
                 value=waiting,
+                maximum=bound,
+                error=TooManyRequests,
+            )
+
+    def check_pending(self, held: int, nbytes: int) -> None:
+        """An op of ``nbytes`` from a tenant whose unfinished ops hold ``held`` bytes: 413 when
+        it is beyond the limit alone (it never fits), 429 when it would fit once some finish."""
+        bound = self.max_pending_mb_per_tenant * MIB
+        if nbytes > bound:
+            message = (
+                f"this op holds {nbytes} bytes, more than this server's limit of "
+                f"{self.max_pending_mb_per_tenant} MiB of unfinished ops per tenant"
+            )
+            raise limit_exceeded(
+                message, limit="max_pending_mb_per_tenant", value=nbytes, maximum=bound
+            )
+        if held + nbytes > bound:
+            message = (
+                f"this tenant's unfinished ops hold {held} bytes; with this op's {nbytes} they "
+                f"would exceed this server's limit of {self.max_pending_mb_per_tenant} MiB "
+                "(retry once some have finished)"
+            )
+            raise limit_exceeded(
+                message,
+                limit="max_pending_mb_per_tenant",
+                value=held + nbytes,
                 maximum=bound,
                 error=TooManyRequests,
             )

@@ -39,6 +39,7 @@ from arctic_platform.server.job_registry import JobRegistry, SubJob
 from arctic_platform.server.limits import ServerLimits
 from arctic_platform.server.metrics import ServiceMetrics
 from arctic_platform.server.paths import PathPolicy
+from arctic_platform.server.pending_work import PendingWork, payload_nbytes
 from arctic_platform.server.ray_placement import PLACEMENT_TIMEOUT_S
 from arctic_platform.server.scheduler import FairSlots
 from arctic_platform.server.shutdown import drain
@@ -143,6 +144,7 @@ class Service:
         self.requests = RequestStore()
         self.links = LinkSigner()  # every API's signed download links
         self.chunk_groups = ChunkGroups(limits=settings.limits)
+        self.pending = PendingWork()  # each tenant's bytes in unfinished ops
         self.slots = FairSlots(settings.max_concurrent_ops, settings.max_ops_per_tenant)
         self.jobs = JobRegistry(self.store, self.paths, settings.quota)
         self.checkpoints = CheckpointCatalogue(self.store, self.paths, self.jobs, settings.data_dir)
@@ -361,12 +363,23 @@ class Service:
         without entering the queue. Engine errors on bad tensors also fail only the request.
         ``stop`` cancels this op alone (a Cortex ``cancel-request``), as ``job.stop`` cancels
         every op of the job: it ends with 409 ``op_cancelled`` at its next decode step or
-        microbatch, leaving the job running and its engine as before the op.
+        microbatch, leaving the job running and its engine as before the op. The op's bytes
+        count among its owner's unfinished ops until it ends (``pending_work.py``): beyond
+        ``--max-pending-mb-per-tenant`` it is refused before it is validated or queued.
         """
         from arctic_platform.server.ops import prepare_op
 
         self.require_running(sub)
-        return self.executor.submit_runner(sub, op, prepare_op(self, sub, op, body), stop=stop)
+        owner = self.jobs.get(sub.job_id, None, check_owner=False).owner
+        release = self.pending.take(owner, payload_nbytes(body), self.limits)
+        try:
+            future = self.executor.submit_runner(
+                sub, op, prepare_op(self, sub, op, body), stop=stop
+            )
+        except BaseException:
+            release()
+            raise
+        return self.pending.until(future, release)
 
     def call(self, sub: SubJob, op: str, body: Any) -> Any:
         """Run ``op`` and wait for its result (the in-process and on-prem paths)."""

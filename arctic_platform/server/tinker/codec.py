@@ -55,6 +55,7 @@ class ForwardBackwardRequest:
     loss_fn_config: dict[str, float | str]
     forward_only: bool
     max_data_bytes: int
+    nbytes: int  # the body's size, what the request holds until it ends
 
 
 def decode_forward_backward(
@@ -78,6 +79,7 @@ def decode_forward_backward(
         loss_fn_config=config,
         forward_only=bool(message.forward_only),
         max_data_bytes=max_data_bytes,
+        nbytes=len(body),
     )
 
 

@@ -31,6 +31,7 @@ from arctic_platform.server.errors import (
     result_of,
 )
 from arctic_platform.server.ops import check_context, check_generate
+from arctic_platform.server.pending_work import PendingWork, payload_nbytes
 from arctic_platform.server.service import Service
 from arctic_platform.server.tinker import bodies, codec, losses
 from arctic_platform.server.tinker.checkpoints import (
@@ -231,7 +232,7 @@ class TinkerOps:
 
             return runner
 
-        return self._sequenced(run, request.seq_id, owner, op, prepare)
+        return self._sequenced(run, request.seq_id, owner, op, prepare, request.nbytes)
 
     def optim_step(self, body: bodies.OptimStepBody, owner: str | None) -> str:
         from arctic_platform.engine.trainer import AdamSettings
@@ -484,17 +485,20 @@ class TinkerOps:
         # The on-prem generate limits, before anything is started: here without the engine
         # (its context is not known while it loads), again with it when the sample is queued.
         check_generate(self.service, None, SAMPLE_OP, [prompt], params)
-        outer: Future = Future()
-        if sampler.sub_job_id is not None:
-            sub_job_id = sampler.sub_job_id
-        else:
-            session = self.state.session(sampler.session_id, owner)
-            sub_job_id = self.model_jobs.begin(session, owner, sampler.model)
-            outer.add_done_callback(lambda _: self.model_jobs.end(owner, sampler.model, sub_job_id))
+        # Counted among the owner's unfinished ops until it ends (pending_work.py).
+        release = self.service.pending.take(owner, payload_nbytes(prompt), self.service.limits)
+        outer: Future = PendingWork.until(Future(), release)
         try:
+            if sampler.sub_job_id is not None:
+                sub_job_id = sampler.sub_job_id
+            else:
+                session = self.state.session(sampler.session_id, owner)
+                sub_job_id = self.model_jobs.begin(session, owner, sampler.model)
+                end = partial(self.model_jobs.end, owner, sampler.model, sub_job_id)
+                outer.add_done_callback(lambda _: end())
             request_id = self._sample_on(sub_job_id, sampler, owner, prompt, params, body, outer)
         except BaseException as exc:
-            outer.set_exception(exc)  # ends the sample's count on its job
+            outer.set_exception(exc)  # ends the sample's counts: its bytes, its use of the job
             raise
         return request_id, [f"{request_id}:{i}" for i in range(body.num_samples)]
 
@@ -547,11 +551,15 @@ class TinkerOps:
         with contextlib.suppress(ServiceError):  # not a run of this caller: nothing to unblock
             self.state.run(model_id, owner).sequencer.skip(seq_id)
 
-    def _sequenced(self, run: TrainingRun, seq_id: int | None, owner, op: str, prepare) -> str:
+    def _sequenced(
+        self, run: TrainingRun, seq_id: int | None, owner, op: str, prepare, nbytes: int = 0
+    ) -> str:
         """Validate with ``prepare()`` (which returns ``runner(engine)``), then queue the runner
         on the run's trainer in ``seq_id`` order; returns its request id. A request refused by
         validation still uses up its ``seq_id``, so the client's later requests do not wait on
-        it forever."""
+        it forever. Its ``nbytes`` (the body) count among the owner's unfinished ops from now
+        until it ends, waiting for its turn included (``pending_work.py``); one refused for
+        that keeps its ``seq_id`` for the SDK's retry of the same request."""
         if seq_id is not None and not _is_seq_id(seq_id):
             # The SDK numbers a training client's requests from 1; it sends 0 only for a
             # caller's missing seq_id, which the Tinker service refuses the same way.
@@ -562,13 +570,15 @@ class TinkerOps:
             known = run.sequencer.known(seq_id)
             if known is not None:
                 return known
+        release = self.service.pending.take(owner, nbytes, self.service.limits)
         try:
             runner = prepare()
-        except ServiceError:
-            if seq_id is not None:
+        except BaseException as exc:
+            release()
+            if seq_id is not None and isinstance(exc, ServiceError):
                 run.sequencer.skip(seq_id)
             raise
-        outer: Future = Future()
+        outer: Future = PendingWork.until(Future(), release)
         request_id = self.futures.add(owner, outer)
 
         def start() -> None:

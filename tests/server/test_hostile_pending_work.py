@@ -1,0 +1,195 @@
+"""A tenant's unfinished ops are bounded in bytes, on every surface that queues them.
+
+An op holds its body from acceptance to its end: queued behind others, or (Tinker) parked until
+its ``seq_id``'s turn. Without a bound, a tenant submitting 50 MB bodies faster than they ran
+held 3.8 GB after 40 of them, and nothing refused it. With ``--max-pending-mb-per-tenant`` one
+more op is refused at once with 429 ``limit_exceeded`` (413 for one op beyond the bound alone),
+before it is queued: it never runs, another tenant is not held back, and the tenant's next op is
+accepted once earlier ones have finished. The server runs at 1 MiB here, so that three bodies of
+about 300 KB fill it.
+"""
+
+from __future__ import annotations
+
+import threading
+from contextlib import closing
+
+import httpx
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from arctic_platform import cli, wire
+from arctic_platform.server import serve
+from arctic_platform.server.errors import PayloadTooLarge, TooManyRequests
+from arctic_platform.server.limits import MIB, ServerLimits
+from arctic_platform.server.pending_work import OP_OVERHEAD_BYTES, SCALAR_BYTES, payload_nbytes
+from arctic_platform.server.service import Service, ServiceSettings
+from arctic_platform.server.tinker import proto
+from tests.fake_engine import build_fake_engine
+from tests.live_server import serve_app
+from tests.server.conftest import CORTEX, OCTET, job_request, make_app
+from tests.server.test_hostile_uploads import ALICE, BOB, credentials
+from tests.server.tinker.conftest import TINY
+from tests.server.tinker.plain_http import PROTOBUF, TinkerHttp
+from tests.waiting import wait_until
+
+LIMITS = ServerLimits(max_pending_mb_per_tenant=1)
+
+
+def test_payload_nbytes_counts_arrays_text_and_numbers():
+    torch = pytest.importorskip("torch")
+    ids = np.zeros((4, 8), np.int64)
+    assert payload_nbytes({"batch": {"ids": ids}}) == len("batch") + len("ids") + ids.nbytes
+    assert payload_nbytes(torch.zeros(3, 5)) == 60
+    prompts = [[1, 2, 3], [4, 5]]
+    assert payload_nbytes({"prompts": prompts}) == len("prompts") + 5 * SCALAR_BYTES
+    # A number beside a list is counted with the list's contents, not as one number.
+    assert payload_nbytes([1, list(range(1000)), "ab"]) == 1001 * SCALAR_BYTES + 2
+    nested: list = []
+    for _ in range(100_000):  # deeper than the interpreter's recursion limit
+        nested = [nested]
+    assert payload_nbytes(nested) == 0
+
+
+def _forward_backward_frame(rows: int) -> bytes:
+    """A DSSST1 forward-backward body of ``rows`` x 256 tokens (16 bytes a token)."""
+    batch = {
+        "input_ids": np.full((rows, 256), 5, np.int64),
+        "attention_mask": np.ones((rows, 256), np.int64),
+    }
+    return wire.dumps({"batch": batch})
+
+
+def _ops_run(service: Service) -> float:
+    value = service.metrics.registry.get_sample_value(
+        "arctic_ops_total", {"op": "forward-backward", "status": "ok"}
+    )
+    return value or 0.0
+
+
+def test_a_tenants_unfinished_ops_are_bounded_on_cortex_and_in_process(tmp_path):
+    settings = ServiceSettings(data_dir=tmp_path / "data", device="cpu", limits=LIMITS)
+    service = Service(settings, engine_builder=build_fake_engine)
+    app = make_app(service, tokens=[ALICE, BOB])
+    alice, bob = (app.state.auth.owner(f"Bearer {token}") for token in (ALICE, BOB))
+    gate = threading.Event()
+    frame = _forward_backward_frame(72)  # about 300 KB
+    try:
+        with serve_app(app) as url, httpx.Client(base_url=url, timeout=60) as http:
+
+            def submit(job: str, token: str, body: bytes = frame) -> httpx.Response:
+                headers = {**OCTET, **credentials(token)}
+                return http.post(f"{CORTEX}/{job}/forward-backward", content=body, headers=headers)
+
+            jobs = {}
+            for owner, token in ((alice, ALICE), (bob, BOB)):
+                jobs[token] = service.create_job(job_request("training"), owner=owner)["job_id"]
+                service.wait_until_running(jobs[token], owner=owner, timeout=60)
+            sub = service.resolve(jobs[ALICE], owner=alice, kind="training")
+            # The test's own op at the head of Alice's queue keeps hers waiting behind it.
+            service.executor.submit_runner(sub, "step", lambda: gate.wait(60))
+
+            accepted = [submit(jobs[ALICE], ALICE) for _ in range(3)]
+            assert [a.status_code for a in accepted] == [200] * 3, accepted[-1].text
+            each = service.pending.held(alice) // 3
+            assert each > OP_OVERHEAD_BYTES + 290_000
+            refused = submit(jobs[ALICE], ALICE)
+            assert refused.status_code == 429, refused.text
+            body = refused.json()
+            assert body["code"] == "limit_exceeded"
+            assert body["limit"] == "max_pending_mb_per_tenant" and body["maximum"] == MIB
+            assert "--max-pending-mb-per-tenant" in body["message"]
+            assert service.pending.held(alice) == 3 * each  # the refused op holds nothing
+
+            # In process, through the Service, the same bound on the same tenant.
+            with pytest.raises(TooManyRequests, match="max-pending-mb-per-tenant"):
+                service.submit(sub, "forward-backward", wire.loads(frame))
+            # Another tenant is not held back; one op beyond the bound alone never fits: 413.
+            assert submit(jobs[BOB], BOB).status_code == 200
+            too_large = submit(jobs[BOB], BOB, _forward_backward_frame(300))
+            assert too_large.status_code == 413, too_large.text
+            assert too_large.json()["limit"] == "max_pending_mb_per_tenant"
+            bobs_sub = service.resolve(jobs[BOB], owner=bob, kind="training")
+            with pytest.raises(PayloadTooLarge):
+                service.submit(bobs_sub, "forward-backward", wire.loads(frame) | {"x": frame * 4})
+
+            gate.set()
+            wait_until(lambda: service.pending.held(alice) == 0, what="Alice's ops finished")
+            wait_until(lambda: service.pending.held(bob) == 0, what="Bob's op finished")
+            # Only the accepted ops ran: three of Alice's and one of Bob's.
+            wait_until(lambda: _ops_run(service) == 4, what="the accepted ops counted")
+            assert submit(jobs[ALICE], ALICE).status_code == 200
+            wait_until(lambda: service.pending.held(alice) == 0, what="Alice's next op finished")
+    finally:
+        gate.set()
+        service.close()
+
+
+def _tinker_forward(model_id: str, seq_id: int, datums: int) -> bytes:
+    """A Tinker forward (cross-entropy) of ``datums`` datums of 1,000 tokens (16 KB each)."""
+    message = proto.ForwardBackwardRequest(
+        model_id=model_id, seq_id=seq_id, loss_fn="cross_entropy", forward_only=True
+    )
+    tokens = np.full(1000, 5, np.int64)
+    for _ in range(datums):
+        item = message.data.add()
+        item.model_input.add().encoded_text.tokens = tokens.astype(np.int32).tobytes()
+        item.loss_fn_inputs["target_tokens"].CopyFrom(
+            proto.Tensor(dense=tokens.tobytes(), dtype=proto.DTYPE_INT64, shape=[1000])
+        )
+        weights = np.ones(1000, np.float32)
+        item.loss_fn_inputs["weights"].CopyFrom(
+            proto.Tensor(dense=weights.tobytes(), dtype=proto.DTYPE_FLOAT32, shape=[1000])
+        )
+    return message.SerializeToString()
+
+
+def test_tinker_requests_parked_for_their_turn_are_bounded(tmp_path):
+    """Requests numbered past a ``seq_id`` that never comes wait for it, each holding its body:
+    the fourth of about 300 KB is refused, and keeps its ``seq_id`` for the SDK's retry, which
+    is accepted once the missing requests came and the parked ones ran."""
+    service = Service(ServiceSettings(data_dir=tmp_path / "data", device="cpu", limits=LIMITS))
+    app = make_app(service, tokens=[ALICE])
+    alice = app.state.auth.owner(f"Bearer {ALICE}")
+    try:
+        with serve_app(app) as url, closing(TinkerHttp(url, ALICE)) as tinker:
+            model_id = tinker.training_run(tinker.session(), TINY)
+
+            def forward(seq_id: int, datums: int = 19) -> httpx.Response:
+                return tinker.http.post(
+                    "/forward_backward",
+                    content=_tinker_forward(model_id, seq_id, datums),
+                    headers={"content-type": PROTOBUF},
+                )
+
+            parked = [forward(seq_id) for seq_id in (3, 4, 5)]  # 1 and 2 not sent yet
+            assert [p.status_code for p in parked] == [200] * 3, parked[-1].text
+            refused = forward(6)
+            assert refused.status_code == 429, refused.text
+            assert refused.json()["limit"] == "max_pending_mb_per_tenant"
+            held = service.pending.held(alice)
+            assert held > 3 * 300_000
+            assert forward(6).status_code == 429 and service.pending.held(alice) == held
+
+            first = [forward(seq_id, datums=1) for seq_id in (1, 2)]
+            for answer in [*first, *parked]:
+                assert answer.status_code == 200, answer.text
+                tinker.result(answer.json()["request_id"]).raise_for_status()
+            wait_until(lambda: service.pending.held(alice) == 0, what="the parked requests ran")
+            retried = forward(6)  # its seq_id was not used up by the refusal
+            assert retried.status_code == 200, retried.text
+            tinker.result(retried.json()["request_id"]).raise_for_status()
+    finally:
+        service.close()
+
+
+def test_serve_flag_sets_the_pending_work_limit(monkeypatch):
+    seen = []
+    monkeypatch.setattr(serve, "serve", lambda **kwargs: seen.append(kwargs["limits"]))
+    flag = "--max-pending-mb-per-tenant"
+    assert CliRunner().invoke(cli.app, ["serve"]).exit_code == 0
+    assert CliRunner().invoke(cli.app, ["serve", flag, "64"]).exit_code == 0
+    assert [limits.max_pending_mb_per_tenant for limits in seen] == [2048, 64]
+    refused = CliRunner().invoke(cli.app, ["serve", flag, "0"])
+    assert refused.exit_code == 2 and flag in refused.output
