@@ -148,13 +148,15 @@ def _tinker_forward(model_id: str, seq_id: int, datums: int) -> bytes:
 def test_tinker_requests_parked_for_their_turn_are_bounded(tmp_path):
     """Requests numbered past a ``seq_id`` that never comes wait for it, each holding its body:
     the fourth of about 300 KB is refused, and keeps its ``seq_id`` for the SDK's retry, which
-    is accepted once the missing requests came and the parked ones ran."""
+    is accepted once the missing requests came and the parked ones ran. A request still parked
+    when its session finishes ends then, with its job."""
     service = Service(ServiceSettings(data_dir=tmp_path / "data", device="cpu", limits=LIMITS))
     app = make_app(service, tokens=[ALICE])
     alice = app.state.auth.owner(f"Bearer {ALICE}")
     try:
         with serve_app(app) as url, closing(TinkerHttp(url, ALICE)) as tinker:
-            model_id = tinker.training_run(tinker.session(), TINY)
+            session = tinker.session()
+            model_id = tinker.training_run(session, TINY)
 
             def forward(seq_id: int, datums: int = 19) -> httpx.Response:
                 return tinker.http.post(
@@ -180,6 +182,16 @@ def test_tinker_requests_parked_for_their_turn_are_bounded(tmp_path):
             retried = forward(6)  # its seq_id was not used up by the refusal
             assert retried.status_code == 200, retried.text
             tinker.result(retried.json()["request_id"]).raise_for_status()
+
+            # A request parked when its session finishes ends with its job, freeing its bytes.
+            orphan = forward(8)  # 7 never comes
+            assert orphan.status_code == 200, orphan.text
+            assert service.pending.held(alice) > 300_000
+            finished = tinker.http.post(f"/sessions/{session}/finish", json={})
+            assert finished.status_code == 204, finished.text
+            assert service.pending.held(alice) == 0
+            ended = tinker.result(orphan.json()["request_id"])
+            assert "cancelled" in ended.text, ended.text
     finally:
         service.close()
 

@@ -102,7 +102,8 @@ class TinkerOps:
     # -- sessions ---------------------------------------------------------------------------
 
     def finish_session(self, session_id: str, owner: str | None) -> None:
-        """Finish a session (idempotent): cancel the jobs it created, drop its runs' snapshots."""
+        """Finish a session (idempotent): cancel the jobs it created, drop its runs' snapshots,
+        and end the requests its runs had parked waiting for a ``seq_id``."""
         session = self.state.session(session_id, owner, active=False)
         if session.finished:
             return
@@ -113,6 +114,8 @@ class TinkerOps:
             # a job that already ended on its own (failed, shut down) has nothing to cancel
             with contextlib.suppress(ServiceError):
                 self.service.cancel_job(job_id, owner=owner)
+        for run in self.state.runs_of(session_id):  # their jobs ended: parked requests fail
+            run.sequencer.flush()
 
     # -- training runs ----------------------------------------------------------------------
 

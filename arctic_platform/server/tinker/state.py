@@ -87,6 +87,16 @@ class Sequencer:
                 self._parked.pop(self._next)()
                 self._next += 1
 
+    def flush(self) -> None:
+        """Start every parked request now, in ``seq_id`` order over the gaps: for a run whose
+        job has ended, so each fails with the job's error instead of waiting for a ``seq_id``
+        that will never come (holding its body, and its bytes among the owner's unfinished
+        ops)."""
+        with self._lock:
+            for seq_id in sorted(self._parked):
+                self._parked.pop(seq_id)()
+                self._next = seq_id + 1
+
     def skip(self, seq_id: int) -> None:
         """Mark ``seq_id`` used without running anything (its request was refused)."""
         with contextlib.suppress(Conflict):
