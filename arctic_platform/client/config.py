@@ -94,7 +94,9 @@ class HttpBackend(_WatchesLiveness):
     Give ``url``, or ``host`` and ``port``. ``token_env`` names the environment variable holding
     the bearer token. With ``launch_local_server`` the client starts ``arctic-platform serve`` on
     ``host:port`` (``port: 0`` picks a free one) with ``data_dir`` and ``device``, and stops it at
-    shutdown.
+    shutdown. A failure to connect is retried ``connect_retries`` times; a 429 (one of the
+    server's per-tenant limits is full, and the server did nothing with the request)
+    ``busy_retries`` times, waiting from 0.5 s doubling up to 10 s.
     """
 
     type: Literal["http"] = "http"
@@ -109,6 +111,7 @@ class HttpBackend(_WatchesLiveness):
     job_ready_timeout: PositiveFloat = 1800.0
     request_timeout: PositiveFloat = 1800.0
     connect_retries: NonNegativeInt = 3
+    busy_retries: NonNegativeInt = 8
 
     @model_validator(mode="after")
     def _check(self) -> HttpBackend:

@@ -7,9 +7,11 @@ Job ops (``contract/job_ops.py``): ``create-job`` is one ``POST /initialize`` pe
 streamed DSSST1 frames, everything else JSON; the response is DSSST1 or JSON by its
 Content-Type.
 
-Retries: only failures to connect are retried (the request never reached the server). A
-connection that breaks after the request was sent is reported, not replayed: the on-prem API has
-no idempotency key, and replaying a ``forward-backward`` or ``step`` could apply it twice.
+Retries: failures to connect (the request never reached the server) and 429 answers (a
+per-tenant limit of the server was full: bodies being read, long polls, unfinished ops; the
+server did nothing with the request) are retried, with backoff. A connection that breaks after
+the request was sent is reported, not replayed: the on-prem API has no idempotency key, and
+replaying a ``forward-backward`` or ``step`` could apply it twice.
 
 With ``launch_local_server`` the client starts ``arctic-platform serve`` itself
 (:class:`arctic_platform.client.local_server.LocalServer`) and stops it at shutdown.
@@ -49,6 +51,7 @@ from arctic_platform.server_identity import identity_problem
 
 log = logging.getLogger(__name__)
 CONNECT_ERRORS = (httpx.ConnectError, httpx.ConnectTimeout)
+TOO_MANY_REQUESTS = 429
 
 
 class HttpTransport(Transport):
@@ -198,9 +201,35 @@ class HttpTransport(Transport):
     def _send(self, method: str, path: str, *, op: str, timeout=None, **kwargs) -> Any:
         if self._client is None:
             raise ArcticRLError(f"{op}: the transport is not initialized or was shut down")
-        client = self._client
         if timeout is not None:
             kwargs["timeout"] = httpx.Timeout(timeout, connect=10.0)
+        busy = Retrying(
+            stop=stop_after_attempt(1 + self.backend.busy_retries),
+            wait=retry_wait(0.5, 10.0),
+            retry=retry_if_exception_type(_Busy),
+            before_sleep=lambda state: log.info(
+                "%s: the server is busy (429, attempt %d); retrying", op, state.attempt_number
+            ),
+            reraise=True,
+        )
+        try:
+            for attempt in busy:
+                with attempt:
+                    response, body = self._exchange(method, path, op=op, **kwargs)
+                    if response.status_code == TOO_MANY_REQUESTS:
+                        raise _Busy(response, body)
+        except _Busy as refused:  # still busy after the last retry
+            response, body = refused.response, refused.body
+        if response.status_code >= 400:
+            log_failed(response, op)
+            raise error_from_response(response.status_code, body, op=op)
+        content_type = response.headers.get("content-type", "")
+        return decode_body(body, content_type, self._tensor_type, op=op)
+
+    def _exchange(self, method: str, path: str, *, op: str, **kwargs) -> tuple:
+        """One request and its whole answer, ``(response, body)``; a failure to connect is
+        retried (``connect_retries``), any other transport failure raised as ours."""
+        client = self._client
         retrying = Retrying(
             stop=stop_after_attempt(1 + self.backend.connect_retries),
             wait=retry_wait(0.2, 2.0),
@@ -218,8 +247,13 @@ class HttpTransport(Transport):
                         response.close()
         except httpx.HTTPError as exc:
             raise connection_error(exc, f"{self._base_url}{path}", op=op) from None
-        if response.status_code >= 400:
-            log_failed(response, op)
-            raise error_from_response(response.status_code, body, op=op)
-        content_type = response.headers.get("content-type", "")
-        return decode_body(body, content_type, self._tensor_type, op=op)
+        return response, body
+
+
+class _Busy(Exception):
+    """A 429 answer, to retry (:meth:`HttpTransport._send`)."""
+
+    def __init__(self, response: httpx.Response, body: bytearray) -> None:
+        super().__init__(response.status_code)
+        self.response = response
+        self.body = body

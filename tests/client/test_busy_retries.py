@@ -1,0 +1,101 @@
+"""The on-prem client retries a 429, against the real server over 127.0.0.1.
+
+A 429 says one of the server's per-tenant limits is full and the request was not acted on, so
+the client waits and sends it again (``busy_retries``, with backoff) rather than failing the
+caller's step. Here the tenant's unfinished ops (``--max-pending-mb-per-tenant``, 1 MiB) are
+full: an op the test queued behind one held on a gate. Once the gate opens and they finish, the
+client's retried forward-backward is accepted and runs, once; with no retries the 429 reaches the
+caller, naming the limit.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import numpy as np
+import pytest
+
+from arctic_platform.client import ServerError, SyncArcticRLClient
+from arctic_platform.client.config import load_config
+from arctic_platform.server.limits import ServerLimits
+from arctic_platform.server.service import Service, ServiceSettings
+from tests.client.conftest import TINY, backend_config, make_app
+from tests.live_server import serve_app
+from tests.waiting import wait_until
+
+# A forward-backward body of about 500 KB: 72 rows of 256 tokens in four arrays.
+ROWS, WIDTH = 72, 256
+
+
+def _body(seed: int) -> dict:
+    """A GRPO forward-backward's body (its old log-probs: the current weights')."""
+    ids = np.random.default_rng(seed).integers(5, 60, (ROWS, WIDTH))
+    ones = np.ones((ROWS, WIDTH), np.int64)
+    response = ones.copy()
+    response[:, 0] = 0  # the first token has no log-prob to train
+    batch = {
+        "input_ids": ids,
+        "attention_mask": ones,
+        "response_mask": response,
+        "advantages": np.ones((ROWS, WIDTH), np.float32),
+    }
+    return {"batch": batch, "processing": {"loss_fn": "verl_grpo", "config": CURRENT}}
+
+
+CURRENT = {"old_log_probs": "current"}
+
+
+@pytest.fixture
+def busy_server(tmp_path):
+    """A server whose tenant limit is 1 MiB of unfinished ops, and a gate the test holds."""
+    limits = ServerLimits(max_pending_mb_per_tenant=1)
+    service = Service(ServiceSettings(data_dir=tmp_path / "data", device="cpu", limits=limits))
+    gate = threading.Event()
+    try:
+        with serve_app(make_app(service)) as url:
+            yield service, url, gate
+    finally:
+        gate.set()
+        service.close()
+
+
+def _client(url: str, data_dir, **backend) -> SyncArcticRLClient:
+    config = load_config(
+        {
+            "model": TINY,
+            "seed": 0,
+            "backend": backend_config("http", url, data_dir, **backend),
+            "training": {"optimizer": {"lr": 1e-3}},
+        }
+    )
+    return SyncArcticRLClient(config)
+
+
+def _fill(service: Service, gate: threading.Event, job_id: str) -> None:
+    """Hold the job's queue on the gate, with two bodies of ours (1 MiB) waiting behind it."""
+    sub = service.resolve(job_id, owner=None, kind="training")
+    service.executor.submit_runner(sub, "step", lambda: gate.wait(120))
+    for seed in range(2):
+        service.submit(sub, "forward-backward", _body(seed))
+
+
+def test_a_429_is_retried_until_the_server_takes_the_op(busy_server, tmp_path, caplog):
+    service, url, gate = busy_server
+    caplog.set_level(logging.INFO, logger="arctic_platform.client")
+    with _client(url, tmp_path / "client") as client:
+        _fill(service, gate, client.training_job_id)
+        threading.Timer(1.0, gate.set).start()
+        out = client.fwd_bwd(_body(9))
+        assert np.isfinite(out["loss"])
+        assert any("busy (429" in r.getMessage() for r in caplog.records), caplog.text
+        wait_until(lambda: service.pending.held(None) == 0, what="every op finished")
+
+
+def test_without_retries_the_429_reaches_the_caller(busy_server, tmp_path):
+    service, url, gate = busy_server
+    with _client(url, tmp_path / "client", busy_retries=0) as client:
+        _fill(service, gate, client.training_job_id)
+        with pytest.raises(ServerError, match="max-pending-mb-per-tenant") as refused:
+            client.fwd_bwd(_body(9))
+        assert refused.value.status == 429
