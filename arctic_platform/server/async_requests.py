@@ -426,6 +426,18 @@ class ChunkGroups:
                 self._release(group)
                 group.ready.set()
 
+    def unschedule(self, sub_job_id: str, group_id: str) -> None:
+        """The group's frame was refused for now (429: the owner's unfinished ops are full): it
+        keeps its chunks, unscheduled, so the client's retry of a chunk submits it again.
+        Retries waiting on it meanwhile are told to restart the group."""
+        with self._lock:
+            group = self._groups.get((sub_job_id, group_id))
+            if group is None:
+                return
+            group.scheduled = False
+            waiting, group.ready = group.ready, threading.Event()
+        waiting.set()
+
     def forget(self, sub_job_id: str, group_id: str) -> None:
         """Drop a group whose frame was rejected, so a corrected retry can start over."""
         with self._lock:

@@ -23,11 +23,12 @@ from arctic_platform.contract import ops as contract
 from arctic_platform.contract.generate_columns import as_columns, wants_columns
 from arctic_platform.contract.job_ops import JOB_OPS
 from arctic_platform.contract.ops import BINARY_RESULTS, QUICK_OPERATIONS, GenerateBody, OpName
-from arctic_platform.server.errors import BadRequest, NotFound
+from arctic_platform.server.errors import BadRequest, NotFound, TooManyRequests
 from arctic_platform.server.http_common import (
     frame_of,
     json_of,
     long_poll,
+    off_loop,
     owner_of,
     read_body,
 )
@@ -172,9 +173,15 @@ async def _chunked_octet_op(request: Request, job_id: str, op: str) -> dict:
         if op == OpName.FORWARD and isinstance(payload, dict):
             payload.setdefault("reference_model", False)
         columns = op == OpName.GENERATE and wants_columns(metadata)
-        request_id = _submit(
-            service, job_id, op, payload, owner, reshape=as_columns if columns else None
+        reshape = as_columns if columns else None
+        request_id = await off_loop(  # validated where it was decoded: off the loop when large
+            len(outcome.frame), _submit, service, job_id, op, payload, owner, reshape=reshape
         )
+    except TooManyRequests:
+        # Refused for now: the client retries the last chunk, which submits the frame again.
+        if outcome.group_id is not None:
+            service.chunk_groups.unschedule(job_id, outcome.group_id)
+        raise
     except BaseException:
         # Whatever went wrong, a retry of this group must get a definite answer, not wait on a
         # group that stays scheduled without a request.
@@ -218,19 +225,24 @@ def _queue(service, job_id: str, sub, op: str, body: Any, *, reshape=None) -> st
 @router.post("/{job_id}/generate-stream")
 async def generate_stream(job_id: str, request: Request) -> dict:
     owner = owner_of(request)
-    body = await json_of(request, await read_body(request), what=OpName.GENERATE_STREAM)
+    raw = await read_body(request)
+    body = await json_of(request, raw, what=OpName.GENERATE_STREAM)
     parsed = parse(GenerateBody, body, what=OpName.GENERATE_STREAM)
     params = parsed.sampling_params
     per_prompt = params if isinstance(params, list) else [params] * len(parsed.prompts)
     count = sum(int((p or {}).get("n", 1)) for p in per_prompt)
-    request_id = _submit(_service(request), job_id, OpName.GENERATE_STREAM, body, owner)
+    op = OpName.GENERATE_STREAM
+    request_id = await off_loop(len(raw), _submit, _service(request), job_id, op, body, owner)
     return {"request_id": request_id, "job_id": job_id, "count": count}
 
 
 async def _json_op(request: Request, job_id: str, op: str) -> dict:
     owner = owner_of(request)
-    body = await json_of(request, await read_body(request), what=op)
-    return {"request_id": _submit(_service(request), job_id, op, body, owner), "job_id": job_id}
+    raw = await read_body(request)
+    body = await json_of(request, raw, what=op)
+    # validated where it was decoded: off the event loop when large
+    request_id = await off_loop(len(raw), _submit, _service(request), job_id, op, body, owner)
+    return {"request_id": request_id, "job_id": job_id}
 
 
 def _add_data_plane_route(spec: contract.Op) -> None:

@@ -227,13 +227,15 @@ async def json_of(request: Request, body: bytes | bytearray, *, what: str) -> An
     return await off_loop(len(body), decode_json, body, what=what, limits=limits)
 
 
-async def read_op_body(request: Request, *, what: str) -> tuple[Any, dict]:
-    """``(body, frame metadata)``, decoded by Content-Type: DSSST1 for
-    ``application/octet-stream`` (its op metadata carries response options), JSON otherwise."""
+async def read_op_body(request: Request, *, what: str) -> tuple[Any, dict, int]:
+    """``(body, frame metadata, bytes received)``, decoded by Content-Type: DSSST1 for
+    ``application/octet-stream`` (its op metadata carries response options), JSON otherwise.
+    The size tells the route whether submitting the body (validating it) belongs off the event
+    loop too (:func:`off_loop`)."""
     body = await read_body(request)
     if OCTET in request.headers.get("content-type", ""):
-        return await frame_of(request, body, what=what)
-    return await json_of(request, body, what=what), {}
+        return (*await frame_of(request, body, what=what), len(body))
+    return await json_of(request, body, what=what), {}, len(body)
 
 
 def frame_response(value: Any) -> Response:

@@ -28,6 +28,7 @@ from arctic_platform.server.http_common import (
     frame_response,
     json_of,
     long_poll,
+    off_loop,
     owner_of,
     read_body,
     read_op_body,
@@ -133,12 +134,13 @@ async def run_op(
     if op not in ONPREM_OPS:
         raise NotFound(f"unknown op {op!r}; known: {sorted(ONPREM_OPS)}")
     owner = owner_of(request)
-    body, frame_metadata = await read_op_body(request, what=op)
+    body, frame_metadata, nbytes = await read_op_body(request, what=op)
     if op == OpName.SLEEP_INFERENCE and level is not None and body is None:
         body = {"level": level}
     if op == OpName.SLEEP_TRAINING and mode is not None and body is None:
         body = {"mode": mode}
-    started = _service(request).start(job_id, op, body, owner=owner)
+    # validated (and measured) where it was decoded: off the event loop when large
+    started = await off_loop(nbytes, _service(request).start, job_id, op, body, owner=owner)
     result = await asyncio.wrap_future(started.future)
     if started.op == OpName.GENERATE:  # columns when asked for, else the reference form
         reshape = (

@@ -42,18 +42,23 @@ def payload_nbytes(value: Any) -> int:
     stack = [value]
     while stack:
         item = stack.pop()
-        if isinstance(item, (list, tuple)):
+        kind = type(item)
+        if kind in _SCALARS:
+            total += SCALAR_BYTES
+        elif kind is list or kind is tuple:
             if set(map(type, item)) <= _SCALARS:
                 total += SCALAR_BYTES * len(item)
             else:
                 stack.extend(item)
-        elif isinstance(item, Mapping):
+        elif kind is dict or isinstance(item, Mapping):
             stack.extend(item.keys())
             stack.extend(item.values())
-        elif isinstance(item, (str, bytes, bytearray, memoryview)):
+        elif kind is str or kind is bytes or kind is bytearray:
             total += len(item)
-        elif isinstance(nbytes := getattr(item, "nbytes", None), int):
+        elif isinstance(nbytes := getattr(item, "nbytes", None), int):  # arrays, memoryviews
             total += nbytes
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
         else:
             total += SCALAR_BYTES
     return total

@@ -42,6 +42,7 @@ def test_payload_nbytes_counts_arrays_text_and_numbers():
     ids = np.zeros((4, 8), np.int64)
     assert payload_nbytes({"batch": {"ids": ids}}) == len("batch") + len("ids") + ids.nbytes
     assert payload_nbytes(torch.zeros(3, 5)) == 60
+    assert payload_nbytes(memoryview(ids)) == ids.nbytes  # its bytes, not its length
     prompts = [[1, 2, 3], [4, 5]]
     assert payload_nbytes({"prompts": prompts}) == len("prompts") + 5 * SCALAR_BYTES
     # A number beside a list is counted with the list's contents, not as one number.
@@ -101,6 +102,13 @@ def test_a_tenants_unfinished_ops_are_bounded_on_cortex_and_in_process(tmp_path)
             assert body["limit"] == "max_pending_mb_per_tenant" and body["maximum"] == MIB
             assert "--max-pending-mb-per-tenant" in body["message"]
             assert service.pending.held(alice) == 3 * each  # the refused op holds nothing
+            # The same frame in a Cortex chunk group: refused when it completes, its chunks kept.
+            chunks = wire.encode_byte_chunks(
+                frame, kind="request", operation="forward-backward", max_bytes=100_000
+            )
+            posted = [submit(jobs[ALICE], ALICE, chunk) for chunk in chunks]
+            assert [p.status_code for p in posted[:-1]] == [200] * (len(chunks) - 1)
+            assert posted[-1].status_code == 429, posted[-1].text
 
             # In process, through the Service, the same bound on the same tenant.
             with pytest.raises(TooManyRequests, match="max-pending-mb-per-tenant"):
@@ -120,7 +128,11 @@ def test_a_tenants_unfinished_ops_are_bounded_on_cortex_and_in_process(tmp_path)
             # Only the accepted ops ran: three of Alice's and one of Bob's.
             wait_until(lambda: _ops_run(service) == 4, what="the accepted ops counted")
             assert submit(jobs[ALICE], ALICE).status_code == 200
-            wait_until(lambda: service.pending.held(alice) == 0, what="Alice's next op finished")
+            # The client's retry of the group's last chunk submits the frame it kept.
+            retried = submit(jobs[ALICE], ALICE, chunks[-1])
+            assert retried.status_code == 200 and retried.json()["request_id"], retried.text
+            wait_until(lambda: service.pending.held(alice) == 0, what="Alice's next ops finished")
+            wait_until(lambda: _ops_run(service) == 6, what="the two counted")
     finally:
         gate.set()
         service.close()
@@ -183,8 +195,15 @@ def test_tinker_requests_parked_for_their_turn_are_bounded(tmp_path):
             assert retried.status_code == 200, retried.text
             tinker.result(retried.json()["request_id"]).raise_for_status()
 
+            # A request beyond the bound alone is refused for good, and its seq_id is used up:
+            # the next one runs instead of parking behind it.
+            assert forward(7, datums=70).status_code == 413
+            after = forward(8, datums=1)
+            assert after.status_code == 200, after.text
+            tinker.result(after.json()["request_id"]).raise_for_status()
+
             # A request parked when its session finishes ends with its job, freeing its bytes.
-            orphan = forward(8)  # 7 never comes
+            orphan = forward(10)  # 9 never comes
             assert orphan.status_code == 200, orphan.text
             assert service.pending.held(alice) > 300_000
             finished = tinker.http.post(f"/sessions/{session}/finish", json={})
@@ -205,3 +224,17 @@ def test_serve_flag_sets_the_pending_work_limit(monkeypatch):
     assert [limits.max_pending_mb_per_tenant for limits in seen] == [2048, 64]
     refused = CliRunner().invoke(cli.app, ["serve", flag, "0"])
     assert refused.exit_code == 2 and flag in refused.output
+
+
+def test_the_sdk_is_told_to_send_forward_backward_chunks_in_order(tmp_path):
+    """Sent first-chunk-last (the SDK's default), a large forward_backward's later chunks would
+    park waiting for the first and, once they filled the bound, never let the SDK send it."""
+    types = pytest.importorskip("tinker.types")
+    service = Service(ServiceSettings(data_dir=tmp_path / "data", device="cpu"))
+    try:
+        with serve_app(make_app(service, tokens=[ALICE])) as url, httpx.Client() as http:
+            answer = http.post(f"{url}/api/v1/client/config", json={}, headers=credentials(ALICE))
+        config = types.ClientConfigResponse.model_validate(answer.json())
+        assert config.parallel_fwdbwd_chunks is False
+    finally:
+        service.close()

@@ -26,6 +26,7 @@ from arctic_platform.engine.builtin import resolve_model_path
 from arctic_platform.server.errors import (
     BadRequest,
     Conflict,
+    PayloadTooLarge,
     ServiceError,
     failure_of,
     result_of,
@@ -562,7 +563,7 @@ class TinkerOps:
         validation still uses up its ``seq_id``, so the client's later requests do not wait on
         it forever. Its ``nbytes`` (the body) count among the owner's unfinished ops from now
         until it ends, waiting for its turn included (``pending_work.py``); one refused for
-        that keeps its ``seq_id`` for the SDK's retry of the same request."""
+        that with 429 keeps its ``seq_id`` for the SDK's retry of the same request."""
         if seq_id is not None and not _is_seq_id(seq_id):
             # The SDK numbers a training client's requests from 1; it sends 0 only for a
             # caller's missing seq_id, which the Tinker service refuses the same way.
@@ -573,7 +574,12 @@ class TinkerOps:
             known = run.sequencer.known(seq_id)
             if known is not None:
                 return known
-        release = self.service.pending.take(owner, nbytes, self.service.limits)
+        try:
+            release = self.service.pending.take(owner, nbytes, self.service.limits)
+        except PayloadTooLarge:  # never fits: refused for good, like a bad request
+            if seq_id is not None:
+                run.sequencer.skip(seq_id)
+            raise
         try:
             runner = prepare()
         except BaseException as exc:

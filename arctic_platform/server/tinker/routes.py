@@ -97,7 +97,11 @@ def _future(request_id: str, **extra: Any) -> dict:
 async def client_config(request: Request) -> dict:
     """What the SDK should do. Each sample request is polled on its own (no sampling session),
     so a sampling client keeps at most half of the tenant's long polls waiting
-    (``--max-long-polls-per-tenant``), the rest left to training futures and other clients."""
+    (``--max-long-polls-per-tenant``), the rest left to training futures and other clients.
+    A forward_backward's chunks are sent in order: sent in parallel, the first one last, the
+    later ones would wait parked for it, and once they filled the tenant's
+    ``--max-pending-mb-per-tenant`` the SDK would retry them for ever, never sending the first
+    (here each chunk runs as its own op anyway; nothing is gained by parking them)."""
     _owner(request)
     long_polls = request.app.state.service.limits.max_long_polls_per_tenant
     return {
@@ -106,6 +110,7 @@ async def client_config(request: Request) -> dict:
         "sample_use_retrieve_futures": False,
         "sample_join_sampling_session": False,
         "sample_max_concurrent_requests": max(1, long_polls // 2),
+        "parallel_fwdbwd_chunks": False,
         "use_pyqwest_transport": False,
     }
 
