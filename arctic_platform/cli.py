@@ -293,6 +293,14 @@ def serve(
             "for their turn, or running), each holding its body; one more gets 429.",
         ),
     ] = ServerLimits.max_pending_mb_per_tenant,
+    max_retained_results_mb: Annotated[
+        int,
+        typer.Option(
+            min=1,
+            help="MiB of finished ops' results the Cortex and Tinker APIs each keep for clients "
+            "to fetch; past it the tenant (Cortex: the job) holding the most drops its oldest.",
+        ),
+    ] = ServerLimits.max_retained_results_mb,
     max_json_mb: Annotated[
         int,
         typer.Option(
@@ -410,6 +418,7 @@ def serve(
             max_chunk_group_mb=max_chunk_group_mb,
             max_long_polls_per_tenant=max_long_polls_per_tenant,
             max_pending_mb_per_tenant=max_pending_mb_per_tenant,
+            max_retained_results_mb=max_retained_results_mb,
             max_json_mb=max_json_mb,
         ),
     )

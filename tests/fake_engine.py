@@ -337,6 +337,7 @@ class FakeSampler(_FakeModel):
             "prompt_len": len(prompt),
             "prompt_index": index,
             "sample_index": sample,
+            "cached_prompt_tokens": 0,  # it keeps no prompt cache
         }
         if p.logprobs is not None:
             positions = range(len(prompt), len(prompt) + length)

@@ -22,6 +22,7 @@ The columns (``N`` samples, ``T`` tokens in all)::
     top_k          int32 [N]     top_ids int32 [K], top_logprobs float32 [K]: k alternatives
                                                               per token of sample i, in order
     prompt_len, prompt_index, sample_index   int64 [N]
+    cached_prompt_tokens                     int64 [N]   prompt tokens the engine's cache held
     finish_reason, stop_reason               JSON lists [N]
     extra                                    JSON list [N] of the fields no column holds
 
@@ -48,7 +49,7 @@ RESPONSE_OPTIONS_KEY = "response_options"
 GENERATE_RESULTS_OPTION = "generate_results"
 COLUMNS = "columns"
 
-INT_COLUMNS = ("prompt_len", "prompt_index", "sample_index")
+INT_COLUMNS = ("prompt_len", "prompt_index", "sample_index", "cached_prompt_tokens")
 JSON_COLUMNS = ("finish_reason", "stop_reason")
 _INT32 = np.iinfo(np.int32)
 

@@ -75,6 +75,7 @@ class Finished:
     logprobs: list[float] | None  # of the sampled tokens, when the request asked for log-probs
     ranks: list[int] | None
     top: list[list[list]] | None  # per token, ``[[token_id, logprob], ...]`` of the k likeliest
+    cached_tokens: int = 0  # of its prompt's tokens, how many the prompt cache provided
 
 
 @dataclass
@@ -84,6 +85,7 @@ class _Row:
     sample: int
     stops: SamplingParams | None  # the params, when the request has stop strings
     continues: bool  # its prompt extends a whole cached one: a multi-turn rollout's next turn
+    cached_tokens: int  # of its prompt's tokens, how many the prompt cache provided
 
 
 @dataclass(frozen=True)
@@ -213,6 +215,7 @@ class RunningBatch:
         lengths = torch.tensor([len(p) for p in prompts], device=self.side.device)
         self._group_len = torch.cat([self._group_len[live.groups], lengths])
         extends = [match is not None and match.extends for match in matches]
+        cached = [0 if match is None else match.length for match in matches]
         self._rows = [self._rows[i] for i in live.rows.tolist()] + [
             _Row(
                 s.owner,
@@ -220,6 +223,7 @@ class RunningBatch:
                 sample,
                 s.request.params if s.request.params.stop else None,
                 extends[group],
+                cached[group],
             )
             for s, group in zip(slices, slice_group.tolist(), strict=True)
             for sample in range(s.first, s.first + s.count)
@@ -592,6 +596,7 @@ class RunningBatch:
                     logprobs=host["logprob"][i, :n].tolist() if wants else None,
                     ranks=host["rank"][i, :n].tolist() if wants else None,
                     top=_top(host, i, n, k) if wants else None,
+                    cached_tokens=row.cached_tokens,
                 )
             )
         return results

@@ -209,6 +209,7 @@ class SamplingEngine:
             "prompt_len": len(done.request.token_ids),
             "prompt_index": done.request.index,
             "sample_index": done.sample,
+            "cached_prompt_tokens": done.cached_tokens,
         }
         if params.logprobs is not None:
             output["logprobs"] = [

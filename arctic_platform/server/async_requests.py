@@ -34,6 +34,7 @@ from arctic_platform.server.request_registry import (
     RequestRegistry,
     TrackedRequest,
     outcome,
+    result_nbytes,
 )
 
 INLINE_RESULT_BYTES = 8 * 1024 * 1024
@@ -74,12 +75,17 @@ class AsyncRequest(TrackedRequest):
 
 class RequestStore:
     """Cortex requests by id, in the server's request registry (each visible in its job; past
-    ``max_finished`` finished ones, the first finished is forgotten), with what became of each."""
+    ``max_finished`` finished ones, or ``max_finished_bytes`` of their results, the first
+    finished of the job holding the most is forgotten), with what became of each."""
 
-    def __init__(self, max_finished: int = MAX_FINISHED) -> None:
+    def __init__(
+        self, max_finished: int = MAX_FINISHED, max_finished_bytes: int | None = None
+    ) -> None:
         # Guards the records' outcome fields; the registry guards which requests exist.
         self._lock = threading.Lock()
-        self._requests: RequestRegistry[AsyncRequest] = RequestRegistry(max_finished)
+        self._requests: RequestRegistry[AsyncRequest] = RequestRegistry(
+            max_finished, max_finished_bytes, size=result_nbytes
+        )
 
     def track(
         self,

@@ -47,6 +47,10 @@ class ServerLimits:
     # tenant could queue bodies until the server runs out of memory. Eight of the largest bodies
     # (``--max-body-mb``) fit.
     max_pending_mb_per_tenant: int = 2048
+    # MiB of finished ops' results each polling API (Cortex requests, Tinker futures) keeps for
+    # its clients to fetch; past it the scope holding the most drops its oldest
+    # (server/request_registry.py), so results nobody fetches cannot fill the server's memory.
+    max_retained_results_mb: int = 4096
     # MiB of JSON in one body or DSSST1 header (server/http_common.py): parsed JSON costs several
     # times its size in Python objects, a tensor's bytes are only viewed. 64 MiB holds a generate
     # of 8192 prompts x 1024 tokens sent as JSON (about 40 MB).

@@ -9,12 +9,15 @@ the form of their answers:
   scope (another tenant's or another job's) exactly as for an unknown one, so an id never tells
   a stranger that it exists;
 * bounded retention: finished requests stay retrievable (a client whose poll response was lost
-  polls again) until more than ``max_finished`` have finished, then the one that finished first
-  *in the scope holding the most finished requests* is dropped: a tenant running thousands of
-  quick ops drops its own old results, not another tenant's result that its client has yet to
-  poll (with one queue for all, a tenant's 4,096 quick ops dropped every other tenant's
-  unpolled results). Requests still running are always kept; each scope keeps its finished ones
-  in finishing order, so a drop scans the scopes, never the requests;
+  polls again) until more than ``max_finished`` have finished, or their results (measured by
+  the store's ``size``) hold more than ``max_finished_bytes``; then the one that finished first
+  *in the scope holding the most* (requests, or bytes) is dropped: a tenant running thousands
+  of quick ops, or keeping large results it never polls, drops its own old results, not
+  another tenant's result that its client has yet to poll (with one queue for all, a tenant's
+  4,096 quick ops dropped every other tenant's unpolled results, and 4,096 large results could
+  fill the server's memory). The request that just finished is never the one dropped; requests
+  still running are always kept; each scope keeps its finished ones in finishing order, so a
+  drop scans the scopes, never the requests;
 * the one mapping of an exception nobody anticipated onto ``internal_error(request_id)``, whose
   traceback is logged under that id (:func:`outcome`);
 * waiting for an op's end with a timeout, for long polls (:func:`finished_within`).
@@ -23,6 +26,7 @@ the form of their answers:
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import threading
 import uuid
@@ -33,6 +37,7 @@ from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
 from arctic_platform.server.errors import NotFound, ServiceError, internal_error
+from arctic_platform.server.pending_work import payload_nbytes
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -58,12 +63,24 @@ R = TypeVar("R", bound=TrackedRequest)
 class RequestRegistry(Generic[R]):
     """Requests by id, each visible to one scope; thread-safe (see module doc)."""
 
-    def __init__(self, max_finished: int) -> None:
+    def __init__(
+        self,
+        max_finished: int,
+        max_finished_bytes: int | None = None,
+        size: Callable[[Future], int] | None = None,
+    ) -> None:
+        """``size``: the bytes a finished request's future holds (None: results are not
+        measured, and only ``max_finished`` bounds them)."""
         self._lock = threading.Lock()
         self._requests: dict[str, tuple[str | None, R]] = {}
-        self._finished: dict[str | None, deque[str]] = {}  # scope -> its finished, in order
+        # scope -> its finished requests in finishing order, with the bytes each holds
+        self._finished: dict[str | None, deque[tuple[str, int]]] = {}
+        self._scope_bytes: collections.Counter = collections.Counter()
         self._finished_count = 0
+        self._finished_bytes = 0
         self._max_finished = max_finished
+        self._max_finished_bytes = max_finished_bytes
+        self._size = size
 
     def add(self, request: R, *, scope: str | None) -> R:
         """Register ``request``, which only ``scope`` may look up (a tenant, or a job whose
@@ -71,7 +88,7 @@ class RequestRegistry(Generic[R]):
         request_id = request.request_id
         with self._lock:
             self._requests[request_id] = (scope, request)
-        request.future.add_done_callback(lambda _: self._finish(request_id))
+        request.future.add_done_callback(lambda future: self._finish(request_id, future))
         return request
 
     def get(self, request_id: str, *, scope: str | None) -> R:
@@ -82,18 +99,49 @@ class RequestRegistry(Generic[R]):
             raise NotFound(f"request {request_id!r} not found")
         return scope_and_request[1]
 
-    def _finish(self, request_id: str) -> None:
+    def _finish(self, request_id: str, future: Future) -> None:
+        nbytes = 0 if self._size is None else self._size(future)  # outside the lock: a walk
         with self._lock:
             scope = self._requests[request_id][0]
-            self._finished.setdefault(scope, deque()).append(request_id)
+            self._finished.setdefault(scope, deque()).append((request_id, nbytes))
+            self._scope_bytes[scope] += nbytes
             self._finished_count += 1
-            if self._finished_count > self._max_finished:
-                heaviest = max(self._finished, key=lambda s: len(self._finished[s]))
-                finished = self._finished[heaviest]
-                del self._requests[finished.popleft()]
-                self._finished_count -= 1
-                if not finished:
-                    del self._finished[heaviest]
+            self._finished_bytes += nbytes
+            while (over := self._over()) is not None:
+                # the scope holding the most, among those with something besides this request
+                held = {s: f for s, f in self._finished.items() if f[0][0] != request_id}
+                if not held:
+                    break
+                heaviest = max(held, key=lambda s: over(s))
+                self._drop_oldest(heaviest)
+
+    def _over(self) -> Callable[[str | None], int] | None:
+        """What ranks the scopes when a bound is exceeded (bytes first), or None (lock held)."""
+        if self._max_finished_bytes is not None and self._finished_bytes > self._max_finished_bytes:
+            return self._scope_bytes.__getitem__
+        if self._finished_count > self._max_finished:
+            return lambda scope: len(self._finished[scope])
+        return None
+
+    def _drop_oldest(self, scope: str | None) -> None:
+        """Forget ``scope``'s first finished request (lock held)."""
+        finished = self._finished[scope]
+        request_id, nbytes = finished.popleft()
+        del self._requests[request_id]
+        self._finished_count -= 1
+        self._finished_bytes -= nbytes
+        self._scope_bytes[scope] -= nbytes
+        if not finished:
+            del self._finished[scope]
+            del self._scope_bytes[scope]
+
+
+def result_nbytes(future: Future) -> int:
+    """The bytes a finished future's result holds (:func:`payload_nbytes`; nothing for an error
+    or a cancellation): what a store's ``size`` measures."""
+    if future.cancelled() or future.exception() is not None:
+        return 0
+    return payload_nbytes(future.result())
 
 
 def outcome(request_id: str, compute: Callable[[], T]) -> T:

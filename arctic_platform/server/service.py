@@ -36,7 +36,7 @@ from arctic_platform.server.idle_reaper import IdleReaper
 from arctic_platform.server.job_builder import JobBuilder
 from arctic_platform.server.job_ops import JOB_POLL_S, run_job_op
 from arctic_platform.server.job_registry import JobRegistry, SubJob
-from arctic_platform.server.limits import ServerLimits
+from arctic_platform.server.limits import MIB, ServerLimits
 from arctic_platform.server.metrics import ServiceMetrics
 from arctic_platform.server.paths import PathPolicy
 from arctic_platform.server.pending_work import PendingWork, payload_nbytes
@@ -141,7 +141,9 @@ class Service:
             confine=settings.confine_paths,
         )
         self.store = MetadataStore(settings.data_dir / "metadata.sqlite3")
-        self.requests = RequestStore()
+        self.requests = RequestStore(
+            max_finished_bytes=settings.limits.max_retained_results_mb * MIB
+        )
         self.links = LinkSigner()  # every API's signed download links
         self.chunk_groups = ChunkGroups(limits=settings.limits)
         self.pending = PendingWork()  # each tenant's bytes in unfinished ops

@@ -348,3 +348,16 @@ def test_only_a_call_that_continues_a_cached_prompt_has_its_sequences_cached(wei
         tuple(turn),
         *_fed([turn], outputs, PARAMS["n"]),
     }
+
+
+def test_each_output_says_how_many_prompt_tokens_the_cache_provided(weights):
+    """``cached_prompt_tokens``: what Tinker's ``prompt_cache_hit_tokens`` and OpenAI's
+    ``usage.prompt_tokens_details.cached_tokens`` report; the same for every sample of a prompt."""
+    engine = _engine(weights)
+    n = PARAMS["n"]
+    first = engine.generate([LONG, SHORT], PARAMS)
+    assert [o["cached_prompt_tokens"] for o in first] == [0] * 2 * n
+    diverging = [*LONG[: BLOCK + 5], 99, 98, 97]  # shares a block and five tokens with LONG
+    again = engine.generate([LONG, diverging, OTHER], PARAMS)
+    expected = [len(LONG)] * n + [BLOCK + 5] * n + [0] * n
+    assert [o["cached_prompt_tokens"] for o in again] == expected

@@ -16,10 +16,7 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import httpx
-from typer.testing import CliRunner
 
-from arctic_platform import cli
-from arctic_platform.server import serve
 from arctic_platform.server.limits import ServerLimits
 from arctic_platform.server.service import Service, ServiceSettings
 from arctic_platform.server.tinker.futures import OpResult
@@ -94,13 +91,3 @@ def test_a_tenant_has_at_most_max_long_polls_per_tenant_waiting(tmp_path):
     finally:
         gate.set()
         service.close()
-
-
-def test_serve_flag_sets_the_long_poll_limit(monkeypatch):
-    seen = []
-    monkeypatch.setattr(serve, "serve", lambda **kwargs: seen.append(kwargs["limits"]))
-    assert CliRunner().invoke(cli.app, ["serve"]).exit_code == 0
-    assert CliRunner().invoke(cli.app, ["serve", "--max-long-polls-per-tenant", "5"]).exit_code == 0
-    assert [limits.max_long_polls_per_tenant for limits in seen] == [1024, 5]
-    refused = CliRunner().invoke(cli.app, ["serve", "--max-long-polls-per-tenant", "0"])
-    assert refused.exit_code == 2 and "--max-long-polls-per-tenant" in refused.output

@@ -17,10 +17,8 @@ from contextlib import closing
 import httpx
 import numpy as np
 import pytest
-from typer.testing import CliRunner
 
-from arctic_platform import cli, wire
-from arctic_platform.server import serve
+from arctic_platform import wire
 from arctic_platform.server.errors import PayloadTooLarge, TooManyRequests
 from arctic_platform.server.limits import MIB, ServerLimits
 from arctic_platform.server.pending_work import OP_OVERHEAD_BYTES, SCALAR_BYTES, payload_nbytes
@@ -213,17 +211,6 @@ def test_tinker_requests_parked_for_their_turn_are_bounded(tmp_path):
             assert "cancelled" in ended.text, ended.text
     finally:
         service.close()
-
-
-def test_serve_flag_sets_the_pending_work_limit(monkeypatch):
-    seen = []
-    monkeypatch.setattr(serve, "serve", lambda **kwargs: seen.append(kwargs["limits"]))
-    flag = "--max-pending-mb-per-tenant"
-    assert CliRunner().invoke(cli.app, ["serve"]).exit_code == 0
-    assert CliRunner().invoke(cli.app, ["serve", flag, "64"]).exit_code == 0
-    assert [limits.max_pending_mb_per_tenant for limits in seen] == [2048, 64]
-    refused = CliRunner().invoke(cli.app, ["serve", flag, "0"])
-    assert refused.exit_code == 2 and flag in refused.output
 
 
 def test_the_sdk_is_told_to_send_forward_backward_chunks_in_order(tmp_path):

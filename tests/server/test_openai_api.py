@@ -178,6 +178,16 @@ def test_the_stream_is_server_sent_events_ending_in_done(server):
     assert first["object"] == "text_completion" and first["choices"][0]["index"] == 0
 
 
+def test_usage_reports_the_prompt_tokens_the_cache_provided(server):
+    prompt = "12+34=46, 56+78=134, 90+12=102, 34+56="  # a prompt no other test sends
+    params = {"max_tokens": 2, "seed": 3, "temperature": 1.0}
+    first, again = (
+        sdk(server).completions.create(model=TINY, prompt=prompt, **params) for _ in range(2)
+    )
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert again.usage.prompt_tokens_details.cached_tokens == len(prompt)  # a whole hit
+
+
 def test_chat_on_a_base_model_is_our_generate_on_the_chat_template(server, run):
     answer = sdk(server).chat.completions.create(
         model=TINY, messages=MESSAGES, logprobs=True, top_logprobs=1, **_openai(CHAT_PARAMS)

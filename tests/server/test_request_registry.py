@@ -149,3 +149,27 @@ def test_past_the_limit_the_scope_holding_the_most_drops_its_own_first_finished(
             registry.get(dropped, scope=scope)
     assert [registry.get(i, scope="alice").future.result() for i in more[1:]] == [1, 2]
     assert [registry.get(i, scope="bob").future.result() for i in bobs[8:]] == [8, 9]
+
+
+def test_past_the_byte_bound_the_scope_holding_the_most_bytes_drops_its_oldest():
+    sizes = {"small": 10, "large": 60}
+    registry: RequestRegistry[TrackedRequest] = RequestRegistry(
+        max_finished=100, max_finished_bytes=100, size=lambda f: sizes[f.result()]
+    )
+    alices = registry.add(TrackedRequest(future=finished("small")), scope="alice").request_id
+    bobs = [
+        registry.add(TrackedRequest(future=finished("large")), scope="bob").request_id
+        for _ in range(3)
+    ]
+    # 10 + 60 + 60 > 100: Bob's first went, then again at his third.
+    for dropped in bobs[:2]:
+        with pytest.raises(NotFound):
+            registry.get(dropped, scope="bob")
+    assert registry.get(bobs[2], scope="bob").future.result() == "large"
+    assert registry.get(alices, scope="alice").future.result() == "small"
+    # A result larger than the bound alone stays until the next one finishes: it just did.
+    sizes["huge"] = 500
+    huge = registry.add(TrackedRequest(future=finished("huge")), scope="alice").request_id
+    assert registry.get(huge, scope="alice").future.result() == "huge"
+    with pytest.raises(NotFound):  # the others went to make room
+        registry.get(bobs[2], scope="bob")

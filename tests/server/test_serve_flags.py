@@ -42,3 +42,27 @@ def test_a_missing_package_names_the_extra_that_installs_it_without_importing_an
         with pytest.raises(ImportError, match=r"pip install 'arctic-platform\[server\]'"):
             check("arctic_no_such_module", "server", purpose="arctic-platform serve")
     assert require_installed("json", "server") is None
+
+
+@pytest.mark.parametrize(
+    ("limit", "default"),
+    [
+        ("max_long_polls_per_tenant", 1024),
+        ("max_pending_mb_per_tenant", 2048),
+        ("max_retained_results_mb", 4096),
+    ],
+)
+def test_a_per_tenant_limit_flag_sets_its_server_limit(monkeypatch, limit, default):
+    from typer.testing import CliRunner
+
+    from arctic_platform import cli
+    from arctic_platform.server import serve
+
+    seen = []
+    monkeypatch.setattr(serve, "serve", lambda **kwargs: seen.append(kwargs["limits"]))
+    flag = "--" + limit.replace("_", "-")
+    assert CliRunner().invoke(cli.app, ["serve"]).exit_code == 0
+    assert CliRunner().invoke(cli.app, ["serve", flag, "5"]).exit_code == 0
+    assert [getattr(limits, limit) for limits in seen] == [default, 5]
+    refused = CliRunner().invoke(cli.app, ["serve", flag, "0"])
+    assert refused.exit_code == 2 and flag in refused.output

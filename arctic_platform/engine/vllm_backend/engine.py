@@ -250,6 +250,7 @@ class VllmSamplingEngine:
                     "prompt_len": len(request.token_ids),
                     "prompt_index": request.index,
                     "sample_index": sample["sample_index"],
+                    "cached_prompt_tokens": sample["cached_prompt_tokens"],
                 }
                 if "logprobs" in sample:
                     output["logprobs"] = sample["logprobs"]

@@ -240,7 +240,10 @@ def _generate(requests: list[dict]):
 
     def answer(outputs: list) -> list[list[dict]]:
         return [
-            [_sample(c, r["params"].get("logprobs")) for c in sorted(o.outputs, key=_index)]
+            [
+                {**_sample(c, r["params"].get("logprobs")), "cached_prompt_tokens": _cached(o)}
+                for c in sorted(o.outputs, key=_index)
+            ]
             for o, r in zip(outputs, requests, strict=True)
         ]
 
@@ -300,6 +303,11 @@ def _repack_cpu_gemms(model) -> int:
             dispatch_cpu_unquantized_gemm(module, remove_weight=False)
             repacked += 1
     return repacked
+
+
+def _cached(output) -> int:
+    """The prompt tokens vLLM's prefix cache provided (it counts whole blocks)."""
+    return int(getattr(output, "num_cached_tokens", None) or 0)
 
 
 def _index(completion) -> int:

@@ -40,13 +40,17 @@ def sampling_params(request: CompletionRequest | ChatRequest) -> dict[str, Any]:
     }
 
 
-def usage(samples: list[dict], prompt_lengths: list[int]) -> dict:
+def usage(samples: list[dict], prompt_lengths: list[int], firsts: list[dict]) -> dict:
+    """Token counts; ``firsts``: one sample of each prompt, whose ``cached_prompt_tokens`` (the
+    prompt tokens the engine's prompt cache provided) make ``prompt_tokens_details``."""
     completion = sum(len(s["token_ids"]) for s in samples)
     prompt = sum(prompt_lengths)
+    cached = sum(s.get("cached_prompt_tokens", 0) for s in firsts)
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
     }
 
 
@@ -133,14 +137,15 @@ def completion(
                 "finish_reason": sample["finish_reason"] if sample else "length",
             }
         )
+    firsts = [samples[p * n] for p in range(len(prompts))] if samples else []
     if scored is not None:
         lengths = [len(s["prompt_token_ids"]) for s in scored]
     else:
-        lengths = [samples[p * n]["prompt_len"] for p in range(len(prompts))]
+        lengths = [s["prompt_len"] for s in firsts]
     return {
         **_header("text_completion", request.model),
         "choices": choices,
-        "usage": usage(samples, lengths),
+        "usage": usage(samples, lengths, firsts),
     }
 
 
@@ -196,7 +201,7 @@ def chat(request: ChatRequest, samples: list[dict], spell: Spelling) -> dict:
     return {
         **_header("chat.completion", request.model),
         "choices": choices,
-        "usage": usage(samples, [samples[0]["prompt_len"]] if samples else []),
+        "usage": usage(samples, [s["prompt_len"] for s in samples[:1]], samples[:1]),
     }
 
 

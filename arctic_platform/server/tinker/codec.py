@@ -220,10 +220,13 @@ class SampledSequence:
 
 
 def encode_sample_response(
-    sequences: Sequence[SampledSequence], prompt_logprobs: list[float | None] | None
+    sequences: Sequence[SampledSequence],
+    prompt_logprobs: list[float | None] | None,
+    prompt_cache_hit_tokens: int = 0,
 ) -> bytes:
-    """``SampleResponse``; a prompt position without a log-prob is NaN on the wire."""
-    message = proto.SampleResponse()
+    """``SampleResponse``; a prompt position without a log-prob is NaN on the wire.
+    ``prompt_cache_hit_tokens``: the prompt tokens the engine's prompt cache provided."""
+    message = proto.SampleResponse(prompt_cache_hit_tokens=prompt_cache_hit_tokens)
     for seq in sequences:
         item = message.sequences.add(
             stop_reason=proto.STOP_REASON[seq.stop_reason],

@@ -27,11 +27,13 @@ from dataclasses import dataclass
 from fastapi.responses import JSONResponse, Response
 
 from arctic_platform.server.errors import ServiceError, result_of
+from arctic_platform.server.pending_work import payload_nbytes
 from arctic_platform.server.request_registry import (
     RequestRegistry,
     TrackedRequest,
     finished_within,
     outcome,
+    result_nbytes,
 )
 from arctic_platform.server.tinker import codec, proto
 
@@ -48,12 +50,21 @@ class OpResult:
     json: dict | None = None
     protobuf: bytes | None = None
 
+    @property
+    def nbytes(self) -> int:
+        """What the answer holds, for the store's retention bound."""
+        return payload_nbytes(self.json) + len(self.protobuf or b"")
+
 
 class FutureStore:
-    """The Tinker ops' futures of :class:`OpResult`, each retrievable by its owner only."""
+    """The Tinker ops' futures of :class:`OpResult`, each retrievable by its owner only (past
+    ``MAX_FINISHED`` finished ones, or ``max_finished_bytes`` of their answers, the first
+    finished of the owner holding the most is dropped)."""
 
-    def __init__(self) -> None:
-        self._requests: RequestRegistry[TrackedRequest] = RequestRegistry(MAX_FINISHED)
+    def __init__(self, max_finished_bytes: int | None = None) -> None:
+        self._requests: RequestRegistry[TrackedRequest] = RequestRegistry(
+            MAX_FINISHED, max_finished_bytes, size=result_nbytes
+        )
 
     def add(self, owner: str | None, future: Future) -> str:
         """Register ``future`` as an op of ``owner``; returns its new request id."""

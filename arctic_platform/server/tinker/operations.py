@@ -31,6 +31,7 @@ from arctic_platform.server.errors import (
     failure_of,
     result_of,
 )
+from arctic_platform.server.limits import MIB
 from arctic_platform.server.ops import check_context, check_generate
 from arctic_platform.server.pending_work import PendingWork, payload_nbytes
 from arctic_platform.server.service import Service
@@ -69,7 +70,7 @@ class TinkerOps:
         self.service = service
         self.state = TinkerState(service.store)
         self.reaper = SessionReaper(self.state, self.finish_session, session_timeout_s)
-        self.futures = FutureStore()
+        self.futures = FutureStore(service.limits.max_retained_results_mb * MIB)
         self.checkpoints = TinkerCheckpoints(
             service.checkpoints,
             service.store,
@@ -630,7 +631,10 @@ def _sample_result(done: Future, outer: Future, count_tokens: Callable[[int], No
         )
         for o in outputs
     ]
-    outer.set_result(OpResult(protobuf=codec.encode_sample_response(sequences, scored)))
+    # the first sample's: the request's samples are admitted together (sample_batcher.py)
+    cached = outputs[0].get("cached_prompt_tokens", 0) if outputs else 0
+    body = codec.encode_sample_response(sequences, scored, cached)
+    outer.set_result(OpResult(protobuf=body))
 
 
 def _copy_outcome(source: Future, target: Future) -> None:

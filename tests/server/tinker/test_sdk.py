@@ -158,6 +158,7 @@ def test_sampling_with_logprobs_prompt_logprobs_and_stop(service_client):
     ).result()
     assert stopped.sequences[0].tokens == [first]
     assert stopped.sequences[0].stop_reason == "stop"
+    assert stopped.prompt_cache_hit_tokens == len(prompt)  # the first sample cached it
     assert response.sequences[0].stop_reason in ("stop", "length")
     scored = sampler.compute_logprobs(types.ModelInput.from_ints(prompt)).result()
     assert scored[0] is None
