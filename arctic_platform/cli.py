@@ -274,7 +274,7 @@ def serve(
         typer.Option(
             min=1,
             help="MiB one tenant's incomplete Cortex chunk groups may hold (also the largest "
-            "frame it can send in chunks); a chunk beyond it gets 413.",
+            "frame it can send in chunks); a chunk beyond it gets 429, a frame beyond it 413.",
         ),
     ] = ServerLimits.max_chunk_group_mb,
     max_long_polls_per_tenant: Annotated[

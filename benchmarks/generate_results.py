@@ -107,6 +107,7 @@ def sampler_outputs(samples: int, length: int) -> list[dict]:
                 "prompt_len": 16,
                 "prompt_index": i,
                 "sample_index": 0,
+                "cached_prompt_tokens": 0,
                 "logprobs": [
                     {"token_id": t, "logprob": v, "top": []}
                     for t, v in zip(ids[span], values[span], strict=True)

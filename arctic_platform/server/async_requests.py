@@ -30,11 +30,11 @@ from arctic_platform.contract.states import RequestState
 from arctic_platform.engine.cancellation import CancelToken
 from arctic_platform.server.errors import BadRequest, Conflict, ServiceError
 from arctic_platform.server.limits import ServerLimits
+from arctic_platform.server.pending_work import payload_nbytes
 from arctic_platform.server.request_registry import (
     RequestRegistry,
     TrackedRequest,
     outcome,
-    result_nbytes,
 )
 
 INLINE_RESULT_BYTES = 8 * 1024 * 1024
@@ -73,6 +73,16 @@ class AsyncRequest(TrackedRequest):
         return self.op == OpName.GENERATE_STREAM
 
 
+# What a finished request's future becomes once its outcome is recorded: done, holding nothing.
+_SETTLED: Future = Future()
+_SETTLED.set_result(None)
+
+
+def _stored_nbytes(request: AsyncRequest) -> int:
+    """The bytes a finished request keeps: its recorded result and events."""
+    return payload_nbytes(request.result) + payload_nbytes(request.events)
+
+
 class RequestStore:
     """Cortex requests by id, in the server's request registry (each visible in its job; past
     ``max_finished`` finished ones, or ``max_finished_bytes`` of their results, the first
@@ -84,7 +94,7 @@ class RequestStore:
         # Guards the records' outcome fields; the registry guards which requests exist.
         self._lock = threading.Lock()
         self._requests: RequestRegistry[AsyncRequest] = RequestRegistry(
-            max_finished, max_finished_bytes, size=result_nbytes
+            max_finished, max_finished_bytes, size=_stored_nbytes
         )
 
     def track(
@@ -111,8 +121,9 @@ class RequestStore:
             reshape=reshape,
             stop=stop,
         )
-        self._requests.add(request, scope=job_id)
+        # The outcome is recorded first, so the registry measures what the request keeps.
         future.add_done_callback(lambda f: self._finish(request, f))
+        self._requests.add(request, scope=job_id)
         return request
 
     def get(self, job_id: str, request_id: str) -> AsyncRequest:
@@ -184,6 +195,8 @@ class RequestStore:
             if error is not None:
                 request.error = error.message
                 request.error_detail = {"status": error.status, **error.body()}
+            # The op's raw result now lives on in its recorded form only.
+            request.future = _SETTLED
 
     @staticmethod
     def _outcome(request: AsyncRequest, future: Future) -> tuple[Any, list[dict]]:
@@ -249,6 +262,8 @@ class _Group:
     held: int = 0  # bytes of ``chunks``, counted in ChunkGroups' per-owner total
     request_id: str | None = None
     scheduled: bool = False
+    # Its frame was refused for now (429): only a resend of its last chunk submits it again.
+    deferred: bool = False
     ready: threading.Event = field(default_factory=threading.Event)
     touched: float = field(default_factory=time.time)
 
@@ -380,7 +395,7 @@ class ChunkGroups:
                         chunk_group_id=group_id,
                     )
                 # A frame that can never fit is refused before any of it is held.
-                self._limits.check_chunk_bytes(meta["frame_size_bytes"])
+                self._limits.check_chunk_bytes(meta["frame_size_bytes"], alone=True)
                 self._limits.check_chunk_bytes(self._held[owner] + len(frame))
                 group = _Group(descriptor={k: meta.get(k) for k in _GROUP_KEYS}, owner=owner)
                 self._groups[key] = group
@@ -402,8 +417,9 @@ class ChunkGroups:
             group.chunks[index] = frame
             group.held += added
             self._held[group.owner] += added
-            if not group.complete:
-                if index == group.total - 1:
+            last = index == group.total - 1
+            if not group.complete or (group.deferred and not last):
+                if last:
                     missing = group.missing()
                     raise Conflict(
                         f"request chunk group is missing chunks {missing[:20]}",
@@ -414,7 +430,7 @@ class ChunkGroups:
                 return ChunkOutcome(
                     group_id=group_id, received=len(group.chunks), total=group.total
                 )
-            group.scheduled = True
+            group.scheduled, group.deferred = True, False
             chunks = [group.chunks[i] for i in range(group.total)]
         try:
             whole = wire.decode_byte_chunks(chunks, kind="request")
@@ -434,13 +450,15 @@ class ChunkGroups:
 
     def unschedule(self, sub_job_id: str, group_id: str) -> None:
         """The group's frame was refused for now (429: the owner's unfinished ops are full): it
-        keeps its chunks, unscheduled, so the client's retry of a chunk submits it again.
-        Retries waiting on it meanwhile are told to restart the group."""
+        keeps its chunks, unscheduled, and the client's resend of its last chunk submits it
+        again (a resend of another chunk, as a client restarting the group sends first, is
+        only acknowledged: a client expects the request id from the last chunk). Retries
+        waiting on it meanwhile are told to restart the group."""
         with self._lock:
             group = self._groups.get((sub_job_id, group_id))
             if group is None:
                 return
-            group.scheduled = False
+            group.scheduled, group.deferred = False, True
             waiting, group.ready = group.ready, threading.Event()
         waiting.set()
 

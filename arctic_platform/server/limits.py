@@ -38,9 +38,10 @@ class ServerLimits:
     header_read_timeout: float = 30.0
     max_uploads_per_tenant: int = 8
     max_chunk_group_mb: int = 1024
-    # Long polls (get-job's ``?wait_s=``, Tinker's ``retrieve_future``) one tenant may have
-    # waiting at once: each holds a connection for up to a minute. The Tinker SDK is told to keep
-    # at most half of them in sample requests (``/client/config``), so one client is not refused.
+    # Long polls (get-job's ``?wait_s=``, Tinker's ``retrieve_future``, and OpenAI requests while
+    # they wait) one tenant may have waiting at once: each holds a connection. The Tinker SDK is
+    # told to keep at most half of them in sample requests (``/client/config``), so one client
+    # is not refused.
     max_long_polls_per_tenant: int = 1024
     # MiB of ops one tenant has submitted and not seen finish (queued, parked for their turn, or
     # running; server/pending_work.py): each holds its body until it ends, so without a bound a
@@ -115,14 +116,15 @@ class ServerLimits:
             )
 
     def check_long_polls(self, waiting: int) -> None:
-        """``waiting``: the tenant's long polls waiting, this one included (beyond the limit a
-        get-job is answered at once instead, ``job_ops.settled_info``; a Tinker
-        ``retrieve_future`` gets this 429, which the SDK backs off from and retries)."""
+        """``waiting``: the tenant's long polls waiting (OpenAI requests among them), this one
+        included (beyond the limit a get-job is answered at once instead,
+        ``job_ops.settled_info``; a Tinker ``retrieve_future`` or an OpenAI request gets this
+        429, which their SDKs back off from and retry)."""
         bound = self.max_long_polls_per_tenant
         if waiting > bound:
             message = (
-                f"this tenant already has {waiting - 1} long polls waiting, the server's limit "
-                f"of long polls waiting per tenant is {bound}"
+                f"this tenant already has {waiting - 1} requests waiting (long polls, OpenAI "
+                f"requests), the server's limit of waiting requests per tenant is {bound}"
             )
             raise limit_exceeded(
                 message,
@@ -158,16 +160,22 @@ class ServerLimits:
                 error=TooManyRequests,
             )
 
-    def check_chunk_bytes(self, held: int) -> None:
-        """``held``: bytes a tenant's incomplete chunk groups would hold with the chunk (or
-        the whole frame) in question."""
+    def check_chunk_bytes(self, held: int, *, alone: bool = False) -> None:
+        """``held``: bytes a tenant's incomplete chunk groups would hold with the chunk in
+        question; ``alone``: the declared size of one frame by itself. Beyond the limit a frame
+        alone is a 413 (it never fits); otherwise a 429, since the tenant's other groups
+        completing or expiring makes room."""
         bound = self.max_chunk_group_mb * MIB
         if held > bound:
+            whose = "a frame of" if alone else "this tenant's incomplete chunk groups would hold"
             message = (
-                f"chunk groups: this tenant's incomplete chunk groups would hold {held} bytes, "
-                f"over this server's limit of {self.max_chunk_group_mb} MiB"
+                f"chunk groups: {whose} {held} bytes, over this server's limit of "
+                f"{self.max_chunk_group_mb} MiB"
             )
-            raise limit_exceeded(message, limit="max_chunk_group_mb", value=held, maximum=bound)
+            error = PayloadTooLarge if alone else TooManyRequests
+            raise limit_exceeded(
+                message, limit="max_chunk_group_mb", value=held, maximum=bound, error=error
+            )
 
     def check_json(self, what: str, nbytes: int) -> None:
         """``nbytes`` of JSON (a body, or a DSSST1 frame's header) about to be parsed."""

@@ -37,7 +37,6 @@ from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
 from arctic_platform.server.errors import NotFound, ServiceError, internal_error
-from arctic_platform.server.pending_work import payload_nbytes
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -67,10 +66,10 @@ class RequestRegistry(Generic[R]):
         self,
         max_finished: int,
         max_finished_bytes: int | None = None,
-        size: Callable[[Future], int] | None = None,
+        size: Callable[[R], int] | None = None,
     ) -> None:
-        """``size``: the bytes a finished request's future holds (None: results are not
-        measured, and only ``max_finished`` bounds them)."""
+        """``size``: the bytes a finished request holds, as its store keeps it (None: results
+        are not measured, and only ``max_finished`` bounds them)."""
         self._lock = threading.Lock()
         self._requests: dict[str, tuple[str | None, R]] = {}
         # scope -> its finished requests in finishing order, with the bytes each holds
@@ -88,7 +87,7 @@ class RequestRegistry(Generic[R]):
         request_id = request.request_id
         with self._lock:
             self._requests[request_id] = (scope, request)
-        request.future.add_done_callback(lambda future: self._finish(request_id, future))
+        request.future.add_done_callback(lambda _: self._finish(request_id, request))
         return request
 
     def get(self, request_id: str, *, scope: str | None) -> R:
@@ -99,15 +98,19 @@ class RequestRegistry(Generic[R]):
             raise NotFound(f"request {request_id!r} not found")
         return scope_and_request[1]
 
-    def _finish(self, request_id: str, future: Future) -> None:
-        nbytes = 0 if self._size is None else self._size(future)  # outside the lock: a walk
+    def _finish(self, request_id: str, request: R) -> None:
+        nbytes = 0 if self._size is None else self._size(request)  # outside the lock: a walk
         with self._lock:
             scope = self._requests[request_id][0]
             self._finished.setdefault(scope, deque()).append((request_id, nbytes))
             self._scope_bytes[scope] += nbytes
             self._finished_count += 1
             self._finished_bytes += nbytes
-            while (over := self._over()) is not None:
+            # A result larger than the byte bound alone: dropping others cannot make room for
+            # it, so it does not count (it goes at the next finish past the bound).
+            limit = self._max_finished_bytes
+            beyond = nbytes if limit is not None and nbytes > limit else 0
+            while (over := self._over(beyond)) is not None:
                 # the scope holding the most, among those with something besides this request
                 held = {s: f for s, f in self._finished.items() if f[0][0] != request_id}
                 if not held:
@@ -115,9 +118,11 @@ class RequestRegistry(Generic[R]):
                 heaviest = max(held, key=lambda s: over(s))
                 self._drop_oldest(heaviest)
 
-    def _over(self) -> Callable[[str | None], int] | None:
-        """What ranks the scopes when a bound is exceeded (bytes first), or None (lock held)."""
-        if self._max_finished_bytes is not None and self._finished_bytes > self._max_finished_bytes:
+    def _over(self, beyond: int) -> Callable[[str | None], int] | None:
+        """What ranks the scopes when a bound is exceeded (bytes first, not counting
+        ``beyond``), or None (lock held)."""
+        limit = self._max_finished_bytes
+        if limit is not None and self._finished_bytes - beyond > limit:
             return self._scope_bytes.__getitem__
         if self._finished_count > self._max_finished:
             return lambda scope: len(self._finished[scope])
@@ -134,14 +139,6 @@ class RequestRegistry(Generic[R]):
         if not finished:
             del self._finished[scope]
             del self._scope_bytes[scope]
-
-
-def result_nbytes(future: Future) -> int:
-    """The bytes a finished future's result holds (:func:`payload_nbytes`; nothing for an error
-    or a cancellation): what a store's ``size`` measures."""
-    if future.cancelled() or future.exception() is not None:
-        return 0
-    return payload_nbytes(future.result())
 
 
 def outcome(request_id: str, compute: Callable[[], T]) -> T:

@@ -60,8 +60,8 @@ def test_one_jobs_unfetched_results_drop_its_own_oldest_not_another_jobs(tmp_pat
             bobs = forward(BOB, 8)  # 8 KiB of log-probs, not fetched yet
             wait_until(lambda: done(BOB, bobs), what="Bob's forward done")
             alices = []
-            for _ in range(3):  # 400 KiB each: the third puts the store past 1 MiB
-                alices.append(forward(ALICE, 400))
+            for _ in range(3):  # 300 KiB each, 400 KB kept as base64: the third passes 1 MiB
+                alices.append(forward(ALICE, 300))
                 wait_until(lambda: done(ALICE, alices[-1]), what="Alice's forward done")
 
             assert poll(ALICE, alices[0]).status_code == 404  # her oldest made room

@@ -231,8 +231,8 @@ def test_bytes_in_incomplete_chunk_groups_are_capped_per_tenant(tmp_path):
         first = group_chunks(900_000, group="g1", max_bytes=700_000)
         second = group_chunks(900_000, group="g2", max_bytes=700_000)
         assert post(ALICE, first[0]).status_code == 200
-        refused = post(ALICE, second[0])
-        assert refused.status_code == 413, refused.text
+        refused = post(ALICE, second[0])  # 429: the first group completing makes room
+        assert refused.status_code == 429, refused.text
         body = refused.json()
         assert body["code"] == "limit_exceeded" and body["limit"] == "max_chunk_group_mb"
         assert "--max-chunk-group-mb" in body["message"]
@@ -264,6 +264,26 @@ def test_an_abandoned_chunk_group_is_expired_and_its_bytes_counted_down():
     assert groups.receive("job", other[0], owner="alice").received == 1
     with pytest.raises(Exception, match="restart it from chunk 0"):
         groups.receive("job", chunks[1], owner="alice")
+
+
+def test_a_group_refused_for_now_is_submitted_again_only_by_its_last_chunk():
+    """A group whose frame got 429 (``unschedule``) keeps its chunks: a client restarting the
+    group resends chunk 0 first, which is only acknowledged (the client expects the request id
+    from the last chunk), and the last chunk hands the frame over again."""
+    groups = ChunkGroups(limits=ServerLimits())
+    chunks = group_chunks(600_000, group="g", max_bytes=200_000)
+    for chunk in chunks[:-1]:
+        assert groups.receive("job", chunk, owner="alice").frame is None
+    whole = groups.receive("job", chunks[-1], owner="alice")
+    assert whole.frame is not None
+    groups.unschedule("job", "g")  # its submit got 429
+    assert groups.held_bytes("alice") == sum(len(c) for c in chunks)  # kept for the retry
+    restart = groups.receive("job", chunks[0], owner="alice")
+    assert restart.frame is None and restart.request_id is None
+    again = groups.receive("job", chunks[-1], owner="alice")
+    assert again.frame == whole.frame
+    groups.completed("job", "g", "r1")
+    assert groups.receive("job", chunks[0], owner="alice").request_id == "r1"
 
 
 @pytest.fixture

@@ -14,22 +14,25 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 
+from arctic_platform.server.auth import TokenAuth
 from arctic_platform.server.engines import build_engine
+from arctic_platform.server.limits import ServerLimits
 from arctic_platform.server.service import Service, ServiceSettings
 from tests.fake_engine import gated_builder
 from tests.live_server import serve_app
 from tests.server.conftest import make_app
 from tests.waiting import wait_until
 
-ALICE = "tml-alice"
+ALICE, BOB = "tml-alice", "tml-bob"
+BOB_OWNER = TokenAuth([BOB]).owner(f"Bearer {BOB}")
 HEADERS = {"authorization": f"Bearer {ALICE}"}
 WAITING = 45  # more than AnyIO's 40 worker threads
 BODY = {"model": "builtin:tiny", "prompt": "1+2=", "max_tokens": 3, "seed": 7}
 
 
-def _complete(url: str) -> httpx.Response:
+def _complete(url: str, headers: dict = HEADERS) -> httpx.Response:
     with httpx.Client(base_url=url, timeout=120) as http:
-        return http.post("/v1/completions", json=BODY, headers=HEADERS)
+        return http.post("/v1/completions", json=BODY, headers=headers)
 
 
 def test_completions_waiting_for_their_model_hold_no_worker_thread(tmp_path):
@@ -58,6 +61,39 @@ def test_completions_waiting_for_their_model_hold_no_worker_thread(tmp_path):
             texts = {a.json()["choices"][0]["text"] for a in answers}
             assert len(texts) == 1  # the same seeded request, answered alike
             assert waiting() == 0
+    finally:
+        gate.set()
+        service.close()
+
+
+def test_completions_waiting_count_among_the_tenants_long_polls(tmp_path):
+    """Each waiting completion holds a connection: beyond ``--max-long-polls-per-tenant`` waiting
+    at once, one more is a 429 in OpenAI's shape, naming the limit; another tenant's is not."""
+    gate = threading.Event()
+    settings = ServiceSettings(
+        data_dir=tmp_path / "data", device="cpu", limits=ServerLimits(max_long_polls_per_tenant=2)
+    )
+    service = Service(settings, engine_builder=gated_builder(build_engine, gate))
+    app = make_app(service, tokens=[ALICE, BOB])
+    alice = app.state.auth.owner(HEADERS["authorization"])
+    try:
+        with serve_app(app) as url, ThreadPoolExecutor(3) as pool:
+            waiting = [pool.submit(_complete, url) for _ in range(2)]
+            wait_until(lambda: app.state.long_polls.held(alice) == 2, what="two completions wait")
+            refused = _complete(url)
+            assert refused.status_code == 429, refused.text
+            error = refused.json()["error"]
+            assert (
+                error["type"] == "rate_limit_error"
+                and error["param"] == "max_long_polls_per_tenant"
+            )
+            assert "--max-long-polls-per-tenant" in error["message"]
+            bobs = pool.submit(_complete, url, {"authorization": f"Bearer {BOB}"})
+            wait_until(lambda: app.state.long_polls.held(BOB_OWNER) == 1, what="Bob's waits")
+            gate.set()
+            answers = [request.result(timeout=120) for request in [*waiting, bobs]]
+            assert [a.status_code for a in answers] == [200] * 3
+            assert app.state.long_polls.held(alice) == 0
     finally:
         gate.set()
         service.close()

@@ -154,7 +154,7 @@ def test_past_the_limit_the_scope_holding_the_most_drops_its_own_first_finished(
 def test_past_the_byte_bound_the_scope_holding_the_most_bytes_drops_its_oldest():
     sizes = {"small": 10, "large": 60}
     registry: RequestRegistry[TrackedRequest] = RequestRegistry(
-        max_finished=100, max_finished_bytes=100, size=lambda f: sizes[f.result()]
+        max_finished=100, max_finished_bytes=100, size=lambda r: sizes[r.future.result()]
     )
     alices = registry.add(TrackedRequest(future=finished("small")), scope="alice").request_id
     bobs = [
@@ -167,9 +167,14 @@ def test_past_the_byte_bound_the_scope_holding_the_most_bytes_drops_its_oldest()
             registry.get(dropped, scope="bob")
     assert registry.get(bobs[2], scope="bob").future.result() == "large"
     assert registry.get(alices, scope="alice").future.result() == "small"
-    # A result larger than the bound alone stays until the next one finishes: it just did.
+    # A result larger than the bound alone stays (it just finished), and drops nobody's:
+    # dropping others could not make room for it. It goes at the next finish.
     sizes["huge"] = 500
-    huge = registry.add(TrackedRequest(future=finished("huge")), scope="alice").request_id
-    assert registry.get(huge, scope="alice").future.result() == "huge"
-    with pytest.raises(NotFound):  # the others went to make room
-        registry.get(bobs[2], scope="bob")
+    huge = registry.add(TrackedRequest(future=finished("huge")), scope="carol").request_id
+    assert registry.get(huge, scope="carol").future.result() == "huge"
+    assert registry.get(bobs[2], scope="bob").future.result() == "large"
+    assert registry.get(alices, scope="alice").future.result() == "small"
+    registry.add(TrackedRequest(future=finished("small")), scope="alice")
+    with pytest.raises(NotFound):
+        registry.get(huge, scope="carol")
+    assert registry.get(bobs[2], scope="bob").future.result() == "large"

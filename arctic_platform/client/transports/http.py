@@ -8,8 +8,10 @@ streamed DSSST1 frames, everything else JSON; the response is DSSST1 or JSON by 
 Content-Type.
 
 Retries: failures to connect (the request never reached the server) and 429 answers (a
-per-tenant limit of the server was full: bodies being read, long polls, unfinished ops; the
-server did nothing with the request) are retried, with backoff. A connection that breaks after
+per-tenant limit of the server was full, such as its unfinished ops; the server did nothing with
+the request) are retried, with backoff. A 429 sent while a large body is still being sent (the
+limit on bodies being read at once) may reach the client as a broken connection instead, which
+is reported. A connection that breaks after
 the request was sent is reported, not replayed: the on-prem API has no idempotency key, and
 replaying a ``forward-backward`` or ``step`` could apply it twice.
 

@@ -33,7 +33,6 @@ from arctic_platform.server.request_registry import (
     TrackedRequest,
     finished_within,
     outcome,
-    result_nbytes,
 )
 from arctic_platform.server.tinker import codec, proto
 
@@ -56,6 +55,14 @@ class OpResult:
         return payload_nbytes(self.json) + len(self.protobuf or b"")
 
 
+def _answer_nbytes(request: TrackedRequest) -> int:
+    """The bytes a finished request's answer holds (nothing for an error or a cancellation)."""
+    future = request.future
+    if future.cancelled() or future.exception() is not None:
+        return 0
+    return payload_nbytes(future.result())
+
+
 class FutureStore:
     """The Tinker ops' futures of :class:`OpResult`, each retrievable by its owner only (past
     ``MAX_FINISHED`` finished ones, or ``max_finished_bytes`` of their answers, the first
@@ -63,7 +70,7 @@ class FutureStore:
 
     def __init__(self, max_finished_bytes: int | None = None) -> None:
         self._requests: RequestRegistry[TrackedRequest] = RequestRegistry(
-            MAX_FINISHED, max_finished_bytes, size=result_nbytes
+            MAX_FINISHED, max_finished_bytes, size=_answer_nbytes
         )
 
     def add(self, owner: str | None, future: Future) -> str:

@@ -631,8 +631,8 @@ def _sample_result(done: Future, outer: Future, count_tokens: Callable[[int], No
         )
         for o in outputs
     ]
-    # the first sample's: the request's samples are admitted together (sample_batcher.py)
-    cached = outputs[0].get("cached_prompt_tokens", 0) if outputs else 0
+    # what the cache provided for every sample (a request's samples may join in two admissions)
+    cached = min((o.get("cached_prompt_tokens", 0) for o in outputs), default=0)
     body = codec.encode_sample_response(sequences, scored, cached)
     outer.set_result(OpResult(protobuf=body))
 
