@@ -47,7 +47,7 @@ def serve_app(app, *, header_read_timeout: float | None = None) -> Iterator[str]
 
 
 @contextmanager
-def serve_process(data_dir, *extra: str, env: dict | None = None):
+def serve_process(data_dir, *extra: str, env: dict | None = None, preexec_fn=None):
     port = free_port()
     command = [
         sys.executable,
@@ -65,7 +65,11 @@ def serve_process(data_dir, *extra: str, env: dict | None = None):
         *extra,
     ]
     process = subprocess.Popen(
-        command, env={**os.environ, **(env or {})}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+        command,
+        env={**os.environ, **(env or {})},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        preexec_fn=preexec_fn,  # e.g. the limits the server starts with
     )
     url = f"http://127.0.0.1:{port}"
 

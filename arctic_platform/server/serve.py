@@ -14,6 +14,7 @@ from pathlib import Path
 
 from arctic_platform.server.auth import TokenAuth
 from arctic_platform.server.limits import ServerLimits
+from arctic_platform.server.open_files import raise_open_files_limit
 from arctic_platform.server.ray_placement import PLACEMENT_TIMEOUT_S
 from arctic_platform.server.tenant_quota import DEFAULT_MAX_JOBS_PER_TENANT, TenantQuota
 from arctic_platform.server.tinker.session_reaper import SESSION_TIMEOUT_S
@@ -90,6 +91,7 @@ def serve(
             "pass --token-env NAME (a variable holding the token) or use --host 127.0.0.1"
         )
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s %(message)s")
+    raise_open_files_limit()  # every connection is a file (open_files.py)
     if not auth.enabled:
         log.warning("no --token-env: serving without authentication on %s only", host)
     started_ray = False
