@@ -285,6 +285,14 @@ def serve(
             "waiting at once, each holding a connection; one more gets 429.",
         ),
     ] = ServerLimits.max_long_polls_per_tenant,
+    max_openai_requests_per_tenant: Annotated[
+        int,
+        typer.Option(
+            min=1,
+            help="OpenAI-API requests one tenant may have under way at once, each holding a "
+            "connection until its answer; one more gets 429.",
+        ),
+    ] = ServerLimits.max_openai_requests_per_tenant,
     max_pending_mb_per_tenant: Annotated[
         int,
         typer.Option(
@@ -417,6 +425,7 @@ def serve(
             max_uploads_per_tenant=max_uploads_per_tenant,
             max_chunk_group_mb=max_chunk_group_mb,
             max_long_polls_per_tenant=max_long_polls_per_tenant,
+            max_openai_requests_per_tenant=max_openai_requests_per_tenant,
             max_pending_mb_per_tenant=max_pending_mb_per_tenant,
             max_retained_results_mb=max_retained_results_mb,
             max_json_mb=max_json_mb,

@@ -67,6 +67,7 @@ def create_app(
     app.state.max_body_bytes = max_body_bytes
     app.state.uploads = TenantSlots(ServerLimits.check_uploads)
     app.state.long_polls = TenantSlots(ServerLimits.check_long_polls)
+    app.state.openai_requests = TenantSlots(ServerLimits.check_openai_requests)
     app.state.instance = instance or new_instance_id()
     app.state.tinker = tinker
     app.add_exception_handler(ServiceError, service_error_response)

@@ -121,9 +121,10 @@ class RequestStore:
             reshape=reshape,
             stop=stop,
         )
-        # The outcome is recorded first, so the registry measures what the request keeps.
-        future.add_done_callback(lambda f: self._finish(request, f))
-        self._requests.add(request, scope=job_id)
+        # The registry counts it finished once its outcome is recorded: it measures what is kept.
+        recorded: Future = Future()
+        self._requests.add(request, scope=job_id, settled=recorded)
+        future.add_done_callback(lambda f: self._finish(request, f, recorded))
         return request
 
     def get(self, job_id: str, request_id: str) -> AsyncRequest:
@@ -175,7 +176,13 @@ class RequestStore:
             }
         return body
 
-    def _finish(self, request: AsyncRequest, future: Future) -> None:
+    def _finish(self, request: AsyncRequest, future: Future, recorded: Future) -> None:
+        try:
+            self._record(request, future)
+        finally:  # the registry counts it finished (and measures it) from now on
+            recorded.set_result(None)
+
+    def _record(self, request: AsyncRequest, future: Future) -> None:
         # Shaping and encoding happen outside the lock: a big result takes a while, and polls
         # of other requests must not wait for it.
         status, result, events, error = "done", None, [], None
@@ -412,6 +419,8 @@ class ChunkGroups:
                 # A retry of a group that already ran (or is being scheduled): same request.
                 return self._existing(group, group_id)
             added = len(frame) - len(group.chunks.get(index, b""))
+            # the group alone (its chunks' headers included), then beside the owner's others
+            self._limits.check_chunk_bytes(group.held + added, alone=True)
             self._limits.check_chunk_bytes(self._held[group.owner] + added)
             group.chunk_digests[index] = digest
             group.chunks[index] = frame

@@ -38,11 +38,14 @@ class ServerLimits:
     header_read_timeout: float = 30.0
     max_uploads_per_tenant: int = 8
     max_chunk_group_mb: int = 1024
-    # Long polls (get-job's ``?wait_s=``, Tinker's ``retrieve_future``, and OpenAI requests while
-    # they wait) one tenant may have waiting at once: each holds a connection. The Tinker SDK is
-    # told to keep at most half of them in sample requests (``/client/config``), so one client
-    # is not refused.
+    # Long polls (get-job's ``?wait_s=``, Tinker's ``retrieve_future``) one tenant may have
+    # waiting at once: each holds a connection for up to a minute. The Tinker SDK is told to keep
+    # at most half of them in sample requests (``/client/config``), so one client is not refused.
     max_long_polls_per_tenant: int = 1024
+    # OpenAI requests one tenant may have under way at once: each holds its connection until
+    # its answer (waiting for its model to start, then for its op). An RL rollout sends
+    # thousands at once, more than a person polls for, hence a bound of its own.
+    max_openai_requests_per_tenant: int = 4096
     # MiB of ops one tenant has submitted and not seen finish (queued, parked for their turn, or
     # running; server/pending_work.py): each holds its body until it ends, so without a bound a
     # tenant could queue bodies until the server runs out of memory. Eight of the largest bodies
@@ -116,20 +119,36 @@ class ServerLimits:
             )
 
     def check_long_polls(self, waiting: int) -> None:
-        """``waiting``: the tenant's long polls waiting (OpenAI requests among them), this one
-        included (beyond the limit a get-job is answered at once instead,
-        ``job_ops.settled_info``; a Tinker ``retrieve_future`` or an OpenAI request gets this
-        429, which their SDKs back off from and retry)."""
+        """``waiting``: the tenant's long polls waiting, this one included (beyond the limit a
+        get-job is answered at once instead, ``job_ops.settled_info``; a Tinker
+        ``retrieve_future`` gets this 429, which the SDK backs off from and retries)."""
         bound = self.max_long_polls_per_tenant
         if waiting > bound:
             message = (
-                f"this tenant already has {waiting - 1} requests waiting (long polls, OpenAI "
-                f"requests), the server's limit of waiting requests per tenant is {bound}"
+                f"this tenant already has {waiting - 1} long polls waiting, the server's limit "
+                f"of long polls waiting per tenant is {bound}"
             )
             raise limit_exceeded(
                 message,
                 limit="max_long_polls_per_tenant",
                 value=waiting,
+                maximum=bound,
+                error=TooManyRequests,
+            )
+
+    def check_openai_requests(self, under_way: int) -> None:
+        """``under_way``: the tenant's OpenAI requests not yet answered, this one included (429
+        ``rate_limit_error`` beyond the limit, which the ``openai`` SDK backs off from)."""
+        bound = self.max_openai_requests_per_tenant
+        if under_way > bound:
+            message = (
+                f"this tenant already has {under_way - 1} OpenAI requests under way, the "
+                f"server's limit per tenant is {bound}"
+            )
+            raise limit_exceeded(
+                message,
+                limit="max_openai_requests_per_tenant",
+                value=under_way,
                 maximum=bound,
                 error=TooManyRequests,
             )

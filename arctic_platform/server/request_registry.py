@@ -81,13 +81,16 @@ class RequestRegistry(Generic[R]):
         self._max_finished_bytes = max_finished_bytes
         self._size = size
 
-    def add(self, request: R, *, scope: str | None) -> R:
+    def add(self, request: R, *, scope: str | None, settled: Future | None = None) -> R:
         """Register ``request``, which only ``scope`` may look up (a tenant, or a job whose
-        owner the caller checked); ``request`` itself is returned."""
+        owner the caller checked); ``request`` itself is returned. It counts as finished (and is
+        measured) when ``settled`` is done: by default its future, or a future its store sets
+        once it has recorded the outcome."""
         request_id = request.request_id
         with self._lock:
             self._requests[request_id] = (scope, request)
-        request.future.add_done_callback(lambda _: self._finish(request_id, request))
+        done = request.future if settled is None else settled
+        done.add_done_callback(lambda _: self._finish(request_id, request))
         return request
 
     def get(self, request_id: str, *, scope: str | None) -> R:
@@ -110,22 +113,21 @@ class RequestRegistry(Generic[R]):
             # it, so it does not count (it goes at the next finish past the bound).
             limit = self._max_finished_bytes
             beyond = nbytes if limit is not None and nbytes > limit else 0
-            while (over := self._over(beyond)) is not None:
+            while (rank := self._over(scope, beyond)) is not None:
                 # the scope holding the most, among those with something besides this request
-                held = {s: f for s, f in self._finished.items() if f[0][0] != request_id}
+                held = [s for s, f in self._finished.items() if f[0][0] != request_id]
                 if not held:
                     break
-                heaviest = max(held, key=lambda s: over(s))
-                self._drop_oldest(heaviest)
+                self._drop_oldest(max(held, key=rank))
 
-    def _over(self, beyond: int) -> Callable[[str | None], int] | None:
-        """What ranks the scopes when a bound is exceeded (bytes first, not counting
-        ``beyond``), or None (lock held)."""
+    def _over(self, scope: str | None, beyond: int) -> Callable[[str | None], int] | None:
+        """How to rank the scopes when a bound is exceeded (bytes first), or None; ``beyond``:
+        bytes of ``scope``'s newest result that count toward neither (lock held)."""
         limit = self._max_finished_bytes
         if limit is not None and self._finished_bytes - beyond > limit:
-            return self._scope_bytes.__getitem__
+            return lambda s: self._scope_bytes[s] - (beyond if s == scope else 0)
         if self._finished_count > self._max_finished:
-            return lambda scope: len(self._finished[scope])
+            return lambda s: len(self._finished[s])
         return None
 
     def _drop_oldest(self, scope: str | None) -> None:

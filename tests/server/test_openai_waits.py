@@ -66,34 +66,33 @@ def test_completions_waiting_for_their_model_hold_no_worker_thread(tmp_path):
         service.close()
 
 
-def test_completions_waiting_count_among_the_tenants_long_polls(tmp_path):
-    """Each waiting completion holds a connection: beyond ``--max-long-polls-per-tenant`` waiting
-    at once, one more is a 429 in OpenAI's shape, naming the limit; another tenant's is not."""
+def test_a_tenants_openai_requests_under_way_are_bounded(tmp_path):
+    """Each waiting completion holds a connection: beyond ``--max-openai-requests-per-tenant``
+    under way at once, one more is a 429 in OpenAI's shape, naming the limit; another tenant's
+    is not held back."""
     gate = threading.Event()
-    settings = ServiceSettings(
-        data_dir=tmp_path / "data", device="cpu", limits=ServerLimits(max_long_polls_per_tenant=2)
-    )
+    limits = ServerLimits(max_openai_requests_per_tenant=2)
+    settings = ServiceSettings(data_dir=tmp_path / "data", device="cpu", limits=limits)
     service = Service(settings, engine_builder=gated_builder(build_engine, gate))
     app = make_app(service, tokens=[ALICE, BOB])
     alice = app.state.auth.owner(HEADERS["authorization"])
+    under_way = app.state.openai_requests
     try:
         with serve_app(app) as url, ThreadPoolExecutor(3) as pool:
             waiting = [pool.submit(_complete, url) for _ in range(2)]
-            wait_until(lambda: app.state.long_polls.held(alice) == 2, what="two completions wait")
+            wait_until(lambda: under_way.held(alice) == 2, what="two completions waiting")
             refused = _complete(url)
             assert refused.status_code == 429, refused.text
             error = refused.json()["error"]
-            assert (
-                error["type"] == "rate_limit_error"
-                and error["param"] == "max_long_polls_per_tenant"
-            )
-            assert "--max-long-polls-per-tenant" in error["message"]
+            assert error["type"] == "rate_limit_error"
+            assert error["param"] == "max_openai_requests_per_tenant"
+            assert "--max-openai-requests-per-tenant" in error["message"]
             bobs = pool.submit(_complete, url, {"authorization": f"Bearer {BOB}"})
-            wait_until(lambda: app.state.long_polls.held(BOB_OWNER) == 1, what="Bob's waits")
+            wait_until(lambda: under_way.held(BOB_OWNER) == 1, what="Bob's waiting")
             gate.set()
             answers = [request.result(timeout=120) for request in [*waiting, bobs]]
             assert [a.status_code for a in answers] == [200] * 3
-            assert app.state.long_polls.held(alice) == 0
+            assert under_way.held(alice) == 0
     finally:
         gate.set()
         service.close()

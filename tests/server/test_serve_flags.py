@@ -48,6 +48,7 @@ def test_a_missing_package_names_the_extra_that_installs_it_without_importing_an
     ("limit", "default"),
     [
         ("max_long_polls_per_tenant", 1024),
+        ("max_openai_requests_per_tenant", 4096),
         ("max_pending_mb_per_tenant", 2048),
         ("max_retained_results_mb", 4096),
     ],

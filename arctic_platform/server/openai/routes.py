@@ -40,13 +40,13 @@ def _owner(request: Request) -> str | None:
 
 async def _serve(request: Request, model, what: str, run):
     """Parse the body as ``model``, await ``run(service, tinker, owner, body)`` and answer with
-    its result: JSON, or server-sent events for ``stream``. While it waits (for its model to
-    start, then for its op) the request holds its connection, so it counts among the tenant's
-    long polls (``--max-long-polls-per-tenant``; one more is a 429 ``rate_limit_error``)."""
+    its result: JSON, or server-sent events for ``stream``. Until its answer (waiting for its
+    model to start, then for its op) the request holds its connection, so a tenant has at most
+    ``--max-openai-requests-per-tenant`` under way (one more is a 429 ``rate_limit_error``)."""
     owner = _owner(request)
     body = parse(model, await json_of(request, await read_body(request), what=what))
     state = request.app.state
-    with state.long_polls.hold(owner, state.service.limits):
+    with state.openai_requests.hold(owner, state.service.limits):
         answer = await run(state.service, state.tinker, owner, body)
     if not body.stream:
         return answer
