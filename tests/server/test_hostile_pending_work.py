@@ -159,7 +159,7 @@ def test_tinker_requests_parked_for_their_turn_are_bounded(tmp_path):
     """Requests numbered past a ``seq_id`` that never comes wait for it, each holding its body:
     the fourth of about 300 KB is refused, and keeps its ``seq_id`` for the SDK's retry, which
     is accepted once the missing requests came and the parked ones ran. A request still parked
-    when its session finishes ends then, with its job."""
+    when its run's job ends, or its session finishes, ends then."""
     service = Service(ServiceSettings(data_dir=tmp_path / "data", device="cpu", limits=LIMITS))
     app = make_app(service, tokens=[ALICE])
     alice = app.state.auth.owner(f"Bearer {ALICE}")
@@ -168,10 +168,10 @@ def test_tinker_requests_parked_for_their_turn_are_bounded(tmp_path):
             session = tinker.session()
             model_id = tinker.training_run(session, TINY)
 
-            def forward(seq_id: int, datums: int = 19) -> httpx.Response:
+            def forward(seq_id: int, datums: int = 19, model: str = model_id) -> httpx.Response:
                 return tinker.http.post(
                     "/forward_backward",
-                    content=_tinker_forward(model_id, seq_id, datums),
+                    content=_tinker_forward(model, seq_id, datums),
                     headers={"content-type": PROTOBUF},
                 )
 
@@ -199,6 +199,17 @@ def test_tinker_requests_parked_for_their_turn_are_bounded(tmp_path):
             after = forward(8, datums=1)
             assert after.status_code == 200, after.text
             tinker.result(after.json()["request_id"]).raise_for_status()
+
+            # A request parked in a run whose job ends on its own (here: cancelled) ends at the
+            # session reaper's next sweep, freeing its bytes.
+            other = tinker.training_run(session, TINY, seq=1)
+            stranded = forward(2, model=other)  # 1 never comes
+            assert stranded.status_code == 200, stranded.text
+            assert service.pending.held(alice) > 300_000
+            service.cancel_job(app.state.tinker.state.run(other, alice).job_id, owner=alice)
+            app.state.tinker.reaper.reap()
+            assert service.pending.held(alice) == 0
+            assert "cancelled" in tinker.result(stranded.json()["request_id"]).text
 
             # A request parked when its session finishes ends with its job, freeing its bytes.
             orphan = forward(10)  # 9 never comes

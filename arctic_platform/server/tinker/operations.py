@@ -22,6 +22,7 @@ from arctic_platform.contract.bodies import learning_rate_problem
 from arctic_platform.contract.engine_protocols import TrainingEngineProtocol
 from arctic_platform.contract.job_ids import parent_of
 from arctic_platform.contract.ops import OpName
+from arctic_platform.contract.states import LIVE_JOB_STATES
 from arctic_platform.engine.builtin import resolve_model_path
 from arctic_platform.server.errors import (
     BadRequest,
@@ -69,7 +70,9 @@ class TinkerOps:
     def __init__(self, service: Service, session_timeout_s: float = SESSION_TIMEOUT_S) -> None:
         self.service = service
         self.state = TinkerState(service.store)
-        self.reaper = SessionReaper(self.state, self.finish_session, session_timeout_s)
+        self.reaper = SessionReaper(
+            self.state, self.finish_session, session_timeout_s, sweep=self._end_orphaned_requests
+        )
         self.futures = FutureStore(service.limits.max_retained_results_mb * MIB)
         self.checkpoints = TinkerCheckpoints(
             service.checkpoints,
@@ -117,6 +120,18 @@ class TinkerOps:
             with contextlib.suppress(ServiceError):
                 self.service.cancel_job(job_id, owner=owner)
         for run in self.state.runs_of(session_id):  # their jobs ended: parked requests fail
+            run.sequencer.flush()
+
+    def _end_orphaned_requests(self) -> None:
+        """End the requests parked in runs whose job ended on its own (failed, expired idle):
+        the ``seq_id`` they wait for can no longer run, and each holds its body (and its bytes
+        among the owner's unfinished ops) until its session ends."""
+        for run in self.state.all_runs():
+            if not run.sequencer.parked:
+                continue
+            with contextlib.suppress(ServiceError):  # a job no longer known: ended too
+                if self.service.job_status(run.job_id, owner=run.owner) in LIVE_JOB_STATES:
+                    continue
             run.sequencer.flush()
 
     # -- training runs ----------------------------------------------------------------------

@@ -5,6 +5,8 @@ crashed or was killed does neither, and its training and sampling jobs would hol
 (and the run's adapter snapshots) until the server stops. The reaper finishes every session whose
 last heartbeat is older than the timeout, exactly as ``/sessions/{id}/finish`` would: its jobs
 are cancelled (engines freed) and a late heartbeat gets 410, which tells the SDK it is gone.
+Each sweep also runs ``sweep`` (the Tinker ops end the requests parked in runs whose job ended
+on its own: they would wait for a ``seq_id`` that can no longer run).
 """
 
 from __future__ import annotations
@@ -28,12 +30,16 @@ class SessionReaper(IdleReaper):
         state: TinkerState,
         finish: Callable[[str, str | None], None],
         timeout_s: float = SESSION_TIMEOUT_S,
+        sweep: Callable[[], None] | None = None,
     ) -> None:
         super().__init__("session timeout", timeout_s, self._finish_silent)
         self.state = state
         self.finish = finish
+        self.sweep = sweep
 
     def _finish_silent(self, cutoff: float) -> list[str]:
+        if self.sweep is not None:
+            self.sweep()
         stale = [s for s in self.state.active_sessions() if s.last_heartbeat < cutoff]
         for session in stale:
             log.info("finishing Tinker session %s: no heartbeat", session.session_id)

@@ -87,6 +87,12 @@ class Sequencer:
                 self._parked.pop(self._next)()
                 self._next += 1
 
+    @property
+    def parked(self) -> bool:
+        """Whether a request waits for an earlier ``seq_id``."""
+        with self._lock:
+            return bool(self._parked)
+
     def flush(self) -> None:
         """Start every parked request now, in ``seq_id`` order over the gaps: for a run whose
         job has ended, so each fails with the job's error instead of waiting for a ``seq_id``
@@ -196,6 +202,10 @@ class TinkerState:
         with self._lock:
             self.sessions[session.session_id] = session
         return session
+
+    def all_runs(self) -> list[TrainingRun]:
+        with self._lock:
+            return list(self.runs.values())
 
     def active_sessions(self) -> list[Session]:
         with self._lock:
