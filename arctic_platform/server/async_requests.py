@@ -419,9 +419,14 @@ class ChunkGroups:
                 # A retry of a group that already ran (or is being scheduled): same request.
                 return self._existing(group, group_id)
             added = len(frame) - len(group.chunks.get(index, b""))
-            # the group alone (its chunks' headers included), then beside the owner's others
-            self._limits.check_chunk_bytes(group.held + added, alone=True)
-            self._limits.check_chunk_bytes(self._held[group.owner] + added)
+            try:  # the group alone, its chunks' headers included: it can never fit, so it goes
+                self._limits.check_chunk_bytes(group.held + added, alone=True)
+            except ServiceError:
+                del self._groups[key]
+                self._release(group)
+                group.ready.set()
+                raise
+            self._limits.check_chunk_bytes(self._held[group.owner] + added)  # beside the others
             group.chunk_digests[index] = digest
             group.chunks[index] = frame
             group.held += added

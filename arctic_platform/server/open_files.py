@@ -1,10 +1,12 @@
 """How many files the server process may hold open, raised at start to what the system allows.
 
-Every connection is a file descriptor. One tenant may keep 1,024 requests waiting
-(``--max-long-polls-per-tenant``) besides its requests in flight, so under the soft limit many
-systems start processes with (1,024) a few tenants would exhaust it: ``accept`` then fails with
+Every connection is a file descriptor. One tenant may keep 1,024 long polls waiting
+(``--max-long-polls-per-tenant``) and 4,096 OpenAI requests under way
+(``--max-openai-requests-per-tenant``) besides its other requests, so under the soft limit many
+systems start processes with (1,024) one tenant could exhaust it: ``accept`` then fails with
 ``EMFILE`` and the server takes no connection from anyone. The hard limit is what the operator
 allows; the soft one is raised towards it (at most :data:`WANTED`), as vLLM's API server does.
+Even at 65,536, about a dozen tenants at their limits fill it; a server for more lowers them.
 """
 
 from __future__ import annotations

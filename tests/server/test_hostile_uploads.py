@@ -25,6 +25,7 @@ from typer.testing import CliRunner
 
 from arctic_platform import cli, wire
 from arctic_platform.server.async_requests import ChunkGroups
+from arctic_platform.server.errors import ServiceError
 from arctic_platform.server.limits import ServerLimits
 from arctic_platform.server.service import Service, ServiceSettings
 from arctic_platform.server.tinker import proto
@@ -264,6 +265,21 @@ def test_an_abandoned_chunk_group_is_expired_and_its_bytes_counted_down():
     assert groups.receive("job", other[0], owner="alice").received == 1
     with pytest.raises(Exception, match="restart it from chunk 0"):
         groups.receive("job", chunks[1], owner="alice")
+
+
+def test_a_group_that_cannot_fit_alone_is_dropped_when_its_chunks_show_it():
+    """A frame declared just under the cap whose chunks, headers included, pass it: the chunk
+    that does is a 413, and the group goes with what it held (the client gives up on a 413)."""
+    groups = ChunkGroups(limits=ServerLimits(max_chunk_group_mb=1))
+    chunks = group_chunks(MIB - 20_000, group="tight", max_bytes=4096)
+    assert sum(len(c) for c in chunks) > MIB  # the headers pass the cap
+    with pytest.raises(ServiceError) as refused:
+        for chunk in chunks:
+            groups.receive("job", chunk, owner="alice")
+    assert refused.value.status == 413
+    assert groups.held_bytes("alice") == 0
+    with pytest.raises(Exception, match="restart it from chunk 0"):
+        groups.receive("job", chunks[-1], owner="alice")
 
 
 def test_a_group_refused_for_now_is_submitted_again_only_by_its_last_chunk():

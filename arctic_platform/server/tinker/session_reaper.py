@@ -39,7 +39,10 @@ class SessionReaper(IdleReaper):
 
     def _finish_silent(self, cutoff: float) -> list[str]:
         if self.sweep is not None:
-            self.sweep()
+            try:
+                self.sweep()
+            except Exception:  # it must not keep silent sessions from being finished
+                log.exception("the sweep before finishing silent sessions failed")
         stale = [s for s in self.state.active_sessions() if s.last_heartbeat < cutoff]
         for session in stale:
             log.info("finishing Tinker session %s: no heartbeat", session.session_id)
