@@ -14,7 +14,7 @@ from pathlib import Path
 
 from arctic_platform.server.auth import TokenAuth
 from arctic_platform.server.limits import ServerLimits
-from arctic_platform.server.open_files import raise_open_files_limit
+from arctic_platform.server.open_files import connection_limit, raise_open_files_limit
 from arctic_platform.server.ray_placement import PLACEMENT_TIMEOUT_S
 from arctic_platform.server.tenant_quota import DEFAULT_MAX_JOBS_PER_TENANT, TenantQuota
 from arctic_platform.server.tinker.session_reaper import SESSION_TIMEOUT_S
@@ -91,7 +91,7 @@ def serve(
             "pass --token-env NAME (a variable holding the token) or use --host 127.0.0.1"
         )
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s %(message)s")
-    raise_open_files_limit()  # every connection is a file (open_files.py)
+    open_files = raise_open_files_limit()  # every connection is a file (open_files.py)
     if not auth.enabled:
         log.warning("no --token-env: serving without authentication on %s only", host)
     started_ray = False
@@ -163,6 +163,7 @@ def serve(
         http=http_protocol(limits.header_read_timeout),
         # A backstop: the drain ends every op by ``drain_timeout``; answers need a moment more.
         timeout_graceful_shutdown=drain_timeout + 10,
+        limit_concurrency=connection_limit(open_files),  # beyond it: 503, files kept for work
     )
     try:
         DrainingServer(config).run()

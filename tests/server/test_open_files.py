@@ -5,12 +5,16 @@ in a fresh interpreter started with a low soft limit, as a system's default woul
 from __future__ import annotations
 
 import resource
+import socket
 import subprocess
 import sys
 from pathlib import Path
 
-from arctic_platform.server.open_files import WANTED
+import httpx
+
+from arctic_platform.server.open_files import WANTED, connection_limit
 from tests.live_server import serve_process
+from tests.waiting import wait_until
 
 CHECK = """
 import resource
@@ -58,3 +62,29 @@ def test_serve_raises_the_limit_it_was_started_with(tmp_path):
         limits = Path(f"/proc/{process.pid}/limits").read_text()
     (line,) = [row for row in limits.splitlines() if row.startswith("Max open files")]
     assert int(line.split()[3]) == expected  # the soft limit column
+
+
+def test_a_flood_of_connections_gets_503s_and_leaves_the_server_its_files(tmp_path):
+    """Under a limit of 1,100 open files the server takes ``connection_limit(1100)`` connections
+    at once: one more gets 503 at once instead of the files the server needs; once they close, it
+    answers again."""
+
+    def low() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (1100, 1100))
+
+    limit = connection_limit(1100)
+    with serve_process(tmp_path, preexec_fn=low) as (_process, url):
+        port = int(url.rsplit(":", 1)[1])
+        idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(limit)]
+        try:
+            wait_until(
+                lambda: httpx.get(f"{url}/health", timeout=10).status_code == 503,
+                what="a request beyond the connection limit refused",
+            )
+        finally:
+            for connection in idle:
+                connection.close()
+        wait_until(
+            lambda: httpx.get(f"{url}/health", timeout=10).status_code == 200,
+            what="the server answering once the connections closed",
+        )
