@@ -104,53 +104,41 @@ class ServerLimits:
         """``uploading``: the tenant's bodies partly held (some bytes arrived, more to come),
         this one included (429 beyond the limit: the same request succeeds once one of them has
         arrived)."""
-        bound = self.max_uploads_per_tenant
-        if uploading > bound:
-            message = (
-                f"this tenant already has {uploading - 1} request bodies being read, the "
-                f"server's limit of concurrent uploads per tenant is {bound}"
-            )
-            raise limit_exceeded(
-                message,
-                limit="max_uploads_per_tenant",
-                value=uploading,
-                maximum=bound,
-                error=TooManyRequests,
-            )
+        self._per_tenant(
+            "max_uploads_per_tenant",
+            uploading,
+            "request bodies being read",
+            "of concurrent uploads per tenant",
+        )
 
     def check_long_polls(self, waiting: int) -> None:
         """``waiting``: the tenant's long polls waiting, this one included (beyond the limit a
         get-job is answered at once instead, ``job_ops.settled_info``; a Tinker
         ``retrieve_future`` gets this 429, which the SDK backs off from and retries)."""
-        bound = self.max_long_polls_per_tenant
-        if waiting > bound:
-            message = (
-                f"this tenant already has {waiting - 1} long polls waiting, the server's limit "
-                f"of long polls waiting per tenant is {bound}"
-            )
-            raise limit_exceeded(
-                message,
-                limit="max_long_polls_per_tenant",
-                value=waiting,
-                maximum=bound,
-                error=TooManyRequests,
-            )
+        self._per_tenant(
+            "max_long_polls_per_tenant",
+            waiting,
+            "long polls waiting",
+            "of long polls waiting per tenant",
+        )
 
     def check_openai_requests(self, under_way: int) -> None:
         """``under_way``: the tenant's OpenAI requests not yet answered, this one included (429
         ``rate_limit_error`` beyond the limit, which the ``openai`` SDK backs off from)."""
-        bound = self.max_openai_requests_per_tenant
-        if under_way > bound:
+        self._per_tenant(
+            "max_openai_requests_per_tenant", under_way, "OpenAI requests under way", "per tenant"
+        )
+
+    def _per_tenant(self, limit: str, count: int, what: str, of: str) -> None:
+        """429 ``limit_exceeded`` when a tenant's ``count`` things at once (this one included)
+        pass ``limit``: the same request succeeds once one of the others has ended."""
+        bound = getattr(self, limit)
+        if count > bound:
             message = (
-                f"this tenant already has {under_way - 1} OpenAI requests under way, the "
-                f"server's limit per tenant is {bound}"
+                f"this tenant already has {count - 1} {what}, the server's limit {of} is {bound}"
             )
             raise limit_exceeded(
-                message,
-                limit="max_openai_requests_per_tenant",
-                value=under_way,
-                maximum=bound,
-                error=TooManyRequests,
+                message, limit=limit, value=count, maximum=bound, error=TooManyRequests
             )
 
     def check_pending(self, held: int, nbytes: int) -> None:

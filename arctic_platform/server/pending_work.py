@@ -45,7 +45,7 @@ def payload_nbytes(value: Any) -> int:
         kind = type(item)
         if kind in _SCALARS:
             total += SCALAR_BYTES
-        elif kind is list or kind is tuple:
+        elif isinstance(item, (list, tuple)):
             if set(map(type, item)) <= _SCALARS:
                 total += SCALAR_BYTES * len(item)
             else:
@@ -53,12 +53,10 @@ def payload_nbytes(value: Any) -> int:
         elif kind is dict or isinstance(item, Mapping):
             stack.extend(item.keys())
             stack.extend(item.values())
-        elif kind is str or kind is bytes or kind is bytearray:
+        elif isinstance(item, (str, bytes, bytearray)):
             total += len(item)
         elif isinstance(nbytes := getattr(item, "nbytes", None), int):  # arrays, memoryviews
             total += nbytes
-        elif isinstance(item, (list, tuple)):
-            stack.extend(item)
         else:
             total += SCALAR_BYTES
     return total
@@ -86,13 +84,14 @@ class PendingWork:
         with self._lock:
             limits.check_pending(self._held[tenant], nbytes)
             self._held[tenant] += nbytes
-        released = threading.Event()
+        released = False
 
         def release() -> None:
+            nonlocal released
             with self._lock:
-                if released.is_set():
+                if released:
                     return
-                released.set()
+                released = True
                 self._held[tenant] -= nbytes
                 if not self._held[tenant]:
                     del self._held[tenant]
