@@ -99,3 +99,16 @@ def test_without_retries_the_429_reaches_the_caller(busy_server, tmp_path):
         with pytest.raises(ServerError, match="max-pending-mb-per-tenant") as refused:
             client.fwd_bwd(_body(9))
         assert refused.value.status == 429
+
+
+@pytest.mark.parametrize("value", [-1, "often", 1.5])
+def test_a_bad_busy_retries_is_refused_naming_it(tmp_path, value):
+    with pytest.raises(ValueError, match="busy_retries"):
+        load_config(
+            {
+                "model": TINY,
+                "backend": backend_config(
+                    "http", "http://127.0.0.1:1", tmp_path, busy_retries=value
+                ),
+            }
+        )
