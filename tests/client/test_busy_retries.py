@@ -5,7 +5,9 @@ the client waits and sends it again (``busy_retries``, with backoff) rather than
 caller's step. Here the tenant's unfinished ops (``--max-pending-mb-per-tenant``, 1 MiB) are
 full: an op the test queued behind one held on a gate. Once the gate opens and they finish, the
 client's retried forward-backward is accepted and runs, once; with no retries the 429 reaches the
-caller, naming the limit.
+caller, naming the limit. The same holds for a 429 sent while the body is still arriving (the
+tenant's ``--max-uploads-per-tenant`` bodies being read): the server reads the rest of the body
+and discards it (uvicorn does), so the client sees the 429, not a broken connection.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from arctic_platform.server.limits import ServerLimits
 from arctic_platform.server.service import Service, ServiceSettings
 from tests.client.conftest import TINY, backend_config, make_app
 from tests.live_server import serve_app
+from tests.server.test_hostile_uploads import lying_upload
 from tests.waiting import wait_until
 
 # A forward-backward body of about 500 KB: 72 rows of 256 tokens in four arrays.
@@ -48,8 +51,9 @@ CURRENT = {"old_log_probs": "current"}
 
 @pytest.fixture
 def busy_server(tmp_path):
-    """A server whose tenant limit is 1 MiB of unfinished ops, and a gate the test holds."""
-    limits = ServerLimits(max_pending_mb_per_tenant=1)
+    """A server whose tenant limits are 1 MiB of unfinished ops and one body being read at
+    once, and a gate the test holds."""
+    limits = ServerLimits(max_pending_mb_per_tenant=1, max_uploads_per_tenant=1)
     service = Service(ServiceSettings(data_dir=tmp_path / "data", device="cpu", limits=limits))
     gate = threading.Event()
     try:
@@ -90,6 +94,24 @@ def test_a_429_is_retried_until_the_server_takes_the_op(busy_server, tmp_path, c
         assert np.isfinite(out["loss"])
         assert any("busy (429" in r.getMessage() for r in caplog.records), caplog.text
         wait_until(lambda: service.pending.held(None) == 0, what="every op finished")
+
+
+def test_a_429_sent_mid_body_is_retried_too(busy_server, tmp_path, caplog):
+    """A stalled upload of the same tenant holds its one upload slot, so the client's body is
+    refused part-way through; the client reads that 429 and retries once the slot is free."""
+    service, url, _ = busy_server
+    caplog.set_level(logging.INFO, logger="arctic_platform.client")
+    with _client(url, tmp_path / "client") as client:
+        path = f"/forward-backward?job_id={client.training_job_id}"
+        stalled = lying_upload(url, path, "application/octet-stream", claimed=1 << 20)
+        threading.Timer(1.0, stalled.close).start()
+        out = client.fwd_bwd(_body(9))
+        assert np.isfinite(out["loss"])
+        assert any("busy (429" in r.getMessage() for r in caplog.records), caplog.text
+        ran = service.metrics.registry.get_sample_value(
+            "arctic_ops_total", {"op": "forward-backward", "status": "ok"}
+        )
+        assert ran == 1
 
 
 def test_without_retries_the_429_reaches_the_caller(busy_server, tmp_path):

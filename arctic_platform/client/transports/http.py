@@ -9,11 +9,11 @@ Content-Type.
 
 Retries: failures to connect (the request never reached the server) and 429 answers (a
 per-tenant limit of the server was full, such as its unfinished ops; the server did nothing with
-the request) are retried, with backoff. A 429 sent while a large body is still being sent (the
-limit on bodies being read at once) may reach the client as a broken connection instead, which
-is reported. A connection that breaks after
-the request was sent is reported, not replayed: the on-prem API has no idempotency key, and
-replaying a ``forward-backward`` or ``step`` could apply it twice.
+the request) are retried, with backoff; that includes a 429 sent while the body is still being
+sent (the limit on bodies being read at once), as the server reads and discards the rest before
+the client reads the answer. A connection that breaks after the request was sent is reported,
+not replayed: the on-prem API has no idempotency key, and replaying a ``forward-backward`` or
+``step`` could apply it twice.
 
 With ``launch_local_server`` the client starts ``arctic-platform serve`` itself
 (:class:`arctic_platform.client.local_server.LocalServer`) and stops it at shutdown.
