@@ -236,3 +236,33 @@ def test_the_sdk_is_told_to_send_forward_backward_chunks_in_order(tmp_path):
         assert config.parallel_fwdbwd_chunks is False
     finally:
         service.close()
+
+
+def test_an_openai_completion_beyond_the_bound_alone_is_refused_before_it_runs(tmp_path):
+    """The OpenAI API submits through the same ``Service.submit``: a completion whose token-id
+    prompt holds more than the tenant's bound is a 413 in OpenAI's shape, naming the limit, and
+    never reaches the engine (nor its prompt-length check); a small one is then answered."""
+    settings = ServiceSettings(data_dir=tmp_path / "data", device="cpu", limits=LIMITS)
+    service = Service(settings)
+    app = make_app(service, tokens=[ALICE])
+    huge = {"model": TINY, "prompt": [5] * (MIB // SCALAR_BYTES + 1), "max_tokens": 2}
+    try:
+        with serve_app(app) as url, httpx.Client(base_url=url, timeout=120) as http:
+            headers = credentials(ALICE)
+            refused = http.post("/v1/completions", json=huge, headers=headers)
+            assert refused.status_code == 413, refused.text
+            error = refused.json()["error"]
+            assert error["type"] == "invalid_request_error" and error["code"] == "limit_exceeded"
+            assert error["param"] == "max_pending_mb_per_tenant"
+            assert "--max-pending-mb-per-tenant" in error["message"]
+            ran = service.metrics.registry.get_sample_value(
+                "arctic_ops_total", {"op": "generate", "status": "ok"}
+            )
+            assert ran is None
+            small = {"model": TINY, "prompt": "1+2=", "max_tokens": 2, "seed": 3}
+            answered = http.post("/v1/completions", json=small, headers=headers)
+            assert answered.status_code == 200, answered.text
+            assert answered.json()["usage"]["completion_tokens"] == 2
+            assert service.pending.held(app.state.auth.owner(f"Bearer {ALICE}")) == 0
+    finally:
+        service.close()
