@@ -348,6 +348,15 @@ def serve(
             "may load in all; more are refused with 409 limit_exceeded. Default: no bound.",
         ),
     ] = None,
+    max_checkpoint_bytes_per_tenant: Annotated[
+        int | None,
+        typer.Option(
+            min=1,
+            help="Bytes of checkpoints one tenant may keep on this server (every API's saves, "
+            "on any of its jobs, ended ones included, until deleted); a save that would pass it "
+            "is refused with 409 limit_exceeded before anything is written. Default: no bound.",
+        ),
+    ] = None,
 ) -> None:
     """Serve the on-prem and Cortex-compatible HTTP APIs over one set of engines."""
     from arctic_platform._extras import require, require_installed
@@ -414,6 +423,7 @@ def serve(
         quota=TenantQuota(
             max_jobs_per_tenant=max_jobs_per_tenant,
             max_model_bytes_per_tenant=max_model_bytes_per_tenant,
+            max_checkpoint_bytes_per_tenant=max_checkpoint_bytes_per_tenant,
         ),
         limits=ServerLimits(
             max_samples_per_request=max_samples_per_request,

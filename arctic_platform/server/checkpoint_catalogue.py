@@ -13,7 +13,9 @@ process did not finish.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import stat
 import threading
 import time
 from collections.abc import Iterable
@@ -29,6 +31,17 @@ from arctic_platform.server.paths import CHECKPOINTS_DIR, PathPolicy
 from arctic_platform.server.store import MetadataStore
 
 log = logging.getLogger(__name__)
+
+
+def folder_bytes(folder: Path) -> int:
+    """The bytes of the files under ``folder`` (links not followed; 0 if it is gone)."""
+    total = 0
+    for path in folder.rglob("*"):
+        with contextlib.suppress(FileNotFoundError):  # a rotation may remove files meanwhile
+            status = path.lstat()
+            if stat.S_ISREG(status.st_mode):
+                total += status.st_size
+    return total
 
 
 class CheckpointCatalogue:
@@ -89,6 +102,7 @@ class CheckpointCatalogue:
             "checkpoint_type": checkpoint_type,
             "created_at": created_at,
             "expires_at": expires_at,
+            "nbytes": folder_bytes(Path(saved["path"])),
         }
         self.store.put_checkpoint(record)
         return record
@@ -112,6 +126,34 @@ class CheckpointCatalogue:
             return self.record(
                 sub, {**saved, "path": str(final)}, checkpoint_type, expires_at=expires_at
             )
+
+    def check_room(self, sub: SubJob) -> None:
+        """Refuse a save by ``sub`` (409 ``limit_exceeded``, before anything is written) when what
+        its owner's saves keep on disk and this one would pass the tenant quota's
+        ``max_checkpoint_bytes_per_tenant``. What they keep is the owner's tenant folder, measured
+        whole (a save replacing a record of the same id leaves its earlier folder there), and
+        the catalogued checkpoints outside it (under ``--allow-write-path``); this save is
+        estimated as the size of ``sub``'s newest checkpoint."""
+        quota = self.jobs.quota
+        if quota.max_checkpoint_bytes_per_tenant is None:
+            return
+        owner = self.jobs.get(sub.job_id, None, check_owner=False).owner
+        root = self.paths.tenant_root(owner).resolve()
+        held, estimate, outside = folder_bytes(root), 0, set()
+        for job in self.jobs.all():
+            if job.owner != owner:
+                continue
+            for record in self._live(job.job_id):
+                nbytes = record["nbytes"]
+                if nbytes is None:  # catalogued before sizes were: measured now
+                    nbytes = folder_bytes(Path(record["path"]))
+                if record["sub_job_id"] == sub.sub_job_id:
+                    estimate = nbytes  # oldest first: the newest is left
+                folder = Path(record["path"]).resolve()
+                if not folder.is_relative_to(root) and folder not in outside:
+                    outside.add(folder)
+                    held += nbytes
+        quota.check_checkpoints(held=held, estimate=estimate)
 
     def records(self, job_id: str, *, owner: str | None) -> list[dict]:
         """Records of ``owner``'s job ``job_id`` whose folders exist, oldest first (expired

@@ -129,6 +129,7 @@ def _save(service, sub, engine: TrainingEngineProtocol, job_id, body):
         path = service.paths.writable(owner, body.path, field="save.path")
 
     def run():
+        service.checkpoints.check_room(sub)
         saved = engine.save_checkpoint(
             path,
             step=body.step,

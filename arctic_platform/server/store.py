@@ -38,6 +38,7 @@ CREATE TABLE IF NOT EXISTS checkpoints (
     checkpoint_type TEXT NOT NULL,
     created_at REAL NOT NULL,
     expires_at REAL,
+    nbytes INTEGER,
     PRIMARY KEY (job_id, checkpoint_id)
 );
 CREATE TABLE IF NOT EXISTS tinker_sessions (
@@ -56,7 +57,7 @@ CREATE TABLE IF NOT EXISTS tinker_runs (
 """
 # Columns added to a table after its first release: (table, column, declaration). A store made
 # by an earlier version gains them at open; their rows read the column as NULL.
-_ADDED_COLUMNS = (("checkpoints", "expires_at", "REAL"),)
+_ADDED_COLUMNS = (("checkpoints", "expires_at", "REAL"), ("checkpoints", "nbytes", "INTEGER"))
 _CHECKPOINT_KEYS = (
     "job_id",
     "checkpoint_id",
@@ -67,6 +68,7 @@ _CHECKPOINT_KEYS = (
     "checkpoint_type",
     "created_at",
     "expires_at",
+    "nbytes",
 )
 _TINKER_RUN_KEYS = ("model_id", "owner", "job_id", "base_model", "lora_rank", "created_at")
 
@@ -120,7 +122,8 @@ class MetadataStore:
         return out
 
     def put_checkpoint(self, record: dict[str, Any]) -> None:
-        """Insert or replace one checkpoint row (``expires_at`` may be absent: never)."""
+        """Insert or replace one checkpoint row (``expires_at`` may be absent: never;
+        ``nbytes``, its folder's size, absent: not measured)."""
         row = tuple(record.get(key) for key in _CHECKPOINT_KEYS)
         marks = ", ".join("?" * len(_CHECKPOINT_KEYS))
         with self._lock:

@@ -1,4 +1,5 @@
-"""How much one tenant may hold at once: live jobs, and the bytes of the models they load.
+"""How much one tenant may hold at once: live jobs, the bytes of the models they load, and the
+bytes of the checkpoints they saved.
 
 Per-request limits (:mod:`arctic_platform.server.limits`) bound one op; they do not stop a tenant
 from creating job after job, each holding loaded models (one tenant made 15 jobs, 30 models, and
@@ -8,6 +9,15 @@ training clients and model samplers (each one job). Beyond a quota ``create job`
 409 ``limit_exceeded`` naming the limit and its ``serve`` flag: the refusal is about what the
 tenant holds now, which retrying does not change (429 would make clients retry), and cancelling
 one of its jobs lifts it.
+
+Checkpoints outlive their jobs, so they are bounded apart: every API's saves land on the server's
+one disk, and a tenant saving in a loop would otherwise fill it, and every other tenant's next save
+would fail (507) and cost them their run. A save is refused, before anything is written, once
+what the tenant's saves keep (its tenant folder, and its catalogued checkpoints outside it) and
+this save, estimated as the size of its job's newest checkpoint, would pass
+``max_checkpoint_bytes_per_tenant``; deleting checkpoints lifts it. A job's first save has no
+estimate and saves that run at once each count only what is saved already, so the bound can be
+passed by what those saves write.
 """
 
 from __future__ import annotations
@@ -30,6 +40,7 @@ class TenantQuota:
 
     max_jobs_per_tenant: int | None = None
     max_model_bytes_per_tenant: int | None = None
+    max_checkpoint_bytes_per_tenant: int | None = None
 
     def check(self, *, jobs: int, model_bytes: int) -> None:
         """Refuse a new job that would give its tenant ``jobs`` live jobs loading ``model_bytes``
@@ -37,13 +48,34 @@ class TenantQuota:
         self._bound("live jobs", jobs, "max_jobs_per_tenant")
         self._bound("bytes of model weights", model_bytes, "max_model_bytes_per_tenant")
 
-    def _bound(self, what: str, value: int, limit: str) -> None:
+    def check_checkpoints(self, *, held: int, estimate: int) -> None:
+        """Refuse a save by a tenant whose checkpoints hold ``held`` bytes, this one estimated
+        at ``estimate``."""
+        self._bound(
+            "bytes of checkpoints",
+            held + estimate,
+            "max_checkpoint_bytes_per_tenant",
+            op="save",
+            detail=f" ({held} saved, about {estimate} for this one)",
+            remedy="delete checkpoints you no longer need",
+        )
+
+    def _bound(
+        self,
+        what: str,
+        value: int,
+        limit: str,
+        *,
+        op: str = "create job",
+        detail: str = "",
+        remedy: str = "cancel a job you no longer use",
+    ) -> None:
         bound = getattr(self, limit)
         if bound is not None and value > bound:
             flag = "--" + limit.replace("_", "-")
             raise Conflict(
-                f"create job: it would give you {value} {what}, more than this server's limit of "
-                f"{bound} per tenant ({flag}); cancel a job you no longer use",
+                f"{op}: it would give you {value} {what}{detail}, more than this server's limit "
+                f"of {bound} per tenant ({flag}); {remedy}",
                 code="limit_exceeded",
                 limit=limit,
                 value=value,

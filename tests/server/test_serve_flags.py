@@ -45,25 +45,28 @@ def test_a_missing_package_names_the_extra_that_installs_it_without_importing_an
 
 
 @pytest.mark.parametrize(
-    ("limit", "default"),
+    ("setting", "field", "default"),
     [
-        ("max_long_polls_per_tenant", 1024),
-        ("max_openai_requests_per_tenant", 4096),
-        ("max_pending_mb_per_tenant", 2048),
-        ("max_retained_results_mb", 4096),
+        ("limits", "max_long_polls_per_tenant", 1024),
+        ("limits", "max_openai_requests_per_tenant", 4096),
+        ("limits", "max_pending_mb_per_tenant", 2048),
+        ("limits", "max_retained_results_mb", 4096),
+        ("quota", "max_jobs_per_tenant", 8),
+        ("quota", "max_model_bytes_per_tenant", None),
+        ("quota", "max_checkpoint_bytes_per_tenant", None),
     ],
 )
-def test_a_per_tenant_limit_flag_sets_its_server_limit(monkeypatch, limit, default):
+def test_a_per_tenant_flag_sets_its_server_limit_or_quota(monkeypatch, setting, field, default):
     from typer.testing import CliRunner
 
     from arctic_platform import cli
     from arctic_platform.server import serve
 
     seen = []
-    monkeypatch.setattr(serve, "serve", lambda **kwargs: seen.append(kwargs["limits"]))
-    flag = "--" + limit.replace("_", "-")
+    monkeypatch.setattr(serve, "serve", lambda **kwargs: seen.append(kwargs[setting]))
+    flag = "--" + field.replace("_", "-")
     assert CliRunner().invoke(cli.app, ["serve"]).exit_code == 0
     assert CliRunner().invoke(cli.app, ["serve", flag, "5"]).exit_code == 0
-    assert [getattr(limits, limit) for limits in seen] == [default, 5]
+    assert [getattr(values, field) for values in seen] == [default, 5]
     refused = CliRunner().invoke(cli.app, ["serve", flag, "0"])
     assert refused.exit_code == 2 and flag in refused.output

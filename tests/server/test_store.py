@@ -25,19 +25,20 @@ INSERT INTO checkpoints
 """
 
 
-def test_a_store_of_an_earlier_version_gains_the_expiry_column(tmp_path):
+def test_a_store_of_an_earlier_version_gains_the_expiry_and_size_columns(tmp_path):
     file = tmp_path / "metadata.sqlite3"
     with sqlite3.connect(file) as db:
         db.executescript(BEFORE_EXPIRY)
     store = MetadataStore(file)
     (old,) = store.checkpoints("j1")
     assert old["checkpoint_id"] == "checkpoint-3" and old["global_steps"] == 3
-    assert old["expires_at"] is None
-    store.put_checkpoint(old | {"checkpoint_id": "checkpoint-4", "expires_at": 99.0})
+    assert old["expires_at"] is None and old["nbytes"] is None
+    store.put_checkpoint(old | {"checkpoint_id": "checkpoint-4", "expires_at": 99.0, "nbytes": 7})
     store.close()
 
     reopened = MetadataStore(file)  # a second open adds nothing twice
-    assert [c["expires_at"] for c in reopened.checkpoints("j1")] == [None, 99.0]
+    rows = reopened.checkpoints("j1")
+    assert [(c["expires_at"], c["nbytes"]) for c in rows] == [(None, None), (99.0, 7)]
     reopened.close()
 
 

@@ -160,6 +160,7 @@ class TinkerCheckpoints:
         directory = self._run_dir(owner, path.model_id) / path.kind / path.name
         if not overwrite and (self._find(path, owner) is not None or directory.exists()):
             raise Conflict(f"checkpoint {path} already exists; pass overwrite=True")
+        self._catalogue.check_room(sub)
         step: list[int] = []  # the engine's step, once written
 
         def publish(folder: Path, final: Path) -> None:
