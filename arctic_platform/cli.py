@@ -293,6 +293,14 @@ def serve(
             "connection until its answer; one more gets 429.",
         ),
     ] = ServerLimits.max_openai_requests_per_tenant,
+    max_tinker_sessions_per_tenant: Annotated[
+        int,
+        typer.Option(
+            min=1,
+            help="Tinker sessions one tenant may have open at once (created, not finished nor "
+            "timed out); one more gets 429.",
+        ),
+    ] = ServerLimits.max_tinker_sessions_per_tenant,
     max_pending_mb_per_tenant: Annotated[
         int,
         typer.Option(
@@ -436,6 +444,7 @@ def serve(
             max_chunk_group_mb=max_chunk_group_mb,
             max_long_polls_per_tenant=max_long_polls_per_tenant,
             max_openai_requests_per_tenant=max_openai_requests_per_tenant,
+            max_tinker_sessions_per_tenant=max_tinker_sessions_per_tenant,
             max_pending_mb_per_tenant=max_pending_mb_per_tenant,
             max_retained_results_mb=max_retained_results_mb,
             max_json_mb=max_json_mb,

@@ -46,6 +46,10 @@ class ServerLimits:
     # its answer (waiting for its model to start, then for its op). An RL rollout sends
     # thousands at once, more than a person polls for, hence a bound of its own.
     max_openai_requests_per_tenant: int = 4096
+    # Tinker sessions one tenant may have open at once (created, not finished nor timed out):
+    # a script opens one, so this is many scripts at once. A session costs little, but without a
+    # bound a tenant creating them in a loop would grow the server's memory without end.
+    max_tinker_sessions_per_tenant: int = 256
     # MiB of ops one tenant has submitted and not seen finish (queued, parked for their turn, or
     # running; server/pending_work.py): each holds its body until it ends, so without a bound a
     # tenant could queue bodies until the server runs out of memory. Eight of the largest bodies
@@ -127,6 +131,13 @@ class ServerLimits:
         ``rate_limit_error`` beyond the limit, which the ``openai`` SDK backs off from)."""
         self._per_tenant(
             "max_openai_requests_per_tenant", under_way, "OpenAI requests under way", "per tenant"
+        )
+
+    def check_tinker_sessions(self, open_: int) -> None:
+        """``open_``: the tenant's Tinker sessions open, this one included (429 beyond the
+        limit: the same request succeeds once one has finished or timed out)."""
+        self._per_tenant(
+            "max_tinker_sessions_per_tenant", open_, "Tinker sessions open", "per tenant"
         )
 
     def _per_tenant(self, limit: str, count: int, what: str, of: str) -> None:

@@ -49,6 +49,7 @@ def test_a_missing_package_names_the_extra_that_installs_it_without_importing_an
     [
         ("limits", "max_long_polls_per_tenant", 1024),
         ("limits", "max_openai_requests_per_tenant", 4096),
+        ("limits", "max_tinker_sessions_per_tenant", 256),
         ("limits", "max_pending_mb_per_tenant", 2048),
         ("limits", "max_retained_results_mb", 4096),
         ("quota", "max_jobs_per_tenant", 8),

@@ -108,11 +108,12 @@ class TinkerOps:
 
     def finish_session(self, session_id: str, owner: str | None) -> None:
         """Finish a session (idempotent): cancel the jobs it created, drop its runs' snapshots,
-        and end the requests its runs had parked waiting for a ``seq_id``."""
+        end the requests its runs had parked waiting for a ``seq_id``, and let it leave memory."""
         session = self.state.session(session_id, owner, active=False)
         if session.finished:
             return
         session.finished = True
+        self.state.forget(session)
         for run in self.state.runs_of(session_id):
             run.drop_snapshots()
         for job_id in session.job_ids:

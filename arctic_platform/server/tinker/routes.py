@@ -155,7 +155,8 @@ async def telemetry(request: Request) -> dict:
 async def create_session(request: Request) -> dict:
     owner = _owner(request)
     await read_body(request)
-    session = _ops(request).state.new_session(owner)
+    ops = _ops(request)
+    session = ops.state.new_session(owner, ops.service.limits)
     return {"type": "create_session", "session_id": session.session_id}
 
 

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from arctic_platform.server.errors import Conflict, NotFound, ServiceError
+from arctic_platform.server.limits import ServerLimits
 from arctic_platform.server.store import MetadataStore
 
 # Adapter snapshots a training run keeps for its sampling clients (the newest ones).
@@ -181,27 +182,38 @@ class Sampler:
 class TinkerState:
     """Registries of sessions, runs and samplers; thread-safe; owner-scoped lookups.
 
-    With ``records`` (the server's metadata store) every session id issued is written there too,
-    so that after a restart, which loses the sessions and their jobs, a client that heartbeats a
-    lost session hears that it ended (410, as for a finished one) and stops, rather than 404.
+    Every session id issued is written to ``records`` (the server's metadata store) too, so that
+    after a restart, which loses the sessions and their jobs, a client that heartbeats a lost
+    session hears that it ended (410, as for a finished one) and stops, rather than 404.
     Remembering the ids is simpler than recognising them (a signature would need a key that
-    outlives the process, and would vouch for ids of any other server holding it).
+    outlives the process, and would vouch for ids of any other server holding it). For the same
+    reason a finished session leaves memory (:meth:`forget`): its record answers for it, so a
+    tenant opening and finishing sessions in a loop does not grow the server's memory.
     """
 
-    def __init__(self, records: MetadataStore | None = None) -> None:
+    def __init__(self, records: MetadataStore) -> None:
         self._lock = threading.Lock()
         self._records = records
         self.sessions: dict[str, Session] = {}
         self.runs: dict[str, TrainingRun] = {}
         self.samplers: dict[str, Sampler] = {}
 
-    def new_session(self, owner: str | None) -> Session:
+    def new_session(self, owner: str | None, limits: ServerLimits) -> Session:
+        """A new session of ``owner``'s; 429 beyond its ``max_tinker_sessions_per_tenant`` open
+        at once."""
         session = Session(session_id=uuid.uuid4().hex, owner=owner)
-        if self._records is not None:
-            self._records.put_tinker_session(session.session_id, owner, session.last_heartbeat)
         with self._lock:
+            open_ = sum(1 for s in self.sessions.values() if s.owner == owner and not s.finished)
+            limits.check_tinker_sessions(open_ + 1)
             self.sessions[session.session_id] = session
+        self._records.put_tinker_session(session.session_id, owner, session.last_heartbeat)
         return session
+
+    def forget(self, session: Session) -> None:
+        """Drop a finished session from memory (its record still answers for it)."""
+        assert session.finished
+        with self._lock:
+            self.sessions.pop(session.session_id, None)
 
     def all_runs(self) -> list[TrainingRun]:
         with self._lock:
@@ -228,14 +240,12 @@ class TinkerState:
         return session
 
     def _lost_in_restart(self, session_id: str) -> Session | None:
-        """A session an earlier run of this server issued, kept from now on as finished (its
-        jobs ended with that run); None for an id this server never issued."""
-        record = None if self._records is None else self._records.tinker_session(session_id)
+        """A finished session this server issued (in an earlier run, whose end ended its jobs,
+        or in this one: :meth:`forget`), from its record; None for an id it never issued."""
+        record = self._records.tinker_session(session_id)
         if record is None:
             return None
-        lost = Session(session_id, record["owner"], record["created_at"], finished=True)
-        with self._lock:
-            return self.sessions.setdefault(session_id, lost)
+        return Session(session_id, record["owner"], record["created_at"], finished=True)
 
     def add_run(self, run: TrainingRun) -> None:
         with self._lock:

@@ -1,4 +1,5 @@
-"""Sessions whose client stopped heartbeating are finished and their jobs freed."""
+"""Sessions whose client stopped heartbeating are finished and their jobs freed; a tenant has at
+most ``--max-tinker-sessions-per-tenant`` open at once, and finished ones leave memory."""
 
 from __future__ import annotations
 
@@ -8,11 +9,14 @@ from typer.testing import CliRunner
 
 from arctic_platform import cli
 from arctic_platform.server.app import create_app
+from arctic_platform.server.auth import TokenAuth
+from arctic_platform.server.limits import ServerLimits
 from arctic_platform.server.service import Service, ServiceSettings
+from arctic_platform.server.store import MetadataStore
 from arctic_platform.server.tinker.session_reaper import SessionReaper
 from arctic_platform.server.tinker.state import TinkerState
 from tests.live_server import serve_app, serve_process
-from tests.server.tinker.conftest import TINY
+from tests.server.tinker.conftest import ALICE, BOB, TINY
 from tests.waiting import wait_until
 
 
@@ -45,10 +49,10 @@ def test_a_silent_session_is_finished_and_its_jobs_cancelled(tmp_path):
         assert service.get_job(live_job)["status"] != "cancelled"
 
 
-def test_the_reaper_finishes_only_sessions_past_the_timeout():
-    state, finished = TinkerState(), []
+def test_the_reaper_finishes_only_sessions_past_the_timeout(tmp_path):
+    state, finished = TinkerState(MetadataStore(tmp_path / "metadata.sqlite3")), []
     reaper = SessionReaper(state, lambda sid, owner: finished.append(sid), timeout_s=30)
-    old, fresh = state.new_session("o"), state.new_session("o")
+    old, fresh = (state.new_session("o", ServerLimits()) for _ in range(2))
     old.last_heartbeat = fresh.last_heartbeat - 31
     assert reaper.reap(now=fresh.last_heartbeat) == [old.session_id]
     assert finished == [old.session_id]
@@ -92,7 +96,6 @@ def test_a_session_lost_in_a_restart_is_gone_not_unknown(tmp_path):
     """The server restarts (a new Service on the same data dir): the SDK's heartbeat of a session
     from before gets 410, as for a finished session, so the client stops; an id the server never
     issued, or another tenant's, stays 404."""
-    from arctic_platform.server.auth import TokenAuth
 
     def app():
         service = Service(ServiceSettings(data_dir=tmp_path, device="cpu"))
@@ -112,3 +115,45 @@ def test_a_session_lost_in_a_restart_is_gone_not_unknown(tmp_path):
         assert other.post("/session_heartbeat", json={"session_id": session}).status_code == 404
         never = http.post("/session_heartbeat", json={"session_id": "0" * 32})
         assert never.status_code == 404
+
+
+def test_a_tenants_open_sessions_are_bounded_and_finished_ones_leave_memory(tmp_path):
+    """Two open sessions at most: a third is a 429 naming the limit, another tenant is not held
+    back, and finishing one makes room. A finished session is no longer held in memory, yet it
+    still answers 410 (from its record), so opening and finishing sessions in a loop does not
+    grow the server."""
+    limits = ServerLimits(max_tinker_sessions_per_tenant=2)
+    service = Service(ServiceSettings(data_dir=tmp_path / "data", device="cpu", limits=limits))
+    app = create_app(service, auth=TokenAuth([ALICE, BOB]))
+    state = app.state.tinker.state
+    try:
+        with serve_app(app) as url, httpx.Client(base_url=f"{url}/api/v1", timeout=60) as http:
+
+            def create(key: str) -> httpx.Response:
+                return http.post("/create_session", json={}, headers={"X-API-Key": key})
+
+            def finish(session_id: str) -> int:
+                route = f"/sessions/{session_id}/finish"
+                return http.post(route, json={}, headers={"X-API-Key": ALICE}).status_code
+
+            first, _ = (create(ALICE).json()["session_id"] for _ in range(2))
+            refused = create(ALICE)
+            assert refused.status_code == 429, refused.text
+            body = refused.json()
+            assert body["code"] == "limit_exceeded"
+            assert body["limit"] == "max_tinker_sessions_per_tenant" and body["maximum"] == 2
+            assert "--max-tinker-sessions-per-tenant" in body["message"]
+            assert create(BOB).status_code == 200
+
+            assert finish(first) == 204
+            assert first not in state.sessions
+            beat = http.post(
+                "/session_heartbeat", json={"session_id": first}, headers={"X-API-Key": ALICE}
+            )
+            assert beat.status_code == 410, beat.text
+            assert finish(first) == 204  # finishing again is still fine
+            for _ in range(20):
+                assert finish(create(ALICE).json()["session_id"]) == 204
+            assert len(state.sessions) == 2  # Alice's open one and Bob's
+    finally:
+        service.close()
