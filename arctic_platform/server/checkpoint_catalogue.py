@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import stat
 import threading
 import time
@@ -34,13 +35,16 @@ log = logging.getLogger(__name__)
 
 
 def folder_bytes(folder: Path) -> int:
-    """The bytes of the files under ``folder`` (links not followed; 0 if it is gone)."""
+    """The bytes of the files under ``folder`` (links not followed; 0 if it is gone). The
+    tenant's other saves may remove folders and files meanwhile (a replaced version, a staging
+    folder, retention, a TTL): what is gone is not counted, and never fails the walk."""
     total = 0
-    for path in folder.rglob("*"):
-        with contextlib.suppress(FileNotFoundError):  # a rotation may remove files meanwhile
-            status = path.lstat()
-            if stat.S_ISREG(status.st_mode):
-                total += status.st_size
+    for parent, _, names in os.walk(folder):  # os.walk skips folders it cannot list
+        for name in names:
+            with contextlib.suppress(OSError):
+                status = os.lstat(os.path.join(parent, name))
+                if stat.S_ISREG(status.st_mode):
+                    total += status.st_size
     return total
 
 
@@ -132,8 +136,10 @@ class CheckpointCatalogue:
         its owner's saves keep on disk and this one would pass the tenant quota's
         ``max_checkpoint_bytes_per_tenant``. What they keep is the owner's tenant folder, measured
         whole (a save replacing a record of the same id leaves its earlier folder there), and
-        the catalogued checkpoints outside it (under ``--allow-write-path``); this save is
-        estimated as the size of ``sub``'s newest checkpoint."""
+        the catalogued checkpoints outside it (under ``--allow-write-path``; one whose record a
+        save of the same id replaced is no longer counted); this save is estimated as the size
+        of ``sub``'s largest checkpoint (a merged-weights export after adapter saves can be
+        larger)."""
         quota = self.jobs.quota
         if quota.max_checkpoint_bytes_per_tenant is None:
             return
@@ -148,7 +154,7 @@ class CheckpointCatalogue:
                 if nbytes is None:  # catalogued before sizes were: measured now
                     nbytes = folder_bytes(Path(record["path"]))
                 if record["sub_job_id"] == sub.sub_job_id:
-                    estimate = nbytes  # oldest first: the newest is left
+                    estimate = max(estimate, nbytes)
                 folder = Path(record["path"]).resolve()
                 if not folder.is_relative_to(root) and folder not in outside:
                     outside.add(folder)

@@ -70,7 +70,8 @@ def serve(
     operator's scrape token for ``/metrics``. Tinker sessions without a heartbeat for
     ``tinker_session_timeout_s`` are finished; jobs with no op for ``job_idle_timeout_s`` (None:
     never) are cancelled. ``quota`` bounds each tenant's live jobs (by default
-    :data:`~arctic_platform.server.tenant_quota.DEFAULT_MAX_JOBS_PER_TENANT`) and model bytes.
+    :data:`~arctic_platform.server.tenant_quota.DEFAULT_MAX_JOBS_PER_TENANT`), model bytes and
+    checkpoint bytes.
     """
     import uvicorn
 

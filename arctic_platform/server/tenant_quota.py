@@ -14,10 +14,11 @@ Checkpoints outlive their jobs, so they are bounded apart: every API's saves lan
 one disk, and a tenant saving in a loop would otherwise fill it, and every other tenant's next save
 would fail (507) and cost them their run. A save is refused, before anything is written, once
 what the tenant's saves keep (its tenant folder, and its catalogued checkpoints outside it) and
-this save, estimated as the size of its job's newest checkpoint, would pass
+this save, estimated as the size of its job's largest checkpoint, would pass
 ``max_checkpoint_bytes_per_tenant``; deleting checkpoints lifts it. A job's first save has no
 estimate and saves that run at once each count only what is saved already, so the bound can be
-passed by what those saves write.
+passed by what those saves write; a save under ``--allow-write-path`` is counted while its
+catalogue record is its (a later save of the same id elsewhere replaces it).
 """
 
 from __future__ import annotations

@@ -127,3 +127,28 @@ def test_a_tenants_checkpoints_are_bounded_on_every_api(tmp_path):
                 tinker.close()
     finally:
         service.close()
+
+
+def test_folder_bytes_counts_files_not_links_and_skips_what_vanishes(tmp_path, monkeypatch):
+    """What a save measures: regular files only (a link to a large file outside is not the
+    tenant's bytes), and a file another save removes mid-walk is skipped, not an error."""
+    from arctic_platform.server import checkpoint_catalogue
+
+    (tmp_path / "outside").write_bytes(b"x" * 1000)
+    folder = tmp_path / "ckpt"
+    (folder / "sub").mkdir(parents=True)
+    (folder / "a").write_bytes(b"x" * 10)
+    (folder / "sub" / "b").write_bytes(b"x" * 20)
+    (folder / "sub" / "gone").write_bytes(b"x" * 40)
+    (folder / "link").symlink_to(tmp_path / "outside")
+    real_lstat = checkpoint_catalogue.os.lstat
+
+    def vanishing(path, *args, **kwargs):
+        if str(path).endswith("gone"):
+            raise FileNotFoundError(path)
+        return real_lstat(path, *args, **kwargs)
+
+    assert folder_bytes(folder) == 70
+    monkeypatch.setattr(checkpoint_catalogue.os, "lstat", vanishing)
+    assert folder_bytes(folder) == 30
+    assert folder_bytes(tmp_path / "never-made") == 0
