@@ -100,7 +100,7 @@ class ModelSamplingJobs:
                 owner=owner,
             )
             if session is not None:
-                session.job_ids.append(info["job_id"])
+                session.hold(info["job_id"], lambda job_id: self._cancel([job_id], owner))
             job = self._jobs[key] = _Job(info["job_id"])
         self._jobs.move_to_end(key)
         return job, self._beyond_limit(owner)

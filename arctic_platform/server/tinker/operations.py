@@ -116,12 +116,15 @@ class TinkerOps:
         self.state.forget(session)
         for run in self.state.runs_of(session_id):
             run.drop_snapshots()
-        for job_id in session.job_ids:
-            # a job that already ended on its own (failed, shut down) has nothing to cancel
-            with contextlib.suppress(ServiceError):
-                self.service.cancel_job(job_id, owner=owner)
+        for job_id in list(session.job_ids):
+            self._cancel_quietly(job_id, owner)
         for run in self.state.runs_of(session_id):  # their jobs ended: parked requests fail
             run.sequencer.flush()
+
+    def _cancel_quietly(self, job_id: str, owner: str | None) -> None:
+        # a job that already ended on its own (failed, shut down) has nothing to cancel
+        with contextlib.suppress(ServiceError):
+            self.service.cancel_job(job_id, owner=owner)
 
     def _end_orphaned_requests(self) -> None:
         """End the requests parked in runs whose job ended on its own (failed, expired idle):
@@ -180,7 +183,7 @@ class TinkerOps:
             "sub_job_configs": [training, {"job_type": "sampling", "model_name": base_model}],
         }
         info = self.service.create_job(request, owner=owner)
-        session.job_ids.append(info["job_id"])
+        session.hold(info["job_id"], lambda job_id: self._cancel_quietly(job_id, owner))
         run = TrainingRun(
             model_id=model_id,
             owner=owner,
@@ -591,6 +594,7 @@ class TinkerOps:
             known = run.sequencer.known(seq_id)
             if known is not None:
                 return known
+            run.sequencer.check_window(seq_id)
         try:
             release = self.service.pending.take(owner, nbytes, self.service.limits)
         except PayloadTooLarge:  # never fits: refused for good, like a bad request

@@ -33,12 +33,18 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from arctic_platform.server.errors import Conflict, NotFound, ServiceError
+from arctic_platform.server.errors import BadRequest, Conflict, NotFound, ServiceError
 from arctic_platform.server.limits import ServerLimits
 from arctic_platform.server.store import MetadataStore
 
 # Adapter snapshots a training run keeps for its sampling clients (the newest ones).
 MAX_SNAPSHOTS = 8
+# Sampling clients a tenant keeps, the most recently used (the cookbook makes one per step and
+# never uses the older ones again): one past it drops the least recently used.
+MAX_SAMPLERS_PER_TENANT = 1024
+# How far a training run's ``seq_id``s may run ahead of the next one to start, and how far back
+# a retried one is still recognised: each parked or remembered one is held in memory.
+SEQ_ID_WINDOW = 10_000
 
 
 class SessionGone(ServiceError):
@@ -55,6 +61,15 @@ class Session:
     last_heartbeat: float = field(default_factory=time.time)
     finished: bool = False
     job_ids: list[str] = field(default_factory=list)
+
+    def hold(self, job_id: str, cancel: Callable[[str], None]) -> None:
+        """Count ``job_id`` among the jobs finishing the session cancels. A session finished
+        while the job was being created cancels it here (``cancel``) and answers 410: the
+        finish, which sets ``finished`` before it reads ``job_ids``, may not have seen it."""
+        self.job_ids.append(job_id)
+        if self.finished:
+            cancel(job_id)
+            raise SessionGone(f"session {self.session_id} was finished")
 
 
 # A training client's first seq_id (the SDK sends request_id + 1: tinker/proto/request_conv.py).
@@ -82,11 +97,32 @@ class Sequencer:
         with self._lock:
             if seq_id < self._next or seq_id in self._parked:
                 raise Conflict(f"seq_id {seq_id} was already used by this training client")
+            self._check_window(seq_id)
             self._request_ids[seq_id] = request_id
             self._parked[seq_id] = start
             while self._next in self._parked:
                 self._parked.pop(self._next)()
                 self._next += 1
+            self._forget_old()
+
+    def check_window(self, seq_id: int) -> None:
+        """400 naming ``seq_id`` when it is :data:`SEQ_ID_WINDOW` or more ahead of the next."""
+        with self._lock:
+            self._check_window(seq_id)
+
+    def _check_window(self, seq_id: int) -> None:
+        if seq_id >= self._next + SEQ_ID_WINDOW:
+            raise BadRequest(
+                f"seq_id: {seq_id} is {SEQ_ID_WINDOW} or more ahead of this training client's "
+                f"next, {self._next}",
+                field="seq_id",
+            )
+
+    def _forget_old(self) -> None:
+        """Forget the request ids of ``seq_id``s more than the window behind the next (mostly
+        in ``seq_id`` order, so from the front)."""
+        while self._request_ids and next(iter(self._request_ids)) < self._next - SEQ_ID_WINDOW:
+            del self._request_ids[next(iter(self._request_ids))]
 
     @property
     def parked(self) -> bool:
@@ -103,10 +139,12 @@ class Sequencer:
             for seq_id in sorted(self._parked):
                 self._parked.pop(seq_id)()
                 self._next = seq_id + 1
+            self._forget_old()
 
     def skip(self, seq_id: int) -> None:
-        """Mark ``seq_id`` used without running anything (its request was refused)."""
-        with contextlib.suppress(Conflict):
+        """Mark ``seq_id`` used without running anything (its request was refused; one used
+        already or beyond the window is left as it is)."""
+        with contextlib.suppress(Conflict, BadRequest):
             self.admit(seq_id, "", lambda: None)
 
 
@@ -196,7 +234,7 @@ class TinkerState:
         self._records = records
         self.sessions: dict[str, Session] = {}
         self.runs: dict[str, TrainingRun] = {}
-        self.samplers: dict[str, Sampler] = {}
+        self._samplers: dict[str | None, OrderedDict[str, Sampler]] = {}  # by owner
 
     def new_session(self, owner: str | None, limits: ServerLimits) -> Session:
         """A new session of ``owner``'s; 429 beyond its ``max_tinker_sessions_per_tenant`` open
@@ -261,13 +299,25 @@ class TinkerState:
         return run
 
     def add_sampler(self, sampler: Sampler) -> Sampler:
+        """Keep ``sampler``, dropping its owner's least recently used one past
+        :data:`MAX_SAMPLERS_PER_TENANT`."""
         with self._lock:
-            self.samplers[sampler.sampler_id] = sampler
+            owned = self._samplers.setdefault(sampler.owner, OrderedDict())
+            owned[sampler.sampler_id] = sampler
+            while len(owned) > MAX_SAMPLERS_PER_TENANT:
+                owned.popitem(last=False)
         return sampler
 
     def sampler(self, sampler_id: str, owner: str | None) -> Sampler:
+        """The caller's sampler, made its most recently used; 404 if unknown or dropped."""
         with self._lock:
-            sampler = self.samplers.get(sampler_id)
-        if sampler is None or sampler.owner != owner:
-            raise NotFound(f"sampling_session_id {sampler_id!r} not found")
+            owned = self._samplers.get(owner, OrderedDict())
+            sampler = owned.get(sampler_id)
+            if sampler is not None:
+                owned.move_to_end(sampler_id)
+        if sampler is None:
+            raise NotFound(
+                f"sampling_session_id {sampler_id!r} not found (a tenant keeps its "
+                f"{MAX_SAMPLERS_PER_TENANT} most recently used sampling clients)"
+            )
         return sampler

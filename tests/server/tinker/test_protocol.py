@@ -116,6 +116,64 @@ def test_sequencer_starts_in_seq_id_order_and_refuses_reuse():
     assert started == [2, 3, 4]
 
 
+def test_sequencer_bounds_how_far_ahead_and_how_far_back_it_remembers(monkeypatch):
+    """A ``seq_id`` the window or more ahead of the next is a 400 naming it (a refused one is
+    not parked), and request ids more than the window behind are forgotten: each is held in
+    memory, so a client numbering its requests wildly cannot grow the server without end."""
+    from arctic_platform.server.tinker import state
+
+    monkeypatch.setattr(state, "SEQ_ID_WINDOW", 4)
+    seq = Sequencer()
+    with pytest.raises(BadRequest, match="seq_id: 5 is 4 or more ahead"):
+        seq.check_window(5)
+    with pytest.raises(BadRequest, match="seq_id"):
+        seq.admit(5, "r5", lambda: None)
+    seq.skip(1_000_000)  # refused, far ahead: nothing parked
+    assert not seq.parked
+    for seq_id in range(1, 11):
+        seq.admit(seq_id, f"r{seq_id}", lambda: None)
+    assert [seq.known(i) for i in (6, 7, 10)] == [None, "r7", "r10"]
+    seq.check_window(14)  # the window moved with the next seq_id
+
+
+def test_a_finished_session_cancels_a_job_made_while_it_finished():
+    """Creating a job for a session takes a while; a finish meanwhile may not see the job, so
+    holding it in a finished session cancels it at once and answers 410."""
+    from arctic_platform.server.tinker.state import Session, SessionGone
+
+    session, cancelled = Session("s1", "alice"), []
+    session.hold("job-1", cancelled.append)
+    assert cancelled == [] and session.job_ids == ["job-1"]
+    session.finished = True
+    with pytest.raises(SessionGone):
+        session.hold("job-2", cancelled.append)
+    assert cancelled == ["job-2"]
+
+
+def test_a_tenant_keeps_its_most_recently_used_samplers(monkeypatch, tmp_path):
+    from arctic_platform.server.errors import NotFound
+    from arctic_platform.server.store import MetadataStore
+    from arctic_platform.server.tinker import state
+
+    monkeypatch.setattr(state, "MAX_SAMPLERS_PER_TENANT", 2)
+    tinker_state = state.TinkerState(MetadataStore(tmp_path / "metadata.sqlite3"))
+
+    def add(sampler_id: str, owner: str) -> None:
+        tinker_state.add_sampler(state.Sampler(sampler_id, owner, "s", "builtin:tiny"))
+
+    add("a1", "alice")
+    add("a2", "alice")
+    add("b1", "bob")
+    tinker_state.sampler("a1", "alice")  # used: a2 is now the least recently used
+    add("a3", "alice")
+    with pytest.raises(NotFound, match="2 most recently used"):
+        tinker_state.sampler("a2", "alice")
+    assert tinker_state.sampler("a1", "alice").sampler_id == "a1"
+    assert tinker_state.sampler("b1", "bob").owner == "bob"
+    with pytest.raises(NotFound):
+        tinker_state.sampler("a1", "bob")  # another tenant's id is not found
+
+
 def test_finished_futures_past_the_limit_drop_the_first_finished(monkeypatch):
     import asyncio
     import json
