@@ -26,6 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from arctic_platform.contract.ops import OpName
 from arctic_platform.server.errors import Conflict
 
 # ``serve --max-jobs-per-tenant``: more than one person's experiments at once (a driver holds one
@@ -56,7 +57,7 @@ class TenantQuota:
             "bytes of checkpoints",
             held + estimate,
             "max_checkpoint_bytes_per_tenant",
-            op="save",
+            op=OpName.SAVE,
             detail=f" ({held} saved, about {estimate} for this one)",
             remedy="delete checkpoints you no longer need",
         )

@@ -232,10 +232,11 @@ def test_checkpoint_samplers_beyond_the_limit_release_their_jobs_and_reload_on_u
         path = client.save_weights_for_sampler(f"periodic{i}").result().path
         samplers.append(service_client.create_sampling_client(model_path=path).result())
         draws.append(draw(samplers[-1]))
-        record = next(s for s in ops.state.samplers.values() if s.model_path == path)
+        owner = server_app.state.auth.owner(f"Bearer {ALICE}")  # the tenant ALICE's key is
+        record = ops.state.sampler(samplers[-1]._sampling_session_id, owner)
+        assert record.model_path == path
         models.append(record.model)
         if i == 0:
-            owner = record.owner  # the tenant id the server derives from ALICE's key
             oldest_job = ops.model_jobs.jobs(owner)[models[0]]
     kept = ops.model_jobs.jobs(owner)
     assert list(kept) == models[1:]  # the newest ones, least recently used first
