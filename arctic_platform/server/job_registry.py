@@ -34,6 +34,10 @@ from arctic_platform.server.sub_job_queue import SubJobQueue
 from arctic_platform.server.tenant_quota import TenantQuota
 
 LOG_LINES_PER_JOB = 2000
+# Ended jobs a tenant's history keeps (the newest), beside those that saved checkpoints, which are
+# kept while the checkpoints are: a job that fails at once (a model name that does not resolve)
+# can be created in a loop, and each would otherwise stay in memory and the store for good.
+MAX_ENDED_JOBS_PER_TENANT = 1000
 
 
 @dataclass
@@ -143,8 +147,28 @@ class JobRegistry:
                 raise Conflict("the server is shutting down")
             self.check_quota(job)
             self._jobs[job.job_id] = job
+            forgotten = self._forget_old_ended(job.owner)
+        for old in forgotten:
+            self.store.delete_job(old.job_id)
         self.log(job, f"created with {len(job.sub_jobs)} sub-job(s)")
         self.persist(job)
+
+    def _forget_old_ended(self, owner: str | None) -> list[Job]:
+        """Drop the owner's oldest ended jobs past :data:`MAX_ENDED_JOBS_PER_TENANT`, skipping
+        those with catalogued checkpoints (a checkpoint's record names its job, which owns it);
+        the jobs dropped, whose store rows the caller deletes. A dropped id is a 404 from then
+        on, like an unknown one."""
+        ended = [
+            j for j in self._jobs.values() if j.owner == owner and j.status in TERMINAL_JOB_STATES
+        ]
+        excess, forgotten = len(ended) - MAX_ENDED_JOBS_PER_TENANT, []
+        for job in ended:  # oldest first: the table is in creation order
+            if len(forgotten) >= excess:
+                break
+            if not self.store.checkpoints(job.job_id):
+                del self._jobs[job.job_id]
+                forgotten.append(job)
+        return forgotten
 
     def close(self) -> list[Job]:
         """Refuse new jobs from now on; every job known (the caller holds the lock)."""

@@ -121,6 +121,10 @@ class MetadataStore:
             out.append(record)
         return out
 
+    def delete_job(self, job_id: str) -> None:
+        with self._lock:
+            self._db.execute("DELETE FROM jobs WHERE job_id = ?", (job_id,))
+
     def put_checkpoint(self, record: dict[str, Any]) -> None:
         """Insert or replace one checkpoint row (``expires_at`` may be absent: never;
         ``nbytes``, its folder's size, absent: not measured)."""

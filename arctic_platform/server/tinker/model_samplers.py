@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from arctic_platform.contract.states import LIVE_JOB_STATES
-from arctic_platform.server.errors import ServiceError
+from arctic_platform.server.errors import NotFound, ServiceError
 from arctic_platform.server.service import Service
 from arctic_platform.server.tinker.state import Session
 
@@ -134,4 +134,7 @@ class ModelSamplingJobs:
                 self.service.cancel_job(job_id, owner=owner)
 
     def _alive(self, job_id: str, owner: str | None) -> bool:
-        return self.service.get_job(job_id, owner=owner)["status"] in LIVE_JOB_STATES
+        try:
+            return self.service.job_status(job_id, owner=owner) in LIVE_JOB_STATES
+        except NotFound:  # ended long ago and dropped from the owner's history
+            return False

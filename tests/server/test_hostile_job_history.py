@@ -1,0 +1,59 @@
+"""A tenant's history of ended jobs is bounded.
+
+A job that fails at once (a model folder that holds no model) can be created in a loop: without
+a bound each stayed in the server's memory and store for good, and every job creation scanned
+them all. Past ``MAX_ENDED_JOBS_PER_TENANT`` ended jobs (2 here) a tenant's oldest ones are
+forgotten (a 404 like an unknown id, gone from the list and from the store, so a restart does
+not bring them back), except a job whose checkpoints are catalogued; other tenants' are not
+touched. Real Service, real ``builtin:tiny`` engine for the job that saves.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from arctic_platform.server import job_registry
+from arctic_platform.server.errors import NotFound
+from arctic_platform.server.service import Service, ServiceSettings
+from tests.server.conftest import job_request
+from tests.waiting import wait_until
+
+
+def test_a_tenants_oldest_ended_jobs_past_the_history_are_forgotten(tmp_path, monkeypatch):
+    monkeypatch.setattr(job_registry, "MAX_ENDED_JOBS_PER_TENANT", 2)
+    settings = ServiceSettings(data_dir=tmp_path / "data", device="cpu")
+    service = Service(settings)
+
+    def failing(owner: str) -> str:
+        (service.paths.tenant_root(owner) / "not-a-model").mkdir(parents=True, exist_ok=True)
+        spec = {"job_type": "training", "model_name": "not-a-model"}
+        job_id = service.create_job({"sub_job_configs": [spec]}, owner=owner)["job_id"]
+        wait_until(
+            lambda: service.job_status(job_id, owner=owner) == "failed", what="the job failed"
+        )
+        return job_id
+
+    try:
+        saved = service.create_job(job_request("training"), owner="alice")["job_id"]
+        service.wait_until_running(saved, owner="alice", timeout=120)
+        service.execute(saved, "save", {}, owner="alice")
+        service.cancel_job(saved, owner="alice")
+        bobs = failing("bob")
+        jobs = [failing("alice") for _ in range(4)]
+        for gone in jobs[:2]:
+            with pytest.raises(NotFound):
+                service.get_job(gone, owner="alice")
+        assert [service.job_status(j, owner="alice") for j in jobs[2:]] == ["failed"] * 2
+        assert service.job_status(saved, owner="alice") == "cancelled"
+        assert service.list_checkpoints(saved, owner="alice")
+        assert service.job_status(bobs, owner="bob") == "failed"
+        listed = {job["job_id"] for job in service.list_jobs(owner="alice")}
+        assert listed == {saved, *jobs[2:]}
+    finally:
+        service.close()
+    restarted = Service(settings)
+    try:
+        listed = {job["job_id"] for job in restarted.list_jobs(owner="alice")}
+        assert listed == {saved, *jobs[2:]}
+    finally:
+        restarted.close()
