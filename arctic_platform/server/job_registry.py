@@ -34,9 +34,9 @@ from arctic_platform.server.sub_job_queue import SubJobQueue
 from arctic_platform.server.tenant_quota import TenantQuota
 
 LOG_LINES_PER_JOB = 2000
-# Ended jobs a tenant's history keeps (the newest), beside those that saved checkpoints, which are
-# kept while the checkpoints are: a job that fails at once (a model name that does not resolve)
-# can be created in a loop, and each would otherwise stay in memory and the store for good.
+# Ended jobs a tenant's history keeps (the newest), besides those that saved checkpoints, which
+# are kept while the checkpoints are: a job that fails at once (a model folder that holds no
+# model) can be created in a loop, and each would otherwise stay in memory and the store for good.
 MAX_ENDED_JOBS_PER_TENANT = 1000
 
 
@@ -154,20 +154,25 @@ class JobRegistry:
         self.persist(job)
 
     def _forget_old_ended(self, owner: str | None) -> list[Job]:
-        """Drop the owner's oldest ended jobs past :data:`MAX_ENDED_JOBS_PER_TENANT`, skipping
-        those with catalogued checkpoints (a checkpoint's record names its job, which owns it);
-        the jobs dropped, whose store rows the caller deletes. A dropped id is a 404 from then
-        on, like an unknown one."""
+        """Drop the owner's oldest ended jobs past :data:`MAX_ENDED_JOBS_PER_TENANT`; the jobs
+        dropped, whose store rows the caller deletes. A dropped id is a 404 from then on, like
+        an unknown one. Not counted nor dropped: a job with catalogued checkpoints (a
+        checkpoint's record names its job, which owns it), and one still winding down (an op
+        in flight, such as a save that may yet catalogue a checkpoint, or engines not yet
+        released)."""
+        saved = self.store.jobs_with_checkpoints()
         ended = [
-            j for j in self._jobs.values() if j.owner == owner and j.status in TERMINAL_JOB_STATES
+            j
+            for j in self._jobs.values()  # oldest first: the table is in creation order
+            if j.owner == owner
+            and j.status in TERMINAL_JOB_STATES
+            and j.job_id not in saved
+            and not j.in_flight
+            and all(s.engine is None for s in j.sub_jobs)
         ]
-        excess, forgotten = len(ended) - MAX_ENDED_JOBS_PER_TENANT, []
-        for job in ended:  # oldest first: the table is in creation order
-            if len(forgotten) >= excess:
-                break
-            if not self.store.checkpoints(job.job_id):
-                del self._jobs[job.job_id]
-                forgotten.append(job)
+        forgotten = ended[: max(0, len(ended) - MAX_ENDED_JOBS_PER_TENANT)]
+        for job in forgotten:
+            del self._jobs[job.job_id]
         return forgotten
 
     def close(self) -> list[Job]:

@@ -121,6 +121,12 @@ class MetadataStore:
             out.append(record)
         return out
 
+    def jobs_with_checkpoints(self) -> set[str]:
+        """The ids of the jobs that have a checkpoint row."""
+        with self._lock:
+            rows = self._db.execute("SELECT DISTINCT job_id FROM checkpoints").fetchall()
+        return {row[0] for row in rows}
+
     def delete_job(self, job_id: str) -> None:
         with self._lock:
             self._db.execute("DELETE FROM jobs WHERE job_id = ?", (job_id,))

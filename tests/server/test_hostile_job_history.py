@@ -4,8 +4,8 @@ A job that fails at once (a model folder that holds no model) can be created in 
 a bound each stayed in the server's memory and store for good, and every job creation scanned
 them all. Past ``MAX_ENDED_JOBS_PER_TENANT`` ended jobs (2 here) a tenant's oldest ones are
 forgotten (a 404 like an unknown id, gone from the list and from the store, so a restart does
-not bring them back), except a job whose checkpoints are catalogued; other tenants' are not
-touched. Real Service, real ``builtin:tiny`` engine for the job that saves.
+not bring them back); a job whose checkpoints are catalogued is kept besides them, and other
+tenants' are not touched. Real Service, real ``builtin:tiny`` engine for the job that saves.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 
 from arctic_platform.server import job_registry
+from arctic_platform.server.app import create_app
 from arctic_platform.server.errors import NotFound
 from arctic_platform.server.service import Service, ServiceSettings
 from tests.server.conftest import job_request
@@ -39,16 +40,20 @@ def test_a_tenants_oldest_ended_jobs_past_the_history_are_forgotten(tmp_path, mo
         service.execute(saved, "save", {}, owner="alice")
         service.cancel_job(saved, owner="alice")
         bobs = failing("bob")
-        jobs = [failing("alice") for _ in range(4)]
+        jobs = [failing("alice") for _ in range(5)]  # the fifth's creation drops two
         for gone in jobs[:2]:
             with pytest.raises(NotFound):
                 service.get_job(gone, owner="alice")
-        assert [service.job_status(j, owner="alice") for j in jobs[2:]] == ["failed"] * 2
+        assert [service.job_status(j, owner="alice") for j in jobs[2:]] == ["failed"] * 3
         assert service.job_status(saved, owner="alice") == "cancelled"
         assert service.list_checkpoints(saved, owner="alice")
         assert service.job_status(bobs, owner="bob") == "failed"
         listed = {job["job_id"] for job in service.list_jobs(owner="alice")}
         assert listed == {saved, *jobs[2:]}
+        # A Tinker run whose job was forgotten lists no checkpoints (it had none), not a 404.
+        tinker = create_app(service).state.tinker.checkpoints
+        tinker.record_run("s:train:0", owner="alice", job_id=jobs[0], base_model="m", rank=4)
+        assert tinker.list("s:train:0", "alice") == []
     finally:
         service.close()
     restarted = Service(settings)

@@ -216,9 +216,15 @@ class TinkerCheckpoints:
         return {str(p.relative_to(root)): p for p in sorted(root.rglob("*")) if p.is_file()}
 
     def list(self, model_id: str, owner: str | None) -> list[dict]:
-        """``Checkpoint`` objects of a run, oldest first."""
+        """``Checkpoint`` objects of a run, oldest first (none for a run whose job ended
+        without one and was since dropped from its owner's history)."""
+        job_id = self._job_id(model_id, owner)
+        try:
+            records = self._catalogue.records(job_id, owner=owner)
+        except NotFound:
+            return []
         found = []
-        for record in self._catalogue.records(self._job_id(model_id, owner), owner=owner):
+        for record in records:
             path = _tinker_path(model_id, record)
             if path is None or not layout.is_loadable(record["path"]):
                 continue  # an on-prem save of the run's job, or a checkpoint whose files are gone
