@@ -147,16 +147,15 @@ class JobRegistry:
                 raise Conflict("the server is shutting down")
             self.check_quota(job)
             self._jobs[job.job_id] = job
-            forgotten = self._forget_old_ended(job.owner)
-        for old in forgotten:
-            self.store.delete_job(old.job_id)
+            for old in self._forget_old_ended(job.owner):
+                self.store.delete_job(old.job_id)
         self.log(job, f"created with {len(job.sub_jobs)} sub-job(s)")
         self.persist(job)
 
     def _forget_old_ended(self, owner: str | None) -> list[Job]:
         """Drop the owner's oldest ended jobs past :data:`MAX_ENDED_JOBS_PER_TENANT`; the jobs
-        dropped, whose store rows the caller deletes. A dropped id is a 404 from then on, like
-        an unknown one. Not counted nor dropped: a job with catalogued checkpoints (a
+        dropped, whose store rows the caller deletes under the lock. A dropped id is a 404 from
+        then on, like an unknown one. Not counted nor dropped: a job with catalogued checkpoints (a
         checkpoint's record names its job, which owns it), and one still winding down (an op
         in flight, such as a save that may yet catalogue a checkpoint, or engines not yet
         released)."""
@@ -319,19 +318,27 @@ class JobRegistry:
     # -- persistence ------------------------------------------------------------------------
 
     def persist(self, job: Job) -> None:
-        self.store.put_job(
-            {
-                "job_id": job.job_id,
-                "owner": job.owner,
-                "status": job.status,
-                "reason": job.reason,
-                "experiment_name": job.experiment_name,
-                "request": job.request,
-                "sub_jobs": [{"sub_job_id": s.sub_job_id, "kind": s.kind} for s in job.sub_jobs],
-                "created_at": job.created_at,
-                "updated_at": job.updated_at,
-            }
-        )
+        """Write the job's row, unless the job was dropped from its owner's history meanwhile
+        (a late state change, such as a build finishing after a cancel, must not bring the row
+        back); under the lock, as the drop and its delete are."""
+        with self.lock:
+            if self._jobs.get(job.job_id) is not job:
+                return
+            self.store.put_job(
+                {
+                    "job_id": job.job_id,
+                    "owner": job.owner,
+                    "status": job.status,
+                    "reason": job.reason,
+                    "experiment_name": job.experiment_name,
+                    "request": job.request,
+                    "sub_jobs": [
+                        {"sub_job_id": s.sub_job_id, "kind": s.kind} for s in job.sub_jobs
+                    ],
+                    "created_at": job.created_at,
+                    "updated_at": job.updated_at,
+                }
+            )
 
     def restore(self) -> None:
         """Reload jobs of earlier runs; those that were alive are now ``terminated``."""
