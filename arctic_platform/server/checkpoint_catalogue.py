@@ -138,7 +138,7 @@ class CheckpointCatalogue:
         whole (a save replacing a record of the same id leaves its earlier folder there), and
         the catalogued checkpoints outside it (under ``--allow-write-path``; one whose record a
         save of the same id replaced is no longer counted); this save is estimated as the size
-        of ``sub``'s largest checkpoint (a merged-weights export after adapter saves can be
+        of its job's largest checkpoint (a merged-weights export after adapter saves can be
         larger)."""
         quota = self.jobs.quota
         if quota.max_checkpoint_bytes_per_tenant is None:
@@ -153,7 +153,7 @@ class CheckpointCatalogue:
                 nbytes = record["nbytes"]
                 if nbytes is None:  # catalogued before sizes were: measured now
                     nbytes = folder_bytes(Path(record["path"]))
-                if record["sub_job_id"] == sub.sub_job_id:
+                if job.job_id == sub.job_id:
                     estimate = max(estimate, nbytes)
                 folder = Path(record["path"]).resolve()
                 if not folder.is_relative_to(root) and folder not in outside:

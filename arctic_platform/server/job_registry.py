@@ -121,7 +121,8 @@ class Job:
 
 
 class JobRegistry:
-    """The jobs by id, their state changes (each persisted), logs and engine release.
+    """The jobs by id, their state changes (each persisted while the job is kept: an owner's
+    oldest ended jobs are dropped, :meth:`_forget_old_ended`), logs and engine release.
 
     ``lock`` (re-entrant) guards the table and every job's mutable fields; the other parts of
     the Service take it for changes that must look atomic (an op entering a queue, a shutdown

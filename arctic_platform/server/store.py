@@ -74,7 +74,7 @@ _TINKER_RUN_KEYS = ("model_id", "owner", "job_id", "base_model", "lora_rank", "c
 
 
 class MetadataStore:
-    """Thread-safe access to the jobs and checkpoints tables."""
+    """Thread-safe access to the jobs, checkpoints and Tinker tables."""
 
     def __init__(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -128,6 +128,7 @@ class MetadataStore:
         return {row[0] for row in rows}
 
     def delete_job(self, job_id: str) -> None:
+        """Delete the job's row (one dropped from its owner's history)."""
         with self._lock:
             self._db.execute("DELETE FROM jobs WHERE job_id = ?", (job_id,))
 

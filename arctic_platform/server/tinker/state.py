@@ -226,7 +226,8 @@ class TinkerState:
     Remembering the ids is simpler than recognising them (a signature would need a key that
     outlives the process, and would vouch for ids of any other server holding it). For the same
     reason a finished session leaves memory (:meth:`forget`): its record answers for it, so a
-    tenant opening and finishing sessions in a loop does not grow the server's memory.
+    tenant opening and finishing sessions in a loop does not grow the server's memory (training
+    runs are kept: each built an engine).
     """
 
     def __init__(self, records: MetadataStore) -> None:
@@ -270,14 +271,14 @@ class TinkerState:
         with self._lock:
             session = self.sessions.get(session_id)
         if session is None:
-            session = self._lost_in_restart(session_id)
+            session = self._finished_from_record(session_id)
         if session is None or session.owner != owner:
             raise NotFound(f"session {session_id!r} not found")
         if active and session.finished:
             raise SessionGone(f"session {session_id} was finished")
         return session
 
-    def _lost_in_restart(self, session_id: str) -> Session | None:
+    def _finished_from_record(self, session_id: str) -> Session | None:
         """A finished session this server issued (in an earlier run, whose end ended its jobs,
         or in this one: :meth:`forget`), from its record; None for an id it never issued."""
         record = self._records.tinker_session(session_id)
