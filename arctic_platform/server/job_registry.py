@@ -160,16 +160,18 @@ class JobRegistry:
         checkpoint's record names its job, which owns it), and one still winding down (an op
         in flight, such as a save that may yet catalogue a checkpoint, or engines not yet
         released)."""
-        saved = self.store.jobs_with_checkpoints()
         ended = [
             j
             for j in self._jobs.values()  # oldest first: the table is in creation order
             if j.owner == owner
             and j.status in TERMINAL_JOB_STATES
-            and j.job_id not in saved
             and not j.in_flight
             and all(s.engine is None for s in j.sub_jobs)
         ]
+        if len(ended) <= MAX_ENDED_JOBS_PER_TENANT:  # the usual case: no store query
+            return []
+        saved = self.store.jobs_with_checkpoints()
+        ended = [j for j in ended if j.job_id not in saved]
         forgotten = ended[: max(0, len(ended) - MAX_ENDED_JOBS_PER_TENANT)]
         for job in forgotten:
             del self._jobs[job.job_id]

@@ -34,6 +34,14 @@ class _Job:
     in_flight: int = 0
 
 
+def cancel_jobs(service: Service, job_ids: list[str], owner: str | None) -> None:
+    """Cancel ``job_ids``; one that already ended (its session finished, it failed) has nothing
+    left to free."""
+    for job_id in job_ids:
+        with contextlib.suppress(ServiceError):
+            service.cancel_job(job_id, owner=owner)
+
+
 class ModelSamplingJobs:
     """The owner-scoped, least-recently-used registry of model sampling jobs (see module doc)."""
 
@@ -55,7 +63,7 @@ class ModelSamplingJobs:
         most recently used."""
         with self._lock:
             job, released = self._use(session, owner, model, kind)
-        self._cancel(released, owner)
+        cancel_jobs(self.service, released, owner)
         return f"{job.job_id}:{kind}:0"
 
     def begin(
@@ -65,7 +73,7 @@ class ModelSamplingJobs:
         with self._lock:
             job, released = self._use(session, owner, model, kind)
             job.in_flight += 1
-        self._cancel(released, owner)
+        cancel_jobs(self.service, released, owner)
         return f"{job.job_id}:{kind}:0"
 
     def end(self, owner: str | None, model: str, sub_job_id: str, kind: str = "sampling") -> None:
@@ -100,7 +108,9 @@ class ModelSamplingJobs:
                 owner=owner,
             )
             if session is not None:
-                session.hold(info["job_id"], lambda job_id: self._cancel([job_id], owner))
+                session.hold(
+                    info["job_id"], lambda job_id: cancel_jobs(self.service, [job_id], owner)
+                )
             job = self._jobs[key] = _Job(info["job_id"])
         self._jobs.move_to_end(key)
         return job, self._beyond_limit(owner)
@@ -110,7 +120,7 @@ class ModelSamplingJobs:
         holds ``limit`` (the most recently used one is never dropped); their ids, to cancel.
 
         Cancelling closes engines (a vLLM process, Ray actors), which takes seconds: callers
-        do it outside the lock (:meth:`_cancel`), so other samples are not held up by it."""
+        do it outside the lock (:func:`cancel_jobs`), so other samples are not held up by it."""
         mine = [key for key in self._jobs if key[0] == owner]
         for key in mine:
             if not self._alive(self._jobs[key].job_id, owner):
@@ -126,12 +136,6 @@ class ModelSamplingJobs:
             dropped.append(self._jobs.pop(key).job_id)
             excess -= 1
         return dropped
-
-    def _cancel(self, job_ids: list[str], owner: str | None) -> None:
-        for job_id in job_ids:
-            # a job that ended meanwhile (its session finished) has nothing left to free
-            with contextlib.suppress(ServiceError):
-                self.service.cancel_job(job_id, owner=owner)
 
     def _alive(self, job_id: str, owner: str | None) -> bool:
         try:

@@ -44,7 +44,7 @@ from arctic_platform.server.tinker.checkpoints import (
     check_ttl,
 )
 from arctic_platform.server.tinker.futures import FutureStore, OpResult
-from arctic_platform.server.tinker.model_samplers import ModelSamplingJobs
+from arctic_platform.server.tinker.model_samplers import ModelSamplingJobs, cancel_jobs
 from arctic_platform.server.tinker.sample_batcher import SampleBatcher
 from arctic_platform.server.tinker.session_reaper import SESSION_TIMEOUT_S, SessionReaper
 from arctic_platform.server.tinker.snapshot_loads import SnapshotLoad, SnapshotWeights
@@ -116,15 +116,9 @@ class TinkerOps:
         self.state.forget(session)
         for run in self.state.runs_of(session_id):
             run.drop_snapshots()
-        for job_id in list(session.job_ids):
-            self._cancel_quietly(job_id, owner)
+        cancel_jobs(self.service, list(session.job_ids), owner)
         for run in self.state.runs_of(session_id):  # their jobs ended: parked requests fail
             run.sequencer.flush()
-
-    def _cancel_quietly(self, job_id: str, owner: str | None) -> None:
-        # a job that already ended on its own (failed, shut down) has nothing to cancel
-        with contextlib.suppress(ServiceError):
-            self.service.cancel_job(job_id, owner=owner)
 
     def _end_orphaned_requests(self) -> None:
         """End the requests parked in runs whose job ended on its own (failed, expired idle):
@@ -183,7 +177,7 @@ class TinkerOps:
             "sub_job_configs": [training, {"job_type": "sampling", "model_name": base_model}],
         }
         info = self.service.create_job(request, owner=owner)
-        session.hold(info["job_id"], lambda job_id: self._cancel_quietly(job_id, owner))
+        session.hold(info["job_id"], lambda job_id: cancel_jobs(self.service, [job_id], owner))
         run = TrainingRun(
             model_id=model_id,
             owner=owner,
