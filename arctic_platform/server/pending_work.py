@@ -18,6 +18,7 @@ bounded too.
 from __future__ import annotations
 
 import collections
+import sys
 import threading
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
@@ -27,39 +28,52 @@ from arctic_platform.server.limits import ServerLimits
 
 # What one accepted op costs beyond its body: its future, request record and queue entry.
 OP_OVERHEAD_BYTES = 4096
-# A number sent as JSON, counted as the 8 bytes of an array element (its Python object is larger;
-# bodies of tensors arrive as DSSST1 arrays, counted exactly).
-SCALAR_BYTES = 8
 _SCALARS = frozenset({int, float, bool, type(None)})
+# A number object of magnitude below 2**30 (every float, most ints) takes at most this many bytes.
+_SMALL_NUMBER = 1 << 30
+_SMALL_NUMBER_BYTES = max(sys.getsizeof(_SMALL_NUMBER - 1), sys.getsizeof(0.0))
 
 
 def payload_nbytes(value: Any) -> int:
-    """The bytes an op body holds: arrays (numpy, torch) by their buffers, strings and bytes by
-    length, numbers as :data:`SCALAR_BYTES`, containers by what they hold. Iterative, so a deeply
-    nested body cannot exhaust the stack; a list of numbers (token ids) is counted from its
-    element types, gathered in C, not element by element."""
+    """The bytes an op body holds in memory: arrays (numpy, torch) and memoryviews by their
+    buffers, every other object at its own size (``sys.getsizeof``: a list's header and
+    pointers, a dict's table, a string's header and text, a number's object), containers plus
+    what they hold. A parsed JSON body costs several times its text (a token id in a list 36
+    bytes, an empty list 56), and a free-form field (a training op's ``meta``) can hold any
+    shape, so the count follows the objects, not the text: otherwise a body of empty containers
+    would count as nothing while holding gigabytes. Iterative, so a deeply nested body cannot
+    exhaust the stack; a list of numbers (token ids) is measured in C, not element by element
+    in Python. An object two containers share is counted twice (never less than it holds)."""
     total = 0
     stack = [value]
     while stack:
         item = stack.pop()
-        kind = type(item)
-        if kind in _SCALARS:
-            total += SCALAR_BYTES
-        elif isinstance(item, (list, tuple)):
+        if isinstance(nbytes := getattr(item, "nbytes", None), int):  # arrays, memoryviews
+            total += nbytes
+            continue
+        total += sys.getsizeof(item)
+        if isinstance(item, (list, tuple)):
             if set(map(type, item)) <= _SCALARS:
-                total += SCALAR_BYTES * len(item)
+                total += _scalars_nbytes(item)
             else:
                 stack.extend(item)
-        elif kind is dict or isinstance(item, Mapping):
+        elif isinstance(item, Mapping):
             stack.extend(item.keys())
             stack.extend(item.values())
-        elif isinstance(item, (str, bytes, bytearray)):
-            total += len(item)
-        elif isinstance(nbytes := getattr(item, "nbytes", None), int):  # arrays, memoryviews
-            total += nbytes
-        else:
-            total += SCALAR_BYTES
     return total
+
+
+def _scalars_nbytes(items: list | tuple) -> int:
+    """The objects of a list of numbers, bools and Nones: when every one is a number below
+    2**30 in magnitude (``min`` and ``max`` check it in C) each is counted at the most such a
+    number takes; otherwise (a larger int grows with its digits) each is measured."""
+    try:
+        small = min(items) > -_SMALL_NUMBER and max(items) < _SMALL_NUMBER
+    except (TypeError, ValueError):  # a None among them, or no items
+        small = False
+    if small:
+        return len(items) * _SMALL_NUMBER_BYTES
+    return sum(map(sys.getsizeof, items))
 
 
 class PendingWork:

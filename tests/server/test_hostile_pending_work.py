@@ -11,8 +11,11 @@ about 300 KB fill it.
 
 from __future__ import annotations
 
+import json
+import sys
 import threading
-from contextlib import closing
+import tracemalloc
+from contextlib import closing, contextmanager
 
 import httpx
 import numpy as np
@@ -21,7 +24,7 @@ import pytest
 from arctic_platform import wire
 from arctic_platform.server.errors import PayloadTooLarge, TooManyRequests
 from arctic_platform.server.limits import MIB, ServerLimits
-from arctic_platform.server.pending_work import OP_OVERHEAD_BYTES, SCALAR_BYTES, payload_nbytes
+from arctic_platform.server.pending_work import OP_OVERHEAD_BYTES, payload_nbytes
 from arctic_platform.server.service import Service, ServiceSettings
 from arctic_platform.server.tinker import proto
 from tests.fake_engine import build_fake_engine
@@ -35,20 +38,58 @@ from tests.waiting import wait_until
 LIMITS = ServerLimits(max_pending_mb_per_tenant=1)
 
 
-def test_payload_nbytes_counts_arrays_text_and_numbers():
+def test_payload_nbytes_counts_arrays_by_their_buffers():
     torch = pytest.importorskip("torch")
     ids = np.zeros((4, 8), np.int64)
-    assert payload_nbytes({"batch": {"ids": ids}}) == len("batch") + len("ids") + ids.nbytes
+    assert payload_nbytes(ids) == ids.nbytes
     assert payload_nbytes(torch.zeros(3, 5)) == 60
     assert payload_nbytes(memoryview(ids)) == ids.nbytes  # its bytes, not its length
-    prompts = [[1, 2, 3], [4, 5]]
-    assert payload_nbytes({"prompts": prompts}) == len("prompts") + 5 * SCALAR_BYTES
-    # A number beside a list is counted with the list's contents, not as one number.
-    assert payload_nbytes([1, list(range(1000)), "ab"]) == 1001 * SCALAR_BYTES + 2
+    body = {"batch": {"ids": ids}}
+    assert payload_nbytes(body) == ids.nbytes + payload_nbytes({"batch": {"ids": None}}) - 16
     nested: list = []
     for _ in range(100_000):  # deeper than the interpreter's recursion limit
         nested = [nested]
-    assert payload_nbytes(nested) == 0
+    assert payload_nbytes(nested) == 100_000 * sys.getsizeof([[]]) + sys.getsizeof([])
+
+
+# Parsed JSON bodies of every shape a tenant can send: what json.loads builds from each is
+# measured by tracemalloc, independently of the count.
+PARSED_SHAPES = {
+    "empty containers": "[" + ",".join(["[]", "{}"] * 50_000) + "]",
+    "free-form meta": json.dumps({"meta": {"notes": [{"a": [[], "b"]} for _ in range(20_000)]}}),
+    "token ids": json.dumps(
+        {"prompts": [list(range(10**5 + i, 10**5 + i + 300)) for i in range(300)]}
+    ),
+    "large ints": "[" + ",".join(str(7**k) for k in range(2_000)) + "]",
+    "floats": json.dumps({"advantages": [[0.5 + i / 7] * 200 for i in range(500)]}),
+    "strings": json.dumps({"texts": ["x" * i for i in range(2_000)]}),
+    "mixed": json.dumps([[1, None, 2.5, True, "s"]] * 20_000),
+}
+
+
+@pytest.mark.parametrize("shape", PARSED_SHAPES)
+def test_payload_nbytes_counts_what_a_parsed_json_body_holds(shape):
+    """The count follows the objects, not the text: a body of empty containers (3 bytes of JSON
+    each, 56 or 64 in memory) counted as nothing would let a tenant queue gigabytes. Never below
+    what the body holds; above it where json.loads shares objects (a dict's repeated keys,
+    small ints, None), which the count takes one by one."""
+    text = PARSED_SHAPES[shape]
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        parsed = json.loads(text)
+        held = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert 0.98 * held <= payload_nbytes(parsed) <= 2 * held
+
+
+def test_small_token_ids_are_counted_at_most_at_a_number_each():
+    """Ints below 2**30 are counted at the size of such an int without measuring each one
+    (small ones are shared objects, so the count is then above what they hold, never below)."""
+    ids = [5] * 1000
+    assert payload_nbytes(ids) == sys.getsizeof(ids) + 1000 * sys.getsizeof(2**29)
+    assert payload_nbytes([2**40, None]) == sys.getsizeof([0, 0]) + sys.getsizeof(2**40) + 16
 
 
 def _forward_backward_frame(rows: int) -> bytes:
@@ -136,6 +177,34 @@ def test_a_tenants_unfinished_ops_are_bounded_on_cortex_and_in_process(tmp_path)
         service.close()
 
 
+def test_a_body_is_counted_by_what_it_holds_not_by_its_text(tmp_path):
+    """A training op's ``meta`` is free-form (verl's ``meta_info``): a tenant can fill it with
+    empty lists, 3 bytes of frame header each and 64 in memory once parsed. Counted by its
+    text, or with containers as nothing, a 150 KB body holding 1.4 MB would be queued; it is
+    refused before it runs, on Cortex and in process alike."""
+    settings = ServiceSettings(data_dir=tmp_path / "data", device="cpu", limits=LIMITS)
+    service = Service(settings, engine_builder=build_fake_engine)
+    app = make_app(service, tokens=[ALICE])
+    alice = app.state.auth.owner(f"Bearer {ALICE}")
+    batch = {"input_ids": np.full((2, 8), 5, np.int64), "attention_mask": np.ones((2, 8), np.int64)}
+    frame = wire.dumps({"batch": batch, "meta": {"notes": [[] for _ in range(22_000)]}})
+    assert len(frame) < 150_000
+    try:
+        job = service.create_job(job_request("training"), owner=alice)["job_id"]
+        service.wait_until_running(job, owner=alice, timeout=60)
+        with serve_app(app) as url, httpx.Client(base_url=url, timeout=60) as http:
+            headers = {**OCTET, **credentials(ALICE)}
+            refused = http.post(f"{CORTEX}/{job}/forward-backward", content=frame, headers=headers)
+        assert refused.status_code == 413, refused.text
+        assert refused.json()["limit"] == "max_pending_mb_per_tenant"
+        sub = service.resolve(job, owner=alice, kind="training")
+        with pytest.raises(PayloadTooLarge, match="max-pending-mb-per-tenant"):
+            service.submit(sub, "forward-backward", wire.loads(frame))
+        assert service.pending.held(alice) == 0 and _ops_run(service) == 0
+    finally:
+        service.close()
+
+
 def _tinker_forward(model_id: str, seq_id: int, datums: int) -> bytes:
     """A Tinker forward (cross-entropy) of ``datums`` datums of 1,000 tokens (16 KB each)."""
     message = proto.ForwardBackwardRequest(
@@ -155,73 +224,139 @@ def _tinker_forward(model_id: str, seq_id: int, datums: int) -> bytes:
     return message.SerializeToString()
 
 
+@contextmanager
+def _tinker_training(tmp_path):
+    """A server bounded by ``LIMITS`` with Alice's Tinker session and training run on it:
+    ``(service, app, tinker, session, model_id)``."""
+    service = Service(ServiceSettings(data_dir=tmp_path / "data", device="cpu", limits=LIMITS))
+    app = make_app(service, tokens=[ALICE])
+    try:
+        with serve_app(app) as url, closing(TinkerHttp(url, ALICE)) as tinker:
+            session = tinker.session()
+            yield service, app, tinker, session, tinker.training_run(session, TINY)
+    finally:
+        service.close()
+
+
 def test_tinker_requests_parked_for_their_turn_are_bounded(tmp_path):
     """Requests numbered past a ``seq_id`` that never comes wait for it, each holding its body:
     the fourth of about 300 KB is refused, and keeps its ``seq_id`` for the SDK's retry, which
     is accepted once the missing requests came and the parked ones ran. A request still parked
     when its run's job ends, or its session finishes, ends then."""
-    service = Service(ServiceSettings(data_dir=tmp_path / "data", device="cpu", limits=LIMITS))
-    app = make_app(service, tokens=[ALICE])
-    alice = app.state.auth.owner(f"Bearer {ALICE}")
-    try:
-        with serve_app(app) as url, closing(TinkerHttp(url, ALICE)) as tinker:
-            session = tinker.session()
-            model_id = tinker.training_run(session, TINY)
+    with _tinker_training(tmp_path) as (service, app, tinker, session, model_id):
+        alice = app.state.auth.owner(f"Bearer {ALICE}")
 
-            def forward(seq_id: int, datums: int = 19, model: str = model_id) -> httpx.Response:
-                return tinker.http.post(
-                    "/forward_backward",
-                    content=_tinker_forward(model, seq_id, datums),
-                    headers={"content-type": PROTOBUF},
-                )
+        def forward(seq_id: int, datums: int = 8, model: str = model_id) -> httpx.Response:
+            return tinker.http.post(
+                "/forward_backward",
+                content=_tinker_forward(model, seq_id, datums),
+                headers={"content-type": PROTOBUF},
+            )
 
-            parked = [forward(seq_id) for seq_id in (3, 4, 5)]  # 1 and 2 not sent yet
-            assert [p.status_code for p in parked] == [200] * 3, parked[-1].text
-            refused = forward(6)
-            assert refused.status_code == 429, refused.text
-            assert refused.json()["limit"] == "max_pending_mb_per_tenant"
-            held = service.pending.held(alice)
-            assert held > 3 * 300_000
-            assert forward(6).status_code == 429 and service.pending.held(alice) == held
+        parked = [forward(seq_id) for seq_id in (3, 4, 5)]  # 1 and 2 not sent yet
+        assert [p.status_code for p in parked] == [200] * 3, parked[-1].text
+        refused = forward(6)
+        assert refused.status_code == 429, refused.text
+        assert refused.json()["limit"] == "max_pending_mb_per_tenant"
+        held = service.pending.held(alice)
+        assert held > 3 * 200_000
+        assert forward(6).status_code == 429 and service.pending.held(alice) == held
 
-            first = [forward(seq_id, datums=1) for seq_id in (1, 2)]
-            for answer in [*first, *parked]:
-                assert answer.status_code == 200, answer.text
-                tinker.result(answer.json()["request_id"]).raise_for_status()
-            wait_until(lambda: service.pending.held(alice) == 0, what="the parked requests ran")
-            retried = forward(6)  # its seq_id was not used up by the refusal
-            assert retried.status_code == 200, retried.text
-            tinker.result(retried.json()["request_id"]).raise_for_status()
+        first = [forward(seq_id, datums=1) for seq_id in (1, 2)]
+        for answer in [*first, *parked]:
+            assert answer.status_code == 200, answer.text
+            tinker.result(answer.json()["request_id"]).raise_for_status()
+        wait_until(lambda: service.pending.held(alice) == 0, what="the parked requests ran")
+        retried = forward(6)  # its seq_id was not used up by the refusal
+        assert retried.status_code == 200, retried.text
+        tinker.result(retried.json()["request_id"]).raise_for_status()
 
-            # A request beyond the bound alone is refused for good, and its seq_id is used up:
-            # the next one runs instead of parking behind it.
-            assert forward(7, datums=70).status_code == 413
-            after = forward(8, datums=1)
-            assert after.status_code == 200, after.text
-            tinker.result(after.json()["request_id"]).raise_for_status()
+        # A request beyond the bound alone is refused for good, and its seq_id is used up:
+        # the next one runs instead of parking behind it.
+        assert forward(7, datums=70).status_code == 413
+        after = forward(8, datums=1)
+        assert after.status_code == 200, after.text
+        tinker.result(after.json()["request_id"]).raise_for_status()
 
-            # A request parked in a run whose job ends on its own (here: cancelled) ends at the
-            # session reaper's next sweep, freeing its bytes.
-            other = tinker.training_run(session, TINY, seq=1)
-            stranded = forward(2, model=other)  # 1 never comes
-            assert stranded.status_code == 200, stranded.text
-            assert service.pending.held(alice) > 300_000
-            service.cancel_job(app.state.tinker.state.run(other, alice).job_id, owner=alice)
-            app.state.tinker.reaper.reap()
-            assert service.pending.held(alice) == 0
-            assert "cancelled" in tinker.result(stranded.json()["request_id"]).text
+        # A request parked in a run whose job ends on its own (here: cancelled) ends at the
+        # session reaper's next sweep, freeing its bytes.
+        other = tinker.training_run(session, TINY, seq=1)
+        stranded = forward(2, model=other)  # 1 never comes
+        assert stranded.status_code == 200, stranded.text
+        assert service.pending.held(alice) > 200_000
+        service.cancel_job(app.state.tinker.state.run(other, alice).job_id, owner=alice)
+        app.state.tinker.reaper.reap()
+        assert service.pending.held(alice) == 0
+        assert "cancelled" in tinker.result(stranded.json()["request_id"]).text
 
-            # A request parked when its session finishes ends with its job, freeing its bytes.
-            orphan = forward(10)  # 9 never comes
-            assert orphan.status_code == 200, orphan.text
-            assert service.pending.held(alice) > 300_000
-            finished = tinker.http.post(f"/sessions/{session}/finish", json={})
-            assert finished.status_code == 204, finished.text
-            assert service.pending.held(alice) == 0
-            ended = tinker.result(orphan.json()["request_id"])
-            assert "cancelled" in ended.text, ended.text
-    finally:
-        service.close()
+        # A request parked when its session finishes ends with its job, freeing its bytes.
+        orphan = forward(10)  # 9 never comes
+        assert orphan.status_code == 200, orphan.text
+        assert service.pending.held(alice) > 200_000
+        finished = tinker.http.post(f"/sessions/{session}/finish", json={})
+        assert finished.status_code == 204, finished.text
+        assert service.pending.held(alice) == 0
+        ended = tinker.result(orphan.json()["request_id"])
+        assert "cancelled" in ended.text, ended.text
+
+
+def _ragged_forward(model_id: str, seq_id: int, long: int, short: int) -> bytes:
+    """A Tinker forward of one datum of ``long`` tokens and ``short`` datums of one token: a few
+    KB of protobuf that pad to a ``[short + 1, long + 1]`` batch."""
+    message = proto.ForwardBackwardRequest(
+        model_id=model_id, seq_id=seq_id, loss_fn="cross_entropy", forward_only=True
+    )
+    for length in [long] + [1] * short:
+        item = message.data.add()
+        tokens = np.full(length, 5, np.int64)
+        item.model_input.add().encoded_text.tokens = tokens.astype(np.int32).tobytes()
+        for name, values, dtype in (
+            ("target_tokens", tokens, proto.DTYPE_INT64),
+            ("weights", np.ones(length, np.float32), proto.DTYPE_FLOAT32),
+        ):
+            item.loss_fn_inputs[name].CopyFrom(
+                proto.Tensor(dense=values.tobytes(), dtype=dtype, shape=[length])
+            )
+    return message.SerializeToString()
+
+
+def test_a_parked_tinker_request_counts_the_batch_it_built(tmp_path):
+    """A forward_backward is decoded and padded into its batch when it is accepted, and holds
+    that batch while it waits for its turn: 15 KB of protobuf holding 300 KB of batch counts as
+    300 KB (counted by their protobuf, ten parked requests of 300 KB padding to [4001, 1001]
+    counted 3 MB and held 1.5 GB). The fourth is refused with 429 and keeps its ``seq_id``;
+    one whose batch alone exceeds the bound is a 413 and uses its ``seq_id`` up."""
+    with _tinker_training(tmp_path) as (service, app, tinker, _session, model_id):
+        alice = app.state.auth.owner(f"Bearer {ALICE}")
+
+        def forward(seq_id: int, long: int = 50, short: int = 150) -> httpx.Response:
+            body = _ragged_forward(model_id, seq_id, long, short)
+            headers = {"content-type": PROTOBUF}
+            return tinker.http.post("/forward_backward", content=body, headers=headers)
+
+        assert len(_ragged_forward(model_id, 2, 50, 150)) < 16_000
+
+        parked = [forward(seq_id) for seq_id in (2, 3, 4)]  # 1 not sent yet
+        assert [p.status_code for p in parked] == [200] * 3, parked[-1].text
+        assert service.pending.held(alice) > 3 * 250_000
+        refused = forward(5)
+        assert refused.status_code == 429, refused.text
+        assert refused.json()["limit"] == "max_pending_mb_per_tenant"
+
+        too_large = forward(6, long=400, short=800)  # a [801, 401] batch
+        assert too_large.status_code == 413, too_large.text
+        reused = forward(6)  # its seq_id was used up by the refusal
+        assert reused.status_code == 400 and reused.json()["field"] == "seq_id", reused.text
+
+        first = forward(1, short=1)
+        for answer in [first, *parked]:
+            assert answer.status_code == 200, answer.text
+            tinker.result(answer.json()["request_id"]).raise_for_status()
+        wait_until(lambda: service.pending.held(alice) == 0, what="the parked requests ran")
+        retried = forward(5)  # kept its seq_id
+        assert retried.status_code == 200, retried.text
+        tinker.result(retried.json()["request_id"]).raise_for_status()
+        assert forward(7).status_code == 200  # 6 was used up, so 7 runs at once
 
 
 def test_the_sdk_is_told_to_send_forward_backward_chunks_in_order(tmp_path):
@@ -245,7 +380,7 @@ def test_an_openai_completion_beyond_the_bound_alone_is_refused_before_it_runs(t
     settings = ServiceSettings(data_dir=tmp_path / "data", device="cpu", limits=LIMITS)
     service = Service(settings)
     app = make_app(service, tokens=[ALICE])
-    huge = {"model": TINY, "prompt": [5] * (MIB // SCALAR_BYTES + 1), "max_tokens": 2}
+    huge = {"model": TINY, "prompt": [5] * (MIB // 8), "max_tokens": 2}
     try:
         with serve_app(app) as url, httpx.Client(base_url=url, timeout=120) as http:
             headers = credentials(ALICE)

@@ -29,6 +29,7 @@ targets before it are equal), so a datum whose prompt carries nonzero inputs onl
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -152,14 +153,14 @@ def _from_first_nonzero(fields, attention_mask: np.ndarray) -> np.ndarray:
     return (np.logical_or.accumulate(nonzero, axis=1) & (attention_mask == 1)).astype(np.int64)
 
 
-def per_datum(logprobs, data: list[Datum]) -> list[dict[str, np.ndarray]]:
-    """Each datum's target log-probs (``[N]``) from the engine's position-indexed ``[B, S]``
-    (a torch tensor or numpy array)."""
+def per_datum(logprobs, lengths: Sequence[int]) -> list[dict[str, np.ndarray]]:
+    """Each datum's target log-probs (``[N]``, ``N`` its ``lengths`` entry: its model_input's
+    tokens) from the engine's position-indexed ``[B, S]`` (a torch tensor or numpy array)."""
     if wire.is_torch_tensor(logprobs):
         logprobs = wire.to_numpy(logprobs.detach().cpu())
     return [
-        {"logprobs": np.asarray(logprobs[i, 1 : d.tokens.size + 1], dtype=np.float32)}
-        for i, d in enumerate(data)
+        {"logprobs": np.asarray(logprobs[i, 1 : n + 1], dtype=np.float32)}
+        for i, n in enumerate(lengths)
     ]
 
 

@@ -15,6 +15,7 @@ import math
 import uuid
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -29,6 +30,7 @@ from arctic_platform.server.errors import (
     Conflict,
     PayloadTooLarge,
     ServiceError,
+    TooManyRequests,
     failure_of,
     result_of,
 )
@@ -51,6 +53,21 @@ from arctic_platform.server.tinker.snapshot_loads import SnapshotLoad, SnapshotW
 from arctic_platform.server.tinker.state import FIRST_SEQ_ID, Sampler, TinkerState, TrainingRun
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A training client's request, validated: the runner that performs it on the run's trainer,
+    and the bytes that runner holds until it has run, where they are not its body's. A
+    forward_backward's padded batch can be a hundred times its protobuf (datums of one token
+    beside a long one pad to the long one's width), and a request can wait parked for its
+    ``seq_id``'s turn, so it is the batch that counts among the owner's unfinished ops
+    (``pending_work.py``)."""
+
+    runner: Callable[[Any], OpResult]
+    nbytes: int | None = None  # None: its body's (what the runner holds of the request)
+
+
 # The folder of each tenant's space that holds its Tinker runs and checkpoints.
 TINKER_DIR = "tinker"
 # How long create_model (and sampling on a fresh sampler) waits for the engines to load.
@@ -236,19 +253,24 @@ class TinkerOps:
                     what="the datum's model_input with its last target token",
                 )
 
+            # The parked request keeps its batch and the datums' lengths, not the protobuf nor
+            # the decoded datums: the batch alone is what it holds, and what is counted.
+            lengths = [d.tokens.size for d in data]
+            forward_only = request.forward_only
+
             def runner(engine) -> OpResult:
-                if request.forward_only:
+                if forward_only:
                     out = engine.forward(batch, None, processing)
                 else:
                     out = engine.forward_backward(batch, None, processing, with_logprobs=True)
                 self.service.metrics.add_tokens(op, tokens)  # counted as the on-prem op counts
                 body = codec.encode_forward_backward_output(
-                    losses.per_datum(out["logprobs"], data),
+                    losses.per_datum(out["logprobs"], lengths),
                     losses.loss_metrics(out["metric_sums"]),
                 )
                 return OpResult(protobuf=body)
 
-            return runner
+            return Prepared(runner, nbytes=payload_nbytes([batch, lengths]))
 
         return self._sequenced(run, request.seq_id, owner, op, prepare, request.nbytes)
 
@@ -287,7 +309,7 @@ class TinkerOps:
                     json={"metrics": {"grad_norm:mean": out["grad_norm"], "learning_rate:mean": lr}}
                 )
 
-            return runner
+            return Prepared(runner)
 
         return self._sequenced(run, body.seq_id, owner, OpName.STEP, prepare)
 
@@ -315,7 +337,7 @@ class TinkerOps:
                 body.seq_id,
                 owner,
                 OpName.WEIGHT_SYNC,
-                lambda: self._sync_to_sampler(run, owner),
+                lambda: Prepared(self._sync_to_sampler(run, owner)),
             )
         return self._save(
             run,
@@ -381,7 +403,7 @@ class TinkerOps:
                 )
                 return OpResult(json={"path": str(path), **answer(path)})
 
-            return runner
+            return Prepared(runner)
 
         return self._sequenced(run, body.seq_id, owner, OpName.SAVE, prepare)
 
@@ -433,7 +455,7 @@ class TinkerOps:
 
             def prepare():
                 path, directory = checked_path()
-                return lambda engine: OpResult(json=load(engine, path, directory))
+                return Prepared(lambda engine: OpResult(json=load(engine, path, directory)))
 
             return self._sequenced(run, body.seq_id, owner, OpName.LOAD_CHECKPOINT, prepare)
         path, directory = checked_path()
@@ -572,12 +594,13 @@ class TinkerOps:
     def _sequenced(
         self, run: TrainingRun, seq_id: int | None, owner, op: str, prepare, nbytes: int = 0
     ) -> str:
-        """Validate with ``prepare()`` (which returns ``runner(engine)``), then queue the runner
+        """Validate with ``prepare()`` (which returns a :class:`Prepared`), then queue its runner
         on the run's trainer in ``seq_id`` order; returns its request id. A request refused by
         validation still uses up its ``seq_id``, so the client's later requests do not wait on
         it forever. Its ``nbytes`` (the body) count among the owner's unfinished ops from now
-        until it ends, waiting for its turn included (``pending_work.py``); one refused for
-        that with 429 keeps its ``seq_id`` for the SDK's retry of the same request."""
+        until it ends, waiting for its turn included (``pending_work.py``), or from its
+        validation on what the prepared request holds instead (``Prepared.nbytes``); one refused
+        for either with 429 keeps its ``seq_id`` for the SDK's retry of the same request."""
         if seq_id is not None and not _is_seq_id(seq_id):
             # The SDK numbers a training client's requests from 1; it sends 0 only for a
             # caller's missing seq_id, which the Tinker service refuses the same way.
@@ -589,19 +612,27 @@ class TinkerOps:
             if known is not None:
                 return known
             run.sequencer.check_window(seq_id)
+        limits = self.service.limits
         try:
-            release = self.service.pending.take(owner, nbytes, self.service.limits)
+            release = self.service.pending.take(owner, nbytes, limits)
         except PayloadTooLarge:  # never fits: refused for good, like a bad request
             if seq_id is not None:
                 run.sequencer.skip(seq_id)
             raise
         try:
-            runner = prepare()
+            prepared = prepare()
+            if prepared.nbytes is not None:  # it holds what it built, no longer the body
+                release()
+                release = self.service.pending.take(owner, prepared.nbytes, limits)
         except BaseException as exc:
             release()
-            if seq_id is not None and isinstance(exc, ServiceError):
+            refused_for_good = isinstance(exc, ServiceError) and not isinstance(
+                exc, TooManyRequests
+            )
+            if seq_id is not None and refused_for_good:
                 run.sequencer.skip(seq_id)
             raise
+        runner = prepared.runner
         outer: Future = PendingWork.until(Future(), release)
         request_id = self.futures.add(owner, outer)
 

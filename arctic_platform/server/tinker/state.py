@@ -72,6 +72,8 @@ class Session:
             raise SessionGone(f"session {self.session_id} was finished")
 
 
+# The request id a refused request's ``seq_id`` is remembered with (no request has it).
+_REFUSED = ""
 # A training client's first seq_id (the SDK sends request_id + 1: tinker/proto/request_conv.py).
 FIRST_SEQ_ID = 1
 
@@ -86,9 +88,19 @@ class Sequencer:
         self._request_ids: dict[int, str] = {}
 
     def known(self, seq_id: int) -> str | None:
-        """The request id already given to ``seq_id`` (a retried request), if any."""
+        """The request id already given to ``seq_id`` (a retried request), if any. A ``seq_id``
+        whose request was refused (:meth:`skip`) has none: reusing it is a 400 naming it (not a
+        409, which the SDK retries), as a refusal is final and a new request needs a ``seq_id``
+        of its own."""
         with self._lock:
-            return self._request_ids.get(seq_id)
+            request_id = self._request_ids.get(seq_id)
+        if request_id == _REFUSED:
+            raise BadRequest(
+                f"seq_id: {seq_id} was used by a request this server refused; send a new "
+                "request with the next seq_id",
+                field="seq_id",
+            )
+        return request_id
 
     def admit(self, seq_id: int, request_id: str, start: Callable[[], None]) -> None:
         """Run ``start`` once every lower ``seq_id`` has started. ``start`` must not raise (it
@@ -145,7 +157,7 @@ class Sequencer:
         """Mark ``seq_id`` used without running anything (its request was refused; one used
         already or beyond the window is left as it is)."""
         with contextlib.suppress(Conflict, BadRequest):
-            self.admit(seq_id, "", lambda: None)
+            self.admit(seq_id, _REFUSED, lambda: None)
 
 
 @dataclass

@@ -69,7 +69,7 @@ def run(engine: TrainingEngine, data: list[Datum], loss: str, config: dict) -> d
     )
     grads = {n: p.grad.clone() for n, p in engine.model.named_parameters() if p.grad is not None}
     return {
-        "logprobs": losses.per_datum(out["logprobs"], data),
+        "logprobs": losses.per_datum(out["logprobs"], [d.tokens.size for d in data]),
         "loss": losses.loss_metrics(out["metric_sums"])["loss:sum"],
         "grads": grads,
         "saved": out["metrics"][SAVED_METRIC],

@@ -114,6 +114,10 @@ def test_sequencer_starts_in_seq_id_order_and_refuses_reuse():
         seq.admit(2, "again", lambda: started.append(-1))
     seq.admit(4, "r4", lambda: started.append(4))
     assert started == [2, 3, 4]
+    # The refused request's seq_id has no request: its reuse is a 400 naming it (the SDK
+    # retries a 409), not a request id of nothing.
+    with pytest.raises(BadRequest, match="seq_id: 1 was used by a request this server refused"):
+        seq.known(1)
 
 
 def test_sequencer_bounds_how_far_ahead_and_how_far_back_it_remembers(monkeypatch):
