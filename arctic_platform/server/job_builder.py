@@ -31,6 +31,7 @@ from arctic_platform.server.op_bodies import describe
 from arctic_platform.server.paths import PathPolicy
 from arctic_platform.server.sub_job_queue import SubJobQueue
 from arctic_platform.server.tenant_quota import weight_bytes
+from arctic_platform.server.vllm_policy import check_tenant_vllm
 
 if TYPE_CHECKING:
     from arctic_platform.server.engines import EngineBuilder
@@ -210,16 +211,18 @@ class JobBuilder:
 
     def _settle_sampling_engine(self, spec: SubJobConfig, *, field: str) -> None:
         """Record the server's default engine in a sampling sub-job that chose none, and refuse
-        a vLLM interpreter named by a job where only the operator may name one."""
+        what a tenant's job may not set of a vLLM process where tenants are confined
+        (``vllm_policy.py``)."""
         settings = spec.inference_config
         if settings is None:
             return
         if spec.kind == "sampling" and settings.engine is None:
             settings.engine = self.settings.sampling_engine
-        if "python" in settings.vllm and self.settings.confine_paths:
-            raise BadRequest(
-                f"{field}.inference_config.vllm_config.python: this server runs vLLM with the "
-                "interpreter its operator chose (serve --vllm-python); a job cannot name one"
+        if self.settings.confine_paths:
+            check_tenant_vllm(
+                settings.vllm_settings,
+                field=f"{field}.inference_config.vllm_config",
+                starts_vllm=spec.kind == "sampling" and settings.engine == "vllm",
             )
 
     def _check_sampling_engine(self, spec: SubJobConfig, model_path: str, *, field: str) -> None:

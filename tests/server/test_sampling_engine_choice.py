@@ -135,6 +135,60 @@ def test_a_job_cannot_name_the_servers_vllm_interpreter(vllm_server):
     assert vllm_server.list_jobs() == []
 
 
+# What a tenant's job would reach through vLLM's process: code (LD_PRELOAD, PYTHONPATH, plugins,
+# a model's remote code), files outside its space, devices it was not given.
+FORBIDDEN_VLLM = [
+    ({"env": {"LD_PRELOAD": "/tmp/evil.so"}}, "env.LD_PRELOAD"),
+    ({"env": {"VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONPATH": "/tmp/x"}}, "env.PYTHONPATH"),
+    ({"env": {"VLLM_PLUGINS": "evil"}}, "env.VLLM_PLUGINS"),
+    ({"env": {"CUDA_VISIBLE_DEVICES": "0,1,2,3"}}, "env.CUDA_VISIBLE_DEVICES"),
+    ({"trust_remote_code": True}, "trust_remote_code"),
+    ({"tokenizer": "/etc/ssl"}, "tokenizer"),
+    ({"download_dir": "/tmp/outside"}, "download_dir"),
+    ({"speculative_config": {"model": "/data/tenants/other"}}, "speculative_config"),
+    ({"worker_extension_cls": "os.system"}, "worker_extension_cls"),
+]
+
+
+@pytest.mark.parametrize(("vllm", "key"), FORBIDDEN_VLLM, ids=[k for _, k in FORBIDDEN_VLLM])
+def test_a_tenants_vllm_job_sets_only_what_sizes_and_tunes_its_engine(vllm_server, vllm, key):
+    """A job's ``vllm_config`` becomes the environment and engine arguments of a process the
+    server starts as itself: beyond the sizing and tuning knobs it is a 400 naming the key,
+    before any process starts, on every surface that creates jobs (they all build here)."""
+    spec = sub_job("sampling", inference_config={"vllm_config": vllm})
+    with pytest.raises(BadRequest) as refused:
+        vllm_server.create_job({"sub_job_configs": [spec]})
+    field = f"sub_job_configs.0.inference_config.vllm_config.{key}"
+    assert refused.value.details["field"] == field
+    assert refused.value.message.startswith(field + ": a job on this server may")
+    assert vllm_server.list_jobs() == []
+
+
+def test_the_vllm_knobs_rl_frameworks_send_are_a_tenants_to_set(vllm_server):
+    """verl's and SkyRL's ``vllm_config`` keys pass on a vLLM job, and any key passes where
+    the sampling engine is ours (unused there, reported as ignored): SkyRL's defaults add keys
+    of its own."""
+    knobs = {
+        "tensor_parallel_size": 1,
+        "gpu_memory_utilization": 0.3,
+        "max_model_len": 256,
+        "max_num_seqs": 8,
+        "enforce_eager": True,
+        "enable_chunked_prefill": True,
+        "enable_prefix_caching": True,
+        "max_num_batched_tokens": 2048,
+        "env": {"VLLM_CPU_KVCACHE_SPACE": "1"},
+    }
+    sampling = sub_job("sampling", inference_config={"vllm_config": knobs})
+    created = vllm_server.create_job({"sub_job_configs": [sampling]})
+    vllm_server.cancel_job(created["job_id"])
+    ours = {"engine": "torch", "vllm_config": {"forest_cascade_attn_configs": "{}", **knobs}}
+    created = vllm_server.create_job(
+        {"sub_job_configs": [sub_job("sampling", inference_config=ours)]}
+    )
+    vllm_server.cancel_job(created["job_id"])
+
+
 def test_a_vllm_job_without_vllm_fails_with_the_setup_hint(vllm_server, monkeypatch):
     pytest.importorskip("torch")
     monkeypatch.delenv("ARCTIC_VLLM_PYTHON", raising=False)
