@@ -50,7 +50,7 @@ from arctic_platform.contract.bodies import (
     ruled_by,
 )
 from arctic_platform.contract.problems import Problem
-from arctic_platform.contract.sampling_params import sampling_params_problem
+from arctic_platform.contract.sampling_params import SamplingParams, sampling_params_problem
 
 Role = Literal["training", "sampling", "log_prob"]
 ROLES: tuple[Role, ...] = ("training", "sampling", "log_prob")
@@ -174,6 +174,23 @@ class GenerateBody(_Body):
     ] = None
     routing_key: Any = None
     strict: bool = False
+
+    @model_validator(mode="after")
+    def _one_entry_per_prompt(self) -> GenerateBody:
+        entries, prompts = self.sampling_params, len(self.prompts)
+        if isinstance(entries, list) and len(entries) != prompts:
+            problem = Problem(
+                "sampling_params", f"has {len(entries)} entries for {prompts} prompts (one each)"
+            )
+            raise PydanticCustomError("invalid_value", "{problem}", {"problem": str(problem)})
+        return self
+
+    @property
+    def samples(self) -> int:
+        """The samples it asks for: ``n`` summed over its prompts (validated)."""
+        params = self.sampling_params
+        per_prompt = params if isinstance(params, list) else [params] * len(self.prompts)
+        return sum(SamplingParams.from_request(p).n for p in per_prompt)
 
 
 class LogProbsBody(_Body):

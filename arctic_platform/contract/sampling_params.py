@@ -88,7 +88,7 @@ class SamplingParams:
 def sampling_params_problem(value: Any) -> Problem | None:
     """A ``generate`` body's ``sampling_params``: one dictionary for every prompt, or a list of
     one per prompt (``None`` entries take the defaults); what is wrong with it, or None. Whether
-    a list has one entry per prompt is the engine's check, with the prompts."""
+    a list has one entry per prompt is checked with the prompts (``GenerateBody``, the engines)."""
     entries = [(value, "sampling_params")]
     if isinstance(value, list):
         entries = [(v, f"sampling_params[{i}]") for i, v in enumerate(value)]

@@ -69,6 +69,14 @@ def is_builtin(name: str) -> bool:
     return name.startswith(BUILTIN_PREFIX)
 
 
+def unknown_builtin_problem(name: str) -> str | None:
+    """What is wrong with built-in model name ``name`` (None: it names one)."""
+    if name.removeprefix(BUILTIN_PREFIX) in BUILTIN_MODELS:
+        return None
+    shown = name if len(name) <= 100 else name[:100] + "..."
+    return f"unknown built-in model {shown!r}; known: {_known()}"
+
+
 def cache_root() -> Path:
     """Where built-in models live: ``$ARCTIC_PLATFORM_CACHE`` or ``~/.cache/arctic-platform``."""
     env = os.environ.get("ARCTIC_PLATFORM_CACHE")
@@ -83,7 +91,7 @@ def builtin_model_path(name: str) -> str:
     size = name[len(BUILTIN_PREFIX) :] if is_builtin(name) else name
     spec = BUILTIN_MODELS.get(size)
     if spec is None:
-        raise ValueError(f"unknown built-in model {name!r}; known: {_known()}")
+        raise ValueError(unknown_builtin_problem(name))
     return cached_model_folder(
         size, {"spec": asdict(spec), "v": _BUILDER_VERSION}, lambda d: _write_model(spec, d)
     )

@@ -227,10 +227,7 @@ async def generate_stream(job_id: str, request: Request) -> dict:
     owner = owner_of(request)
     raw = await read_body(request)
     body = await json_of(request, raw, what=OpName.GENERATE_STREAM)
-    parsed = parse(GenerateBody, body, what=OpName.GENERATE_STREAM)
-    params = parsed.sampling_params
-    per_prompt = params if isinstance(params, list) else [params] * len(parsed.prompts)
-    count = sum(int((p or {}).get("n", 1)) for p in per_prompt)
+    count = parse(GenerateBody, body, what=OpName.GENERATE_STREAM).samples
     op = OpName.GENERATE_STREAM
     request_id = await off_loop(len(raw), _submit, _service(request), job_id, op, body, owner)
     return {"request_id": request_id, "job_id": job_id, "count": count}

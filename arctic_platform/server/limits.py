@@ -223,5 +223,8 @@ def limit_exceeded(
 
 
 def _count(value: Any) -> int:
-    """A count from a body; non-integers count as 1 (the op's own validation rejects them)."""
+    """A count from a body: an integer, or a float that is one (``5000.0``, which the engines
+    take for 5000); anything else counts as 1 (the op's own validation rejects it)."""
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 1

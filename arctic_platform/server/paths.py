@@ -35,7 +35,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from arctic_platform.engine.builtin import is_builtin
+from arctic_platform.engine.builtin import is_builtin, unknown_builtin_problem
 from arctic_platform.server.errors import BadRequest
 
 TENANTS_DIR = "tenants"
@@ -161,14 +161,21 @@ class PathPolicy:
         )
 
     def model_name(self, owner: str | None, name: str, *, field: str) -> str:
-        """What to load for ``model_name``: a built-in or hub id as is, a local folder checked.
+        """What to load for ``model_name``: a built-in (one that exists) or hub id as is, a local
+        folder checked; a name no path could be (a part over 255 bytes, a NUL) is a 400 first.
 
         A relative name that exists in the tenant folder is that folder; a name that looks like a
         hub id and exists nowhere locally stays a hub id. Everything else is a local path and must
         be readable (see :meth:`readable`).
         """
-        if is_builtin(name) or not self.confine:
+        if is_builtin(name):
+            problem = unknown_builtin_problem(name)
+            if problem is not None:
+                raise BadRequest(f"{field}: {problem}", field=field)
             return name
+        if not self.confine:
+            return name
+        check_path_text(name, field=field)  # before any file is looked up by it
         if _HUB_ID.match(name) and ".." not in name:
             local = self.tenant_root(owner) / name
             if local.exists():

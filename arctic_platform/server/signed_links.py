@@ -34,7 +34,8 @@ class LinkSigner:
     def verify(self, token: str) -> list:
         """The subject a valid, unexpired token names; 404 otherwise (no oracle for guesses)."""
         payload, _, mac = token.partition(".")
-        if not hmac.compare_digest(mac, self._mac(payload)):
+        # compare_digest takes only ASCII text: anything else is no token of ours.
+        if not token.isascii() or not hmac.compare_digest(mac, self._mac(payload)):
             raise NotFound("download link not found")
         subject, expires = json.loads(base64.urlsafe_b64decode(payload))
         if time.time() > expires:

@@ -179,3 +179,40 @@ def test_a_bad_sampling_parameter_is_a_400_at_submit_naming_it(http, service, ro
         "generate: sampling_params[0].top_p must be in (0, 1]"
     )
     assert "request_id" not in answer.json()
+
+
+@pytest.mark.parametrize(
+    "route",
+    ["/generate?job_id={job}", CORTEX + "/{job}/generate", CORTEX + "/{job}/generate-stream"],
+)
+def test_a_float_n_counts_toward_the_sample_limit(http, service, route):
+    """``n: 5000.0``, which the engines take for 5000, counted as one sample: it passed
+    ``--max-samples-per-request`` on every data-plane route (the OpenAI API parsed it)."""
+    job_id = running(service, "sampling")
+    body = {"prompts": ["1+2="], "sampling_params": {"n": 5000.0, "max_tokens": 1}}
+    if route.endswith("generate-stream"):  # a JSON body
+        answer = http.post(route.format(job=job_id), json=body)
+    else:
+        answer = http.post(route.format(job=job_id), content=wire.dumps(body), headers=OCTET)
+    assert answer.status_code == 413, answer.text
+    assert answer.json()["limit"] == "max_samples_per_request"
+
+
+@pytest.mark.parametrize(
+    ("params", "status", "count"),
+    [({"n": None}, 200, 2), ([{"n": 2}], 400, None), ({"n": 3, "max_tokens": 1}, 200, 6)],
+)
+def test_generate_stream_counts_the_validated_samples(http, service, params, status, count):
+    """The stream's ``count`` comes from the validated body (``n: null`` was a 500), and
+    sampling params of another length than the prompts are a 400 at submit (they failed the
+    request once it ran)."""
+    job_id = running(service, "sampling")
+    body = {"prompts": ["1+2=", "3+4="], "sampling_params": params}
+    answer = http.post(f"{CORTEX}/{job_id}/generate-stream", json=body)
+    assert answer.status_code == status, answer.text
+    if status == 200:
+        assert answer.json()["count"] == count
+    else:
+        assert answer.json()["message"] == (
+            "generate-stream: sampling_params has 1 entries for 2 prompts (one each)"
+        )

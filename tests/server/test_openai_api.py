@@ -246,6 +246,26 @@ def test_echo_scores_the_prompt_like_the_model(server, tokenizer):
         assert token in top  # the chosen token, beside the most likely one
 
 
+def test_echo_without_logprobs_echoes_the_prompt(server):
+    """``echo`` with ``max_tokens=0`` and no ``logprobs`` (it was a 500): the prompt back."""
+    answer = sdk(server).completions.create(model=TINY, prompt="12+34=", echo=True, max_tokens=0)
+    (choice,) = answer.choices
+    assert choice.text == "12+34=" and choice.logprobs is None
+
+
+@pytest.mark.parametrize(
+    "model", ["x" * 300, "builtin:" + "x" * 5000, "builtin:../../x", "builtin:tiny\x00"]
+)
+def test_a_model_name_no_model_could_have_is_a_400_before_a_job(server, service, model):
+    """Names no file could have (a part over 255 bytes) and built-ins that do not exist were
+    500s or failed jobs, one per request: a 400 naming ``model``, no job made."""
+    jobs = len(service.list_jobs(owner=BOB_OWNER))
+    with pytest.raises(openai.BadRequestError) as caught:
+        sdk(server, BOB).completions.create(model=model, prompt="1", max_tokens=1)
+    assert caught.value.body["param"] == "model", caught.value.body
+    assert len(service.list_jobs(owner=BOB_OWNER)) == jobs
+
+
 def test_models_lists_what_the_caller_may_use(server, run):
     alice = [m.id for m in sdk(server).models.list()]
     bob = [m.id for m in sdk(server, BOB).models.list()]

@@ -12,7 +12,7 @@ import pytest
 from arctic_platform.engine.builtin import builtin_model_path
 from arctic_platform.server.errors import BadRequest, NotFound
 from arctic_platform.server.service import Service, ServiceSettings
-from tests.server.conftest import TINY, job_request, sub_job
+from tests.server.conftest import CORTEX, TINY, job_request, sub_job
 
 ALICE, BOB = "alice", "bob"
 
@@ -284,3 +284,23 @@ def test_a_sub_jobs_own_checkpoint_root_is_confined_like_every_path(service, tmp
     expected = service.paths.tenant_root(ALICE) / "runs"
     assert used.checkpoint_dir == str(expected.resolve())
     service.cancel_job(info["job_id"], owner=ALICE)
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["x" * 300, "org/" + "y" * 256, "builtin:" + "x" * 5000, "builtin:../../x", "a\x00b"],
+    ids=["long name", "long part", "long built-in", "no such built-in", "NUL"],
+)
+def test_a_model_name_no_model_could_have_is_a_400_naming_it(http, service, name):
+    """Checked before any file is looked up by it (a part over 255 bytes was a 500, 'File name
+    too long'), and a built-in that does not exist before a job is made for it (it failed the
+    job once built): on Cortex, on-prem and in the Service alike."""
+    spec = sub_job("training", model_name=name)
+    cortex = http.post(CORTEX, json={"sub_job_configs": [spec]})
+    onprem = http.post("/initialize", json=spec)
+    for answer in (cortex, onprem):
+        assert answer.status_code == 400, answer.text
+        assert answer.json()["field"].endswith("model_name"), answer.text
+    with pytest.raises(BadRequest, match="model_name"):
+        service.create_job({"sub_job_configs": [spec]}, owner=ALICE)
+    assert service.list_jobs() == []

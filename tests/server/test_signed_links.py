@@ -21,7 +21,17 @@ def test_a_token_opens_its_subject_until_it_expires():
     assert gone.value.code == "expired"
 
 
-@pytest.mark.parametrize("forge", [lambda t: "0" + t, lambda t: t[:-1], lambda t: "x.y", str.upper])
+@pytest.mark.parametrize(
+    "forge",
+    [
+        lambda t: "0" + t,
+        lambda t: t[:-1],
+        lambda t: "x.y",
+        str.upper,
+        lambda t: t[:-1] + "é",  # not ASCII: it was a 500
+        lambda t: "é" + t,
+    ],
+)
 def test_a_changed_token_or_another_servers_opens_nothing(forge):
     signer = LinkSigner()
     token = signer.sign(["job", "ckpt", "config.json"], expires=time.time() + 60)

@@ -102,7 +102,7 @@ async def _complete(service, tinker, owner, body: CompletionRequest) -> dict:
     model = await run_in_threadpool(models.resolve, service, tinker, owner, body.model)
     scored, spell, token_prompts = None, None, prompts
     if body.echo and (body.logprobs is not None or body.max_tokens == 0):
-        top_k = max(1, body.logprobs)
+        top_k = max(1, body.logprobs or 0)  # scoring alone (max_tokens=0) may name none
         async with models.model_sub_job(service, tinker, owner, model, "log_prob") as sub:
             op = {"prompts": prompts, "top_k": top_k}
             scored = (await _op(service, sub, OpName.LOG_PROBS, op))["results"]

@@ -193,6 +193,7 @@ class TinkerOps:
             "experiment_name": _experiment(model_id),
             "sub_job_configs": [training, {"job_type": "sampling", "model_name": base_model}],
         }
+        self.state.check_new_run(model_id)
         info = self.service.create_job(request, owner=owner)
         session.hold(info["job_id"], lambda job_id: cancel_jobs(self.service, [job_id], owner))
         run = TrainingRun(
@@ -203,7 +204,11 @@ class TinkerOps:
             lora_rank=lora.rank,
             job_id=info["job_id"],
         )
-        self.state.add_run(run)
+        try:
+            self.state.add_run(run)
+        except Conflict:  # another create_model of the same id won the race: this job is no one's
+            cancel_jobs(self.service, [run.job_id], owner)
+            raise
         self.checkpoints.record_run(
             model_id, owner=owner, job_id=run.job_id, base_model=base_model, rank=lora.rank
         )

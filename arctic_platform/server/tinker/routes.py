@@ -38,6 +38,8 @@ from arctic_platform.server.tinker.checkpoints import TinkerPath
 from arctic_platform.server.tinker.operations import TinkerOps
 
 LINK_LIFETIME_S = 3600  # how long a get_external_weights_urls link opens its file
+# Training runs a listing answers when the caller names no ``limit`` (the SDK's default).
+RUNS_PAGE = 20
 
 API_KEY_PREFIX = "tml-"
 
@@ -345,10 +347,21 @@ async def get_training_run(model_id: str, request: Request) -> dict:
 
 
 @router.get("/training_runs")
-async def list_training_runs(request: Request) -> dict:
+async def list_training_runs(
+    request: Request, limit: int = RUNS_PAGE, offset: int = 0, access_scope: str = "owned"
+) -> dict:
+    """The caller's runs from ``offset``, ``limit`` of them (the SDK pages with both until a
+    page comes back short); each reads its checkpoints, so off the event loop. A caller sees
+    only its own runs, whichever ``access_scope`` it names."""
+    if limit < 1:
+        raise BadRequest(f"limit: must be at least 1, got {limit}", field="limit")
+    if offset < 0:
+        raise BadRequest(f"offset: must be at least 0, got {offset}", field="offset")
     ops, owner = _ops(request), _owner(request)
-    runs = [_training_run(ops, r) for r in ops.checkpoints.runs(owner)]
-    cursor = {"offset": 0, "limit": len(runs), "total_count": len(runs)}
+    records = ops.checkpoints.runs(owner)
+    page = records[offset : offset + limit]
+    runs = await run_in_threadpool(lambda: [_training_run(ops, r) for r in page])
+    cursor = {"offset": offset, "limit": limit, "total_count": len(records)}
     return {"training_runs": runs, "cursor": cursor}
 
 

@@ -298,10 +298,19 @@ class TinkerState:
             return None
         return Session(session_id, record["owner"], record["created_at"], finished=True)
 
+    def check_new_run(self, model_id: str) -> None:
+        """409 when ``model_id`` is taken: checked before a job is made for it (a client's
+        repeated ``create_model``), and again by :meth:`add_run`."""
+        with self._lock:
+            self._check_new_run(model_id)
+
+    def _check_new_run(self, model_id: str) -> None:
+        if model_id in self.runs:
+            raise Conflict(f"model {model_id} already exists in this session")
+
     def add_run(self, run: TrainingRun) -> None:
         with self._lock:
-            if run.model_id in self.runs:
-                raise Conflict(f"model {run.model_id} already exists in this session")
+            self._check_new_run(run.model_id)
             self.runs[run.model_id] = run
 
     def run(self, model_id: str, owner: str | None) -> TrainingRun:

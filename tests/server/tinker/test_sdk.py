@@ -205,6 +205,26 @@ def test_save_load_and_sample_from_saved_weights(service_client, server_url):
         other.list_checkpoints(client.model_id).result()
 
 
+def test_training_runs_are_listed_a_page_at_a_time(service_client, server_url):
+    """The SDK pages with ``limit`` and ``offset`` until a page comes back short; the server
+    answered every run on every page (a pager never ended)."""
+    made = {
+        service_client.create_lora_training_client(base_model=TINY, rank=4).result().model_id
+        for _ in range(2)
+    }
+    rest = tinker.RestClient(base_url=server_url, api_key=ALICE)
+    whole = rest.list_training_runs(limit=1000).result()
+    ids = [r.training_run_id for r in whole.training_runs]
+    assert made <= set(ids) and whole.cursor.total_count == len(ids) >= 2
+    pages = [rest.list_training_runs(limit=1, offset=i).result() for i in range(len(ids) + 1)]
+    assert [[r.training_run_id for r in p.training_runs] for p in pages] == [[i] for i in ids] + [
+        []
+    ]
+    assert all(p.cursor.total_count == len(ids) for p in pages)
+    bob = tinker.RestClient(base_url=server_url, api_key=BOB).list_training_runs().result()
+    assert not made & {r.training_run_id for r in bob.training_runs}
+
+
 def test_a_sampling_client_keeps_its_snapshot_after_the_trainer_moves_on(service_client):
     check_snapshots_keep_their_weights(service_client)
 

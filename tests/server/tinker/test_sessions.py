@@ -3,6 +3,8 @@ most ``--max-tinker-sessions-per-tenant`` open at once, and finished ones leave 
 
 from __future__ import annotations
 
+from contextlib import closing
+
 import httpx
 import pytest
 from typer.testing import CliRunner
@@ -155,5 +157,32 @@ def test_a_tenants_open_sessions_are_bounded_and_finished_ones_leave_memory(tmp_
             for _ in range(20):
                 assert finish(create(ALICE).json()["session_id"]) == 204
             assert len(state.sessions) == 2  # Alice's open one and Bob's
+    finally:
+        service.close()
+
+
+def test_a_model_id_taken_is_a_409_that_leaves_no_job_behind(tmp_path):
+    """``create_model`` (and ``load_weights`` into a new run) of a ``model_seq_id`` the session
+    has already used is a 409, made before any job: each such refusal left a job running with
+    its engines loaded, until the tenant's job limit refused its next real run."""
+    from tests.server.tinker.plain_http import TinkerHttp
+
+    service = Service(ServiceSettings(data_dir=tmp_path / "data", device="cpu"))
+    app = create_app(service, auth=TokenAuth([ALICE]))
+    alice = app.state.auth.owner(f"Bearer {ALICE}")
+    try:
+        with serve_app(app) as url, closing(TinkerHttp(url, ALICE)) as tinker:
+            session = tinker.session()
+            model_id = tinker.training_run(session, TINY)
+            tinker.ok(tinker.save("save_weights", model_id, "w").json()["request_id"])
+            again = {"session_id": session, "model_seq_id": 0, "base_model": TINY}
+            path = f"tinker://{model_id}/weights/w"
+            load = {"session_id": session, "model_seq_id": 0, "path": path, "optimizer": False}
+            for route, body in [("create_model", again)] * 3 + [("load_weights", load)] * 2:
+                refused = tinker.post(route, body)
+                assert refused.status_code == 409, refused.text
+                assert "already exists" in refused.json()["message"]
+            live = [j for j in service.list_jobs(owner=alice) if j["status"] != "cancelled"]
+            assert len(live) == 1
     finally:
         service.close()
