@@ -29,6 +29,7 @@ from arctic_platform.server.http_common import (
     json_of,
     long_poll,
     off_loop,
+    op_result,
     owner_of,
     read_body,
 )
@@ -284,7 +285,7 @@ async def operation(job_id: str, request: Request) -> Any:
         return service.inline_operation(job_id, op, payload, owner=owner)
     if op in QUICK_OPERATIONS:
         # Quick operations answer inline, as the Cortex API does for these types.
-        return await run_in_threadpool(service.call, sub, op, payload)
+        return await op_result(service, sub, op, payload)
     return {"request_id": _queue(service, job_id, sub, op, payload), "job_id": job_id}
 
 

@@ -34,8 +34,10 @@ from arctic_platform.server.errors import (
     PayloadTooLarge,
     RequestTimeout,
     ServiceError,
+    result_of,
 )
 from arctic_platform.server.limits import ServerLimits
+from arctic_platform.server.request_registry import finished_within
 
 OCTET = "application/octet-stream"
 T = TypeVar("T")
@@ -187,6 +189,16 @@ async def off_loop(nbytes: int, decode: Callable[..., T], *args: Any, **kwargs: 
     if nbytes <= DECODE_ON_LOOP_BYTES:
         return decode(*args, **kwargs)
     return await run_in_threadpool(decode, *args, **kwargs)
+
+
+async def op_result(service, sub, op: str, body: Any) -> Any:
+    """Run ``op`` on ``sub`` and wait for its result on the event loop, not on a worker thread:
+    a request holds a thread only while it submits, never while its op queues or runs, so many
+    waiting requests (one tenant's ops queued behind its long one) cannot take the threads every
+    other route, and every other tenant, runs on."""
+    future = await run_in_threadpool(service.submit, sub, op, body)
+    await finished_within(future, None)
+    return result_of(future)
 
 
 def decode_frame(body: bytes | bytearray, *, what: str, limits: ServerLimits) -> tuple[Any, dict]:

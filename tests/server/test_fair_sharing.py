@@ -4,7 +4,7 @@ fairness in the op scheduler, and a bounded drain on shutdown."""
 from __future__ import annotations
 
 import threading
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -259,3 +259,47 @@ def test_a_server_with_several_tokens_keeps_a_slot_free_of_any_one_tenant():
     assert default_share(2, TokenAuth(["a", "b"])) == 1
     assert default_share(4, TokenAuth(["a", "b", "c"])) == 3
     assert default_share(1, TokenAuth(["a", "b"])) == 1
+
+
+def test_quick_operations_waiting_in_a_queue_hold_no_thread(tmp_path):
+    """A Cortex quick operation answers inline, so its request waits while its op queues: it
+    waited on one of the server's 40 worker threads, and a tenant queueing 60 behind its own
+    long op took them all (another tenant's job listing then waited for that op). Now each
+    waits on the event loop: all 60 are accepted while the queue is held, and Bob is served."""
+    from arctic_platform.server.pending_work import OP_OVERHEAD_BYTES
+    from tests.fake_engine import build_fake_engine
+    from tests.server.test_hostile_uploads import ALICE, BOB, credentials
+
+    service = Service(
+        ServiceSettings(data_dir=tmp_path, device="cpu"), engine_builder=build_fake_engine
+    )
+    app = make_app(service, tokens=[ALICE, BOB])
+    alice = app.state.auth.owner(f"Bearer {ALICE}")
+    gate = threading.Event()
+    job = service.create_job(job_request("training"), owner=alice)["job_id"]
+    service.wait_until_running(job, owner=alice, timeout=60)
+    sub = service.resolve(job, owner=alice, kind="training")
+    service.executor.submit_runner(sub, "step", lambda: gate.wait(120))  # Alice's long op
+    body = {"operation_type": "empty-training-cache", "sub_job_id": sub.sub_job_id}
+    try:
+        with serve_app(app) as url, httpx.Client(base_url=url, timeout=180) as http:
+
+            def quick() -> httpx.Response:
+                route = f"{CORTEX}/{job}/operation"
+                return http.post(route, json=body, headers=credentials(ALICE))
+
+            with ThreadPoolExecutor(60) as pool:
+                answers = [pool.submit(quick) for _ in range(60)]
+                wait_until(
+                    lambda: service.pending.held(alice) >= 60 * OP_OVERHEAD_BYTES,
+                    what="all 60 quick operations queued behind Alice's op",
+                    timeout_s=60,
+                )
+                listed = http.get(CORTEX, headers=credentials(BOB))
+                assert listed.status_code == 200 and listed.json()["jobs"] == []
+                assert not any(a.done() for a in answers)
+                gate.set()
+                assert all(a.result().status_code == 200 for a in answers)
+    finally:
+        gate.set()
+        service.close()

@@ -15,13 +15,12 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import StreamingResponse
 
 from arctic_platform.contract.ops import OpName
-from arctic_platform.server.errors import BadRequest, result_of
-from arctic_platform.server.http_common import json_of, read_body
+from arctic_platform.server.errors import BadRequest
+from arctic_platform.server.http_common import json_of, op_result, read_body
 from arctic_platform.server.openai import codec, models
 from arctic_platform.server.openai.bodies import ChatRequest, CompletionRequest, parse
 from arctic_platform.server.openai.errors import OpenAIRoute
 from arctic_platform.server.ops import check_generate
-from arctic_platform.server.request_registry import finished_within
 
 PREFIXES = ("/v1", "/oai/api/v1")
 API_KEY_HEADER = "x-api-key"
@@ -78,15 +77,6 @@ async def chat_completions(request: Request):
     return await _serve(request, ChatRequest, "chat/completions", _chat)
 
 
-async def _op(service, sub, op: str, body: dict) -> dict:
-    """Run ``op`` on ``sub`` and wait for its result on the event loop, not on a worker thread:
-    a request holds a thread only while it submits or shapes, never while its op queues or runs,
-    so many waiting requests cannot take the threads every other route runs on."""
-    future = await run_in_threadpool(service.submit, sub, op, body)
-    await finished_within(future, None)
-    return result_of(future)
-
-
 async def _complete(service, tinker, owner, body: CompletionRequest) -> dict:
     """``generate`` for the samples and, with ``echo`` (and ``logprobs``, or ``max_tokens=0``:
     scoring only), ``log-probs`` for the prompt's log-probs (on a log-prob job of the same
@@ -105,14 +95,14 @@ async def _complete(service, tinker, owner, body: CompletionRequest) -> dict:
         top_k = max(1, body.logprobs or 0)  # scoring alone (max_tokens=0) may name none
         async with models.model_sub_job(service, tinker, owner, model, "log_prob") as sub:
             op = {"prompts": prompts, "top_k": top_k}
-            scored = (await _op(service, sub, OpName.LOG_PROBS, op))["results"]
+            scored = (await op_result(service, sub, OpName.LOG_PROBS, op))["results"]
             spell = codec.Spelling(sub.engine, model.weights)
         token_prompts = [s["prompt_token_ids"] for s in scored]
     samples: list[dict] = []
     if body.max_tokens > 0:
         async with models.model_sub_job(service, tinker, owner, model, "sampling") as sub:
             op = {"prompts": token_prompts, "sampling_params": params}
-            samples = (await _op(service, sub, OpName.GENERATE, op))["results"]
+            samples = (await op_result(service, sub, OpName.GENERATE, op))["results"]
             spell = codec.Spelling(sub.engine, model.weights)
     return await run_in_threadpool(codec.completion, body, prompts, samples, scored, spell)
 
@@ -125,7 +115,7 @@ async def _chat(service, tinker, owner, body: ChatRequest) -> dict:
     async with models.model_sub_job(service, tinker, owner, model, "sampling") as sub:
         prompt = await run_in_threadpool(_chat_prompt, sub, model, body)
         op = {"prompts": [prompt], "sampling_params": params}
-        samples = (await _op(service, sub, OpName.GENERATE, op))["results"]
+        samples = (await op_result(service, sub, OpName.GENERATE, op))["results"]
         spell = codec.Spelling(sub.engine, model.weights)
     return await run_in_threadpool(codec.chat, body, samples, spell)
 
