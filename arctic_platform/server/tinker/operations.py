@@ -14,7 +14,7 @@ import logging
 import math
 import uuid
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -32,7 +32,6 @@ from arctic_platform.server.errors import (
     ServiceError,
     TooManyRequests,
     failure_of,
-    result_of,
 )
 from arctic_platform.server.limits import MIB
 from arctic_platform.server.ops import check_context, check_generate
@@ -46,6 +45,7 @@ from arctic_platform.server.tinker.checkpoints import (
     check_ttl,
 )
 from arctic_platform.server.tinker.futures import FutureStore, OpResult
+from arctic_platform.server.tinker.job_starts import JobStarts
 from arctic_platform.server.tinker.model_samplers import ModelSamplingJobs, cancel_jobs
 from arctic_platform.server.tinker.sample_batcher import SampleBatcher
 from arctic_platform.server.tinker.session_reaper import SESSION_TIMEOUT_S, SessionReaper
@@ -98,8 +98,8 @@ class TinkerOps:
         )
         self.checkpoints.recover(service.paths.root.glob(f"*/{TINKER_DIR}"))
         self.checkpoints.adopt_legacy(service.paths.root.glob(f"*/{TINKER_DIR}"), self._job_of)
-        # Waits that are not engine work (engines loading, chained ops) run here.
-        self._waiters = ThreadPoolExecutor(max_workers=8, thread_name_prefix="tinker-wait")
+        # Work waiting for a job's engines to load, called once they have.
+        self._starts = JobStarts(service, timeout_s=STARTUP_TIMEOUT_S)
         self.model_jobs = ModelSamplingJobs(service)
         self._batcher = SampleBatcher()
         self._snapshot_weights = SnapshotWeights()
@@ -119,7 +119,7 @@ class TinkerOps:
 
     def close(self) -> None:
         self.reaper.stop()
-        self._waiters.shutdown(wait=False, cancel_futures=True)
+        self._starts.close()
 
     # -- sessions ---------------------------------------------------------------------------
 
@@ -215,11 +215,11 @@ class TinkerOps:
         return run
 
     def _wait_for_run(self, run: TrainingRun, owner, answer) -> str:
-        def wait() -> OpResult:
-            self.service.wait_until_running(run.job_id, owner=owner, timeout=STARTUP_TIMEOUT_S)
-            return OpResult(json=answer())
-
-        return self.futures.add(owner, self._waiters.submit(wait))
+        outer: Future = Future()
+        self._starts.then(
+            run.job_id, owner, outer, lambda: outer.set_result(OpResult(json=answer()))
+        )
+        return self.futures.add(owner, outer)
 
     def get_info(self, model_id: str, owner: str | None) -> dict:
         run = self.state.run(model_id, owner)
@@ -475,15 +475,19 @@ class TinkerOps:
         lora = bodies.LoraConfig(rank=record["lora_rank"])
         run = self._start_run(model_id, session, owner, base_model, lora)
 
-        def start_and_load() -> OpResult:
-            self.service.wait_until_running(run.job_id, owner=owner, timeout=STARTUP_TIMEOUT_S)
-            sub = self.service.resolve(run.training_sub_job, owner=owner)
-            answer = self.service.executor.submit_runner(
-                sub, OpName.LOAD_CHECKPOINT, lambda: load(sub.engine, path, directory)
-            )
-            return OpResult(json={**result_of(answer), "model_id": model_id})
+        outer: Future = Future()
 
-        return self.futures.add(owner, self._waiters.submit(start_and_load))
+        def start_load() -> None:  # once the run's engines have loaded
+            sub = self.service.resolve(run.training_sub_job, owner=owner)
+            loading = self.service.executor.submit_runner(
+                sub,
+                OpName.LOAD_CHECKPOINT,
+                lambda: OpResult(json={**load(sub.engine, path, directory), "model_id": model_id}),
+            )
+            loading.add_done_callback(lambda f: _copy_outcome(f, outer))
+
+        self._starts.then(run.job_id, owner, outer, start_load)
+        return self.futures.add(owner, outer)
 
     # -- sampling ---------------------------------------------------------------------------
 
@@ -571,15 +575,7 @@ class TinkerOps:
         if self.service.get_job(job_id, owner=owner)["status"] == "running":
             attach()  # a bad request is refused here, before it gets a request id
         else:
-
-            def wait_then_attach() -> None:
-                try:
-                    self.service.wait_until_running(job_id, owner=owner, timeout=STARTUP_TIMEOUT_S)
-                    attach()
-                except Exception as exc:
-                    outer.set_exception(exc)
-
-            self._waiters.submit(wait_then_attach)
+            self._starts.then(job_id, owner, outer, attach)
         return self.futures.add(owner, outer)
 
     # -- ordering ---------------------------------------------------------------------------
