@@ -11,6 +11,7 @@ engines (or, on Ray, while it waits for resources).
 from __future__ import annotations
 
 import collections
+import json
 import threading
 import time
 import traceback
@@ -27,11 +28,17 @@ from arctic_platform.engine import cancellation
 from arctic_platform.server.checkpoint_catalogue import CheckpointCatalogue
 from arctic_platform.server.errors import BadRequest
 from arctic_platform.server.job_registry import Job, JobRegistry, SubJob
-from arctic_platform.server.op_bodies import describe
+from arctic_platform.server.op_bodies import describe, field_of
 from arctic_platform.server.paths import PathPolicy
 from arctic_platform.server.sub_job_queue import SubJobQueue
 from arctic_platform.server.tenant_quota import weight_bytes
 from arctic_platform.server.vllm_policy import check_tenant_vllm
+
+# The most a job's configuration (its create body, as stored) may hold: it is kept in memory
+# and in the store for as long as the job is listed, up to the owner's MAX_ENDED_JOBS_PER_TENANT
+# ended ones, so without a bound a tenant creating jobs that fail at once, each with megabytes in
+# a free-form field, grew both by gigabytes. Real configurations (DeepSpeed's included) are KB.
+MAX_JOB_CONFIG_BYTES = 1 << 20
 
 if TYPE_CHECKING:
     from arctic_platform.server.engines import EngineBuilder
@@ -68,7 +75,7 @@ class JobBuilder:
         try:
             parsed = CreateJobRequest.model_validate(request)
         except ValidationError as exc:
-            raise BadRequest(f"create job: {describe(exc)}") from None
+            raise BadRequest(f"create job: {describe(exc)}", field=field_of(exc)) from None
         model_paths = []
         for i, spec in enumerate(parsed.sub_job_configs):
             if spec.source_checkpoint_info is not None:
@@ -96,10 +103,19 @@ class JobBuilder:
                     model_path=model_path,
                 )
             )
+        stored = parsed.model_dump(mode="json", by_alias=True, exclude_none=True)
+        ignored = [spec.ignored_settings for spec in parsed.sub_job_configs]  # kept too
+        size = len(json.dumps([stored, ignored], default=str))
+        if size > MAX_JOB_CONFIG_BYTES:  # kept with the job, after it ends too
+            raise BadRequest(
+                f"create job: the job's configuration is {size} bytes as stored; at most "
+                f"{MAX_JOB_CONFIG_BYTES} are kept for a job (send data to its ops, not its "
+                "configuration)"
+            )
         return Job(
             job_id=job_id,
             owner=owner,
-            request=parsed.model_dump(mode="json", by_alias=True, exclude_none=True),
+            request=stored,
             experiment_name=parsed.experiment_name,
             sub_jobs=sub_jobs,
             model_bytes=sum(weight_bytes(p) for p in model_paths),

@@ -14,7 +14,8 @@ import pytest
 
 from arctic_platform.server import job_registry
 from arctic_platform.server.app import create_app
-from arctic_platform.server.errors import NotFound
+from arctic_platform.server.errors import BadRequest, NotFound
+from arctic_platform.server.job_builder import MAX_JOB_CONFIG_BYTES
 from arctic_platform.server.service import Service, ServiceSettings
 from tests.server.conftest import job_request
 from tests.waiting import wait_until
@@ -67,3 +68,24 @@ def test_a_tenants_oldest_ended_jobs_past_the_history_are_forgotten(tmp_path, mo
         assert listed == {saved, *jobs[2:]}
     finally:
         restarted.close()
+
+
+@pytest.mark.parametrize("where", ["experiment_name", "free-form ds_config"])
+def test_a_job_configuration_beyond_a_mib_is_refused_before_it_is_kept(tmp_path, where):
+    """A job's configuration is kept as long as the job is listed (ended jobs included): 20 jobs
+    failing at once with 8 MiB names each grew the server by 255 MB and its store by 336 MB, so a
+    configuration beyond ``MAX_JOB_CONFIG_BYTES`` is a 400 saying so, and nothing is kept."""
+    service = Service(ServiceSettings(data_dir=tmp_path, device="cpu"))
+    big = "x" * (MAX_JOB_CONFIG_BYTES + 1)
+    request = job_request("training")
+    if where == "experiment_name":
+        request["experiment_name"] = big
+    else:  # DeepSpeed's config travels as is (reported in ignored_settings where unused)
+        request["sub_job_configs"][0]["training_config"] = {"ds_config": {"junk": big}}
+    try:
+        with pytest.raises(BadRequest, match="configuration is .* bytes as stored"):
+            service.create_job(request)
+        assert service.list_jobs() == []
+        service.create_job(job_request("training") | {"experiment_name": "e" * 1000})
+    finally:
+        service.close()
