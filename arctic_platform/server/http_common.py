@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import json
+import re
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, ExitStack, contextmanager
 from typing import Any, TypeVar
@@ -220,11 +221,46 @@ def decode_json(body: bytes | bytearray, *, what: str, limits: ServerLimits) -> 
     if not body.strip():
         return None
     try:
-        return json.loads(body)
+        value = json.loads(body)
     except RecursionError:
         raise BadRequest(f"{what}: JSON body nests too deeply") from None
     except ValueError as exc:  # also bad UTF-8, and an integer of over 4,300 digits
         raise BadRequest(f"{what}: malformed JSON body: {exc}") from None
+    if _SURROGATE_ESCAPE.search(body):
+        _refuse_lone_surrogates(value, what)
+    return value
+
+
+# A JSON escape of a UTF-16 surrogate (``\ud800``): alone, not half of a pair, it decodes to a
+# string that is no text (it cannot be encoded: a 500 wherever it is stored or written out).
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def _refuse_lone_surrogates(value: Any, what: str) -> None:
+    """A 400 naming the first string (or key) of ``value`` that holds a lone surrogate."""
+    stack: list[tuple[Any, str]] = [(value, "")]
+    while stack:
+        item, path = stack.pop()
+        if isinstance(item, dict):
+            for key, inner in item.items():
+                stack.append((key, path))
+                stack.append((inner, f"{path}.{key}" if path else str(key)))
+        elif isinstance(item, list):
+            stack.extend((inner, f"{path}[{i}]") for i, inner in enumerate(item))
+        elif isinstance(item, str) and not _is_text(item):
+            field = path or "body"
+            raise BadRequest(
+                f"{what}: {field}: holds a lone UTF-16 surrogate escape, which is not text",
+                field=field,
+            )
+
+
+def _is_text(value: str) -> bool:
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 async def frame_of(request: Request, body: bytes | bytearray, *, what: str) -> tuple[Any, dict]:

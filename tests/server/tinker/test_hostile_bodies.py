@@ -360,3 +360,20 @@ def test_asample_without_max_tokens_counts_the_loaded_engines_context(http, samp
     )
     body = assert_refused(answer, 413, "--max-sample-tokens")
     assert body["value"] == 65 * CONTEXT
+
+
+@pytest.mark.parametrize(
+    ("route", "body", "field_name"),
+    [
+        ("session_heartbeat", '{"session_id": "\\ud800"}', "session_id"),
+        ("create_model", '{"session_id": "\\udc00", "model_seq_id": 0}', "session_id"),
+        ("weights_info", '{"tinker_path": "tinker://\\ud800/weights/x"}', "tinker_path"),
+        ("create_sampling_session", '{"model_path": "tinker://\\ud9ff/x"}', "model_path"),
+    ],
+)
+def test_a_lone_surrogate_escape_is_a_400_naming_its_field(http, route, body, field_name):
+    """JSON's ``\\ud800`` alone decodes to a string no store or file can hold: it reached SQLite
+    and was a 500 on each of these routes; now it is refused where the body is parsed."""
+    answer = http.post(f"/{route}", content=body, headers={"content-type": "application/json"})
+    assert_refused(answer, 400, field_name)
+    assert "lone UTF-16 surrogate" in answer.json()["message"]
