@@ -43,6 +43,7 @@ from arctic_platform.client.errors import (
 from arctic_platform.client.factory import apply_env_override, create_arctic_rl_client
 from arctic_platform.client.transport import OPS, JobHandles, Request, Transport
 from arctic_platform.client.transports import make_transport
+from arctic_platform.client.transports.liveness import ServerUnresponsiveError
 from arctic_platform.client.transports.mock import MockTransport
 
 __all__ = [
@@ -70,6 +71,7 @@ __all__ = [
     "RequestTimeoutError",
     "ScheduleSettings",
     "ServerError",
+    "ServerUnresponsiveError",
     "SyncArcticRLClient",
     "TrainingJob",
     "Transport",

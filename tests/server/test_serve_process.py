@@ -207,9 +207,11 @@ def test_sigterm_with_a_long_generate_in_flight_exits_after_the_drain_timeout(tm
     ],
 )
 def test_a_stopped_server_is_reported_while_an_op_waits_on_it(tmp_path, backend, probe):
-    from arctic_platform.client import SyncArcticRLClient
+    from arctic_platform.client import (
+        ServerUnresponsiveError,  # as README names it
+        SyncArcticRLClient,
+    )
     from arctic_platform.client.config import load_config
-    from arctic_platform.client.transports.liveness import ServerUnresponsiveError
 
     with serve_process(tmp_path / "data") as (process, url):
         address = {"url": url} if backend["type"] == "http" else {"base_url": url}
