@@ -8,7 +8,8 @@ kept until its session ended, every checkpoint would hold a loaded model. So an 
 most recently used model sampling jobs only: starting one more cancels (frees the engine of) the
 least recently used one that has no sample in flight. A sampler whose job was released still
 works: its next sample starts the job again and waits for the model to load, so a release costs
-a reload, never an error.
+a reload, never an error. A job is also released when every session that used it has finished,
+but not while another session's sample runs on it (:meth:`ModelSamplingJobs.after_finish`).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from arctic_platform.contract.states import LIVE_JOB_STATES
@@ -32,6 +33,7 @@ MAX_MODEL_SAMPLING_JOBS = 2
 class _Job:
     job_id: str
     in_flight: int = 0
+    sessions: set[str] = field(default_factory=set)  # the live sessions that used it
 
 
 def cancel_jobs(service: Service, job_ids: list[str], owner: str | None) -> None:
@@ -112,8 +114,26 @@ class ModelSamplingJobs:
                     info["job_id"], lambda job_id: cancel_jobs(self.service, [job_id], owner)
                 )
             job = self._jobs[key] = _Job(info["job_id"])
+        if session is not None:
+            job.sessions.add(session.session_id)
         self._jobs.move_to_end(key)
         return job, self._beyond_limit(owner)
+
+    def after_finish(self, session: Session) -> tuple[set[str], list[str]]:
+        """``session`` has finished: ``(kept, released)``, the ids of the model sampling jobs it
+        used that stay (another live session used them, or a sample runs on them) and of those
+        it was the last to use, now idle, which leave the registry for the caller to cancel."""
+        kept, released = set(), []
+        with self._lock:
+            for key, job in list(self._jobs.items()):
+                if session.session_id not in job.sessions:
+                    continue
+                job.sessions.discard(session.session_id)
+                if job.sessions or job.in_flight:
+                    kept.add(job.job_id)
+                else:
+                    released.append(self._jobs.pop(key).job_id)
+        return kept, released
 
     def _beyond_limit(self, owner: str | None) -> list[str]:
         """Forget the owner's ended jobs, then drop its least recently used idle ones until it

@@ -124,8 +124,9 @@ class TinkerOps:
     # -- sessions ---------------------------------------------------------------------------
 
     def finish_session(self, session_id: str, owner: str | None) -> None:
-        """Finish a session (idempotent): cancel the jobs it created, drop its runs' snapshots,
-        end the requests its runs had parked waiting for a ``seq_id``, and let it leave memory."""
+        """Finish a session (idempotent): cancel the jobs it created (but a model sampling job
+        another live session uses, or a sample runs on), drop its runs' snapshots, end the
+        requests its runs had parked waiting for a ``seq_id``, and let it leave memory."""
         session = self.state.session(session_id, owner, active=False)
         if session.finished:
             return
@@ -133,7 +134,9 @@ class TinkerOps:
         self.state.forget(session)
         for run in self.state.runs_of(session_id):
             run.drop_snapshots()
-        cancel_jobs(self.service, list(session.job_ids), owner)
+        kept, released = self.model_jobs.after_finish(session)  # shared sampling jobs
+        own = [j for j in session.job_ids if j not in kept and j not in released]
+        cancel_jobs(self.service, own + released, owner)
         for run in self.state.runs_of(session_id):  # their jobs ended: parked requests fail
             run.sequencer.flush()
 

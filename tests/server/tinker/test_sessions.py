@@ -186,3 +186,41 @@ def test_a_model_id_taken_is_a_409_that_leaves_no_job_behind(tmp_path):
             assert len(live) == 1
     finally:
         service.close()
+
+
+def test_finishing_a_session_leaves_a_sampling_job_another_session_uses(tmp_path):
+    """Samplers of one tenant on one model share a job: the session that started it finishing
+    cancelled it under the other session's samples (which failed 'job was cancelled'). It stays
+    while another live session uses it or a sample runs on it, and goes with the last."""
+    from tests.fake_engine import build_fake_engine
+    from tests.server.tinker.plain_http import TinkerHttp
+
+    service = Service(
+        ServiceSettings(data_dir=tmp_path / "data", device="cpu"), engine_builder=build_fake_engine
+    )
+    app = create_app(service, auth=TokenAuth([ALICE]))
+    alice = app.state.auth.owner(f"Bearer {ALICE}")
+    model_jobs = app.state.tinker.model_jobs
+    try:
+        with serve_app(app) as url, closing(TinkerHttp(url, ALICE)) as tinker:
+            first, second, third = (tinker.session() for _ in range(3))
+            for session in (first, second):
+                created = tinker.post(
+                    "create_sampling_session",
+                    {"session_id": session, "sampling_session_seq_id": 0, "base_model": TINY},
+                )
+                assert created.status_code == 200, created.text
+            (job,) = model_jobs.jobs(alice).values()
+
+            assert tinker.post(f"sessions/{first}/finish", {}).status_code == 204
+            assert service.get_job(job, owner=alice)["status"] != "cancelled"
+            assert model_jobs.jobs(alice) == {TINY: job}  # the second session's, still
+            # A sample in flight on it keeps it too, when its last session finishes.
+            sub_job = model_jobs.begin(app.state.tinker.state.session(third, alice), alice, TINY)
+            assert tinker.post(f"sessions/{second}/finish", {}).status_code == 204
+            assert service.get_job(job, owner=alice)["status"] != "cancelled"
+            model_jobs.end(alice, TINY, sub_job)
+            assert tinker.post(f"sessions/{third}/finish", {}).status_code == 204
+            assert service.get_job(job, owner=alice)["status"] == "cancelled"
+    finally:
+        service.close()
