@@ -268,7 +268,7 @@ async def load(job_id: str, request: Request) -> dict:
     owner = owner_of(request)
     body = await json_of(request, await read_body(request), what="load")
     if not isinstance(body, dict) or not body.get("checkpoint_id"):
-        raise BadRequest("load: checkpoint_id is required")
+        raise BadRequest("load: checkpoint_id is required", field="checkpoint_id")
     return {
         "request_id": _submit(_service(request), job_id, OpName.LOAD_CHECKPOINT, body, owner),
         "job_id": job_id,

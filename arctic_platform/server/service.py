@@ -26,11 +26,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from arctic_platform.contract.job_ops import JOB_OPS
-from arctic_platform.contract.states import STARTING_JOB_STATES, TERMINAL_JOB_STATES
+from arctic_platform.contract.states import JOB_STATES, STARTING_JOB_STATES, TERMINAL_JOB_STATES
 from arctic_platform.engine.cancellation import CancelToken
 from arctic_platform.server.async_requests import ChunkGroups, RequestStore
 from arctic_platform.server.checkpoint_catalogue import CheckpointCatalogue
-from arctic_platform.server.errors import Conflict, result_of
+from arctic_platform.server.errors import BadRequest, Conflict, result_of
 from arctic_platform.server.executor import OpExecutor
 from arctic_platform.server.idle_reaper import IdleReaper
 from arctic_platform.server.job_builder import JobBuilder
@@ -199,6 +199,13 @@ class Service:
         return self.paths.redact_all(owner, self.jobs.get(job_id, owner).request)
 
     def list_jobs(self, *, owner: str | None = None, status: str | None = None) -> list[dict]:
+        """The owner's jobs, those in ``status`` only when given (an unknown one is a 400 on
+        every surface that filters: the jobs API, Cortex)."""
+        if status is not None and status.lower() not in JOB_STATES:
+            raise BadRequest(
+                f"status: unknown job state {status!r}; known: {', '.join(JOB_STATES)}",
+                field="status",
+            )
         jobs = [j for j in self.jobs.all() if j.owner == owner]
         infos = [j.info() for j in jobs if status is None or j.status == status.lower()]
         return self.paths.redact_all(owner, infos)

@@ -292,11 +292,15 @@ def test_control_plane_routes(http):
     job_id = create(http, job_request("training"))
     assert [j["job_id"] for j in http.get(CORTEX).json()["jobs"]] == [job_id]
     assert http.get(CORTEX, params={"status": "cancelled"}).json()["jobs"] == []
+    bogus = http.get(CORTEX, params={"status": "bogus"})  # was 200 and no jobs, as if none
+    assert bogus.status_code == 400 and bogus.json()["field"] == "status", bogus.text
     capacity = http.get(f"{CORTEX}/capacity").json()
     assert capacity["active_sub_jobs"] == 1 and capacity["has_reservation"] is False
     run = http.get(f"{CORTEX}/{job_id}/experiment-run").json()
     assert run["experiment_run_name"] == job_id
     save = wait(http, job_id, http.post(f"{CORTEX}/{job_id}/save", json={}).json()["request_id"])
+    unnamed = http.post(f"{CORTEX}/{job_id}/load", json={})
+    assert unnamed.status_code == 400 and unnamed.json()["field"] == "checkpoint_id"
     export = http.post(f"{CORTEX}/{job_id}/checkpoints/{save['checkpoint_id']}:export").json()
     files = {f["filename"]: f for f in export["files"]}
     assert "model.safetensors" in files and "optimizer.pt" in files
