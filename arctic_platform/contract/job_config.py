@@ -36,6 +36,7 @@ from arctic_platform.contract.settings import (
     PromptSharing,
     SamplingEngineName,
     SchedulerConfig,
+    Seed,
     Settings,
     VllmSettings,
 )
@@ -237,7 +238,7 @@ class SubJobConfig(_Spec):
     inference_config: InferenceSettings | None = None
     global_batch_size: PositiveInt | None = None
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    seed: int | None = None
+    seed: Seed | None = None
     post_init_hooks: list[str] = Field(default_factory=list, alias="model_post_init")
     source_checkpoint_info: SourceCheckpoint | None = None
 

@@ -17,7 +17,7 @@ from pydantic import Field, model_validator
 
 from arctic_platform.contract.job_config import API_JOB_TYPE, InferenceSettings, TrainingSettings
 from arctic_platform.contract.legacy_config import LEGACY_FIELDS, fold_job_fields
-from arctic_platform.contract.settings import Settings, unknown_field_message
+from arctic_platform.contract.settings import Seed, Settings, unknown_field_message
 
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 
@@ -28,7 +28,7 @@ class _Job(Settings):
 
     model: str | None = Field(None, min_length=1)
     dtype: Dtype | None = None
-    seed: int | None = None
+    seed: Seed | None = None
 
     # The keys that describe the job rather than its engine settings.
     JOB_KEYS: ClassVar[frozenset[str]] = frozenset({"model", "dtype", "seed"})
@@ -72,7 +72,7 @@ class JobsConfig(Settings):
 
     model: str | None = Field(None, min_length=1)
     dtype: Dtype = "auto"
-    seed: int | None = None
+    seed: Seed | None = None
     training: TrainingJob | None = TrainingJob()
     sampling: InferenceJob | None = None
     log_prob: InferenceJob | None = None

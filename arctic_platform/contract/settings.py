@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import difflib
 from collections.abc import Mapping
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
     AliasChoices,
@@ -134,6 +134,9 @@ class SchedulerConfig(Settings):
 
 
 SamplingEngineName = Literal["torch", "vllm"]
+# A job's random seed: what ``torch.manual_seed`` takes, a 64-bit integer signed or not (a seed
+# beyond it failed the job once built, 'Overflow when unpacking long long').
+Seed = Annotated[int, Field(ge=-(2**63), le=2**64 - 1)]
 # Whether rows that share a prompt compute it once (arctic_platform.engine.prompt_sharing).
 PromptSharing = Literal["auto", "off"]
 # Whether the LM head scores tokens in chunks (arctic_platform.engine.chunked_head).

@@ -50,6 +50,22 @@ def test_a_non_boolean_train_unembed_is_refused_by_every_edge_before_a_job_exist
         )
 
 
+@pytest.mark.parametrize("seed", [2**64, -(2**63) - 1, 2**70])
+def test_a_seed_torch_cannot_take_is_refused_by_every_edge_before_a_job_exists(http, seed):
+    """It was accepted, and the job failed once built ('Overflow when unpacking long long')."""
+    sub_job = {"job_type": "training", "model_name": TINY, "seed": seed}
+    for reply in (
+        http.post(CORTEX, json={"sub_job_configs": [sub_job]}),
+        http.post("/initialize", json=sub_job),
+    ):
+        assert reply.status_code == 400, reply.text
+        assert reply.json()["field"].endswith("seed"), reply.text
+    assert http.get(CORTEX).json()["jobs"] == []
+    with pytest.raises(ValidationError, match="seed"):
+        ArcticRLClientConfig.model_validate({"model": TINY, "seed": seed})
+    ArcticRLClientConfig.model_validate({"model": TINY, "seed": 2**64 - 1})  # the largest
+
+
 def test_cortex_names_and_ours_are_one_setting():
     ours = TrainingSettings.model_validate(
         {

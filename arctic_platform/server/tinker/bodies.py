@@ -11,6 +11,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeFloat, PositiveInt
 
+from arctic_platform.contract.settings import Seed
+
 
 class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore", protected_namespaces=())
@@ -29,7 +31,7 @@ MAX_LORA_RANK = 1024
 
 class LoraConfig(_Body):
     rank: int = Field(ge=1, le=MAX_LORA_RANK)
-    seed: int | None = None
+    seed: Seed | None = None
     train_unembed: bool = True
     train_mlp: bool = True
     train_attn: bool = True

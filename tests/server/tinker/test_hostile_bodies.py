@@ -290,8 +290,18 @@ def test_a_protobuf_seq_id_below_one_is_a_400_naming_it(http, run, seq_id):
     assert forward(http, run) == run.before  # and the client's own numbering goes on
 
 
-@pytest.mark.parametrize("rank", [bodies.MAX_LORA_RANK + 1, 2**31, 0])
-def test_a_lora_rank_out_of_bounds_is_a_400_naming_it_and_starts_nothing(http, server_app, rank):
+@pytest.mark.parametrize(
+    ("lora", "field_name"),
+    [
+        ({"rank": bodies.MAX_LORA_RANK + 1}, "lora_config.rank"),
+        ({"rank": 2**31}, "lora_config.rank"),
+        ({"rank": 0}, "lora_config.rank"),
+        ({"rank": 4, "seed": 2**70}, "lora_config.seed"),  # the job failed once built
+    ],
+)
+def test_a_lora_config_out_of_bounds_is_a_400_naming_it_and_starts_nothing(
+    http, server_app, lora, field_name
+):
     service, alice = server_app.state.service, server_app.state.auth.owner(f"Bearer {ALICE}")
     session = http.post("/create_session", json={}).json()["session_id"]
     jobs = len(service.list_jobs(owner=alice))
@@ -301,10 +311,10 @@ def test_a_lora_rank_out_of_bounds_is_a_400_naming_it_and_starts_nothing(http, s
             "session_id": session,
             "model_seq_id": 0,
             "base_model": TINY,
-            "lora_config": {"rank": rank},
+            "lora_config": lora,
         },
     )
-    assert_refused(answer, 400, "lora_config.rank")
+    assert_refused(answer, 400, field_name)
     assert len(service.list_jobs(owner=alice)) == jobs
 
 
