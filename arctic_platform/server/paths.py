@@ -182,7 +182,14 @@ class PathPolicy:
                 return str(self.readable(owner, str(local), field=field))
             if not Path(name).exists():  # from_pretrained would read a cwd-relative folder
                 return name
-        return str(self.readable(owner, name, field=field))
+        local = self.readable(owner, name, field=field)
+        if not local.exists():  # neither a hub id nor a folder: it would fail the job once built
+            raise BadRequest(
+                f"{field}: {self.redact(owner, name)!r} is no folder in your space or the "
+                "server's allowed folders, and not a hub id ('name' or 'org/name')",
+                field=field,
+            )
+        return str(local)
 
     def within(self, root: Path, files: Iterable[Path]) -> list[Path]:
         """The ``files`` whose real location is inside ``root`` (symlinks out are dropped)."""

@@ -288,13 +288,14 @@ def test_a_sub_jobs_own_checkpoint_root_is_confined_like_every_path(service, tmp
 
 @pytest.mark.parametrize(
     "name",
-    ["x" * 300, "org/" + "y" * 256, "builtin:" + "x" * 5000, "builtin:../../x", "a\x00b"],
-    ids=["long name", "long part", "long built-in", "no such built-in", "NUL"],
+    ["x" * 300, "org/" + "y" * 256, "builtin:" + "x" * 5000, "builtin:../../x", "a\x00b", "a/b/c"],
+    ids=["long name", "long part", "long built-in", "no such built-in", "NUL", "no such folder"],
 )
 def test_a_model_name_no_model_could_have_is_a_400_naming_it(http, service, name):
     """Checked before any file is looked up by it (a part over 255 bytes was a 500, 'File name
-    too long'), and a built-in that does not exist before a job is made for it (it failed the
-    job once built): on Cortex, on-prem and in the Service alike."""
+    too long'), and a built-in, or a path that is neither a folder nor a hub id, that does not
+    exist before a job is made for it (it failed the job once built): on Cortex, on-prem and in
+    the Service alike."""
     spec = sub_job("training", model_name=name)
     cortex = http.post(CORTEX, json={"sub_job_configs": [spec]})
     onprem = http.post("/initialize", json=spec)

@@ -211,7 +211,9 @@ class TinkerCheckpoints:
     def exported_files(self, path: TinkerPath, owner: str | None) -> dict[str, Path]:
         """The HF files of an ``external_weights`` checkpoint, by path relative to its root."""
         if path.kind != "external_weights":
-            raise BadRequest(f"{path}: only external_weights checkpoints are downloadable")
+            raise BadRequest(
+                f"{path}: only external_weights checkpoints are downloadable", field="checkpoint"
+            )
         root = self.resolve(path, owner) / layout.HF_EXPORT_DIR
         return {str(p.relative_to(root)): p for p in sorted(root.rglob("*")) if p.is_file()}
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import httpx
 import numpy as np
 import pytest
 import torch
@@ -352,6 +353,14 @@ def test_download_ttl_and_delete(service_client, server_url, tmp_path):
     rest = tinker.RestClient(base_url=server_url, api_key=ALICE)
     links = rest.get_external_weights_urls(path).result()
     assert "config.json" in links.urls
+    state = client.save_state("state").result().path  # not downloadable: a 400 naming it
+    refused = httpx.get(
+        f"{server_url}/api/v1/training_runs/{client.model_id}/checkpoints/weights/state"
+        "/external_weights_urls",
+        headers={"X-API-Key": ALICE},
+    )
+    assert refused.status_code == 400 and refused.json()["field"] == "checkpoint", refused.text
+    assert state.endswith("/weights/state")
     for name, url in links.urls.items():  # plain GETs, no credentials, as the SDK's CLI does
         target = tmp_path / name
         target.parent.mkdir(parents=True, exist_ok=True)
