@@ -101,6 +101,22 @@ def batch_shape(data: list[Datum]) -> tuple[int, int]:
     return len(data), max(d.tokens.size for d in data) + 1
 
 
+def check_vocabulary(data: list[Datum], vocab_size: int) -> None:
+    """A 400 naming the datum whose ``model_input`` or ``target_tokens`` holds an id outside the
+    model's vocabulary (the engine would name only the batch it built of them)."""
+    for i, datum in enumerate(data):
+        for where, ids in (
+            ("model_input", datum.tokens),
+            ("loss_fn_inputs.target_tokens", datum.inputs.get("target_tokens")),
+        ):
+            if ids is not None and ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
+                raise BadRequest(
+                    f"data[{i}].{where}: token ids must lie in [0, {vocab_size}) (the model's "
+                    "vocabulary)",
+                    field=f"data[{i}].{where}",
+                )
+
+
 def build_batch(data: list[Datum], spec: TinkerLoss) -> dict[str, np.ndarray]:
     """The engine batch of ``data`` as numpy arrays (see module doc); a datum missing an input is
     a 400."""

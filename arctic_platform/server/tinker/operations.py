@@ -252,6 +252,9 @@ class TinkerOps:
             batch = losses.build_batch(data, spec)
             processing = losses.processing_for(request.loss_fn, request.loss_fn_config)
             trainer = self.service.resolve(run.training_sub_job, owner=owner).engine
+            vocab_size = getattr(trainer, "vocab_size", None)
+            if vocab_size is not None:
+                losses.check_vocabulary(data, vocab_size)
             if trainer is not None:  # still loading: the engine refuses it when it runs
                 check_context(
                     trainer,

@@ -387,3 +387,21 @@ def test_a_lone_surrogate_escape_is_a_400_naming_its_field(http, route, body, fi
     answer = http.post(f"/{route}", content=body, headers={"content-type": "application/json"})
     assert_refused(answer, 400, field_name)
     assert "lone UTF-16 surrogate" in answer.json()["message"]
+
+
+@pytest.mark.parametrize(
+    ("bad", "field_name"),
+    [
+        (datum(tokens=(5, 6, 10_000)), "data[1].model_input"),
+        (
+            datum(target_tokens=dense([6, 7, 10_000], np.int64)),
+            "data[1].loss_fn_inputs.target_tokens",
+        ),
+        (datum(target_tokens=dense([6, -1, 8], np.int64)), "data[1].loss_fn_inputs.target_tokens"),
+    ],
+)
+def test_a_token_outside_the_vocabulary_is_a_400_naming_its_datum(http, run, bad, field_name):
+    """At submit, naming the datum and its field (the engine named only ``batch.input_ids``,
+    the batch built of every datum, in the future's error); nothing ran."""
+    assert_refused(fwd_bwd(http, run, [datum(), bad]), 400, field_name)
+    assert forward(http, run) == run.before
