@@ -79,10 +79,14 @@ def list_checkpoints(job_dir: Path) -> list[tuple[int, Path]]:
 def prune_checkpoints(job_dir: Path, keep: int, *, keep_name: str | None = None) -> list[str]:
     """Delete all but the newest ``keep`` checkpoint folders (never ``keep_name``).
 
-    Returns the names of the deleted folders.
+    Returns the names of the deleted folders. A link among them is removed itself, never what
+    it points at (a folder outside the job's, perhaps another tenant's).
     """
     checkpoints = list_checkpoints(job_dir)
     doomed = [p for _, p in checkpoints[: max(0, len(checkpoints) - keep)] if p.name != keep_name]
     for path in doomed:
-        shutil.rmtree(path)
+        if path.is_symlink():
+            path.unlink()
+        else:
+            shutil.rmtree(path)
     return [p.name for p in doomed]

@@ -59,17 +59,26 @@ def training_config_for(service, sub, source: dict | None, *, device: str) -> Tr
             "training_config.load_optimizer_states: starting from a checkpoint restores its "
             "optimizer state; false is not supported"
         )
-    root = sub.spec.training_config.checkpoint_dir  # checked at creation (Service.create_job)
-    if root is None:
-        root = str(service.paths.checkpoint_root(service.owner_of(sub.job_id)))
+    folder = job_checkpoint_folder(service, sub)
     return training_engine_config(
         sub.spec,
         device=device,
-        checkpoint_dir=root,
-        job_name=sub.sub_job_id.replace(":", "-"),
+        checkpoint_dir=str(folder.parent),
+        job_name=folder.name,
         default_seed=service.settings.default_seed,
         model_name=sub.model_path,
     )
+
+
+def job_checkpoint_folder(service, sub) -> Path:
+    """Training sub-job ``sub``'s own checkpoint folder, where its engine saves and loads when no
+    path is named: ``<checkpoint root>/<sub-job id>``, the root the job's
+    ``training_config.checkpoint_dir`` (checked at creation, ``Service.create_job``) or its
+    owner's default."""
+    root = sub.spec.training_config.checkpoint_dir
+    if root is None:
+        root = service.paths.checkpoint_root(service.owner_of(sub.job_id))
+    return Path(root) / sub.sub_job_id.replace(":", "-")
 
 
 def inference_config_for(service, sub, source: dict | None, *, device: str) -> SamplingEngineConfig:

@@ -8,6 +8,7 @@ built by :mod:`arctic_platform.contract.results` (``generate -> {job_id, results
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -21,6 +22,9 @@ from arctic_platform.contract.engine_protocols import (
     TrainingEngineProtocol,
 )
 from arctic_platform.contract.ops import OpName, TokenizeBody
+from arctic_platform.engine.checkpoint_layout import resolve_checkpoint
+from arctic_platform.engine.errors import CheckpointNotFound
+from arctic_platform.server.engines import job_checkpoint_folder
 from arctic_platform.server.errors import BadRequest, NotFound
 from arctic_platform.server.op_bodies import parse, train_envelope, wake_tags
 
@@ -130,6 +134,11 @@ def _save(service, sub, engine: TrainingEngineProtocol, job_id, body):
 
     def run():
         service.checkpoints.check_room(sub)
+        # Where it writes, resolved now (links followed): the job's own folder too, and a path
+        # checked at submit whose folder became a link out of the space while the op queued.
+        # (A link planted as the step's folder is itself replaced: checkpoint_staging.publish.)
+        target = job_checkpoint_folder(service, sub) if path is None else path
+        service.paths.writable(owner, str(target), field="save.path")
         saved = engine.save_checkpoint(
             path,
             step=body.step,
@@ -167,6 +176,13 @@ def _load(service, sub, engine: TrainingEngineProtocol, job_id, body):
         raise BadRequest(f"load: target_sub_job_id {body.target_sub_job_id} is not {job_id}")
 
     def run():
+        # What it reads, resolved now (links followed): the job's own folder too, and the
+        # checkpoint folder that ``step`` or ``latest`` picks in it.
+        base = job_checkpoint_folder(service, sub) if path is None else path
+        service.paths.readable(owner, str(base), field="load.path")
+        with contextlib.suppress(CheckpointNotFound):  # the engine says what is missing
+            picked = resolve_checkpoint(base, body.step)
+            service.paths.readable(owner, str(picked), field="load.path")
         out = engine.load_checkpoint(path, step=body.step)
         return {"job_id": job_id, **out, "path": service.paths.shown(owner, out["path"])}
 

@@ -70,6 +70,39 @@ def test_a_symlink_out_of_the_tenant_folder_is_refused(service, tmp_path):
     assert tree(victim) == before
 
 
+def test_a_link_planted_as_the_jobs_own_folder_is_followed_nowhere(service, tmp_path):
+    """A tenant with a hand in its folder (a shared filesystem) links its job's own checkpoint
+    folder out: saves with no path wrote there and pruned what they found, and loads read
+    another tenant's checkpoint. Now what a save or load touches is resolved when it runs."""
+    job = running(service, ALICE)
+    bobs = running(service, BOB)
+    service.execute(bobs, "save", {"step": 1}, owner=BOB)
+    victim = victim_folder(tmp_path)
+    before = tree(victim)
+    own = service.paths.checkpoint_root(ALICE) / f"{job}-training-0"
+    own.parent.mkdir(parents=True, exist_ok=True)
+    own.symlink_to(victim, target_is_directory=True)
+    save = {"step": 9, "save_total_limit": 1}
+    refused(lambda: service.execute(job, "save", save, owner=ALICE), "save.path")
+    assert tree(victim) == before
+    own.unlink()
+    own.symlink_to(service.paths.checkpoint_root(BOB) / f"{bobs}-training-0")
+    refused(lambda: service.execute(job, "load-checkpoint", {"step": 1}, owner=ALICE), "load.path")
+    refused(lambda: service.execute(job, "save", {"step": 1}, owner=ALICE), "save.path")
+
+    # The job's folder its own, a checkpoint in it linked out: not loaded, and retention
+    # removes the link, not what it points at.
+    own.unlink()
+    service.execute(job, "save", {"step": 2}, owner=ALICE)
+    (own / "checkpoint-1").symlink_to(victim / "checkpoint-1", target_is_directory=True)
+    (victim / "checkpoint-1" / "trainer_state.json").write_text("{}")
+    before = tree(victim)
+    refused(lambda: service.execute(job, "load-checkpoint", {"step": 1}, owner=ALICE), "load.path")
+    service.execute(job, "save", {"step": 3, "save_total_limit": 1}, owner=ALICE)
+    assert sorted(p.name for p in own.glob("checkpoint-*")) == ["checkpoint-3"]
+    assert tree(victim) == before
+
+
 def test_paths_inside_the_tenant_folder_save_and_load(service):
     job = running(service, ALICE)
     saved = service.execute(job, "save", {"path": "runs/a"}, owner=ALICE)

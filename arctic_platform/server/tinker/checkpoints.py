@@ -108,10 +108,14 @@ class TinkerCheckpoints:
         catalogue: CheckpointCatalogue,
         store: MetadataStore,
         root_of: Callable[[str | None], Path],
+        policy: paths.PathPolicy,
     ) -> None:
         self._catalogue = catalogue
         self._store = store
         self._root_of = root_of
+        # Folders are resolved where they are written or read (links followed): a run folder
+        # the tenant linked out of its space (a shared filesystem) is refused, not followed.
+        self._policy = policy
 
     def _run_dir(self, owner: str | None, model_id: str) -> Path:
         return self._root_of(owner) / "runs" / model_id.replace(":", "_")
@@ -158,6 +162,7 @@ class TinkerCheckpoints:
         then; without ``overwrite`` a 409) and catalogue it as ``sub``'s."""
         check_ttl(ttl_seconds)
         directory = self._run_dir(owner, path.model_id) / path.kind / path.name
+        self._policy.writable(owner, str(directory), field="path")
         if not overwrite and (self._find(path, owner) is not None or directory.exists()):
             raise Conflict(f"checkpoint {path} already exists; pass overwrite=True")
         self._catalogue.check_room(sub)
@@ -192,7 +197,8 @@ class TinkerCheckpoints:
         record = self._find(path, owner)
         with contextlib.suppress(CheckpointNotFound):
             if record is not None:
-                return layout.resolve_checkpoint(record["path"], None)
+                folder = layout.resolve_checkpoint(record["path"], None)
+                return self._policy.readable(owner, str(folder), field="path")
         raise NotFound(f"checkpoint {path} not found")
 
     def sampler_model_dir(self, path: TinkerPath, owner: str | None) -> Path:

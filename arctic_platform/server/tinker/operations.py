@@ -95,6 +95,7 @@ class TinkerOps:
             service.checkpoints,
             service.store,
             lambda owner: service.paths.tenant_root(owner) / TINKER_DIR,
+            service.paths,
         )
         self.checkpoints.recover(service.paths.root.glob(f"*/{TINKER_DIR}"))
         self.checkpoints.adopt_legacy(service.paths.root.glob(f"*/{TINKER_DIR}"), self._job_of)

@@ -82,3 +82,30 @@ def test_a_checkpoint_whose_files_are_gone_is_a_404_and_not_listed(alice, run, s
     alice.ok(alice.save("save_weights_for_sampler", model_id, "kept").json()["request_id"])
     kept = alice.sample(session, f"tinker://{model_id}/sampler_weights/kept", encode("1+1="), seq=1)
     assert kept.status_code == 200 and kept.headers["content-type"] == PROTOBUF, kept.text
+
+
+def test_a_run_folder_linked_out_of_the_space_is_not_followed(alice, run, server_app, tmp_path):
+    """A tenant with a hand in its folder (a shared filesystem) links its run's folder out:
+    saves wrote through the link and loads read through it. Both are refused now, and nothing
+    outside changes."""
+    _, model_id = run
+    alice.ok(alice.save("save_weights", model_id, "kept").json()["request_id"])
+    (tinker_root,) = server_app.state.service.paths.root.glob("*/tinker")
+    run_dir = tinker_root / "runs" / model_id.replace(":", "_")
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    moved = tmp_path / "moved"
+    run_dir.rename(moved)
+    run_dir.symlink_to(outside, target_is_directory=True)
+    try:
+        answer = alice.result(alice.save("save_weights", model_id, "escape").json()["request_id"])
+        assert "error" in answer.json() and "path" in answer.json()["error"], answer.text
+        assert list(outside.iterdir()) == []
+        shutil.copytree(moved, outside, dirs_exist_ok=True)  # the run's own checkpoint, outside
+        path = f"tinker://{model_id}/weights/kept"
+        load = alice.post("load_weights", {"model_id": model_id, "path": path, "optimizer": False})
+        assert load.status_code == 400 and load.json()["field"] == "path", load.text
+        assert load.json()["code"] == "path_not_allowed"
+    finally:
+        run_dir.unlink()
+        moved.rename(run_dir)
