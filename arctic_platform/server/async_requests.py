@@ -24,6 +24,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from arctic_platform import wire
 from arctic_platform.contract.ops import OpName
 from arctic_platform.contract.states import RequestState
@@ -388,6 +390,14 @@ class ChunkGroups:
             payload = wire.loads(frame)["payload"]
         except (wire.WireError, KeyError, TypeError) as exc:
             raise BadRequest(f"malformed request chunk: {exc}") from None
+        if not (
+            isinstance(payload, np.ndarray) and payload.dtype == np.uint8 and payload.ndim == 1
+        ):
+            raise BadRequest(
+                "malformed request chunk: payload must be a 1-D uint8 tensor (the frame's bytes), "
+                f"got {type(payload).__name__}",
+                field="payload",
+            )
         group_id, index = check_descriptor(meta)
         digest = hashlib.sha256(payload).hexdigest()
         key = (sub_job_id, group_id)

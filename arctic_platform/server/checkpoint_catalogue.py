@@ -213,14 +213,34 @@ class CheckpointCatalogue:
 
     def files(self, job_id: str, checkpoint_id: str, *, owner: str | None) -> list[dict]:
         """Files of a checkpoint: ``filename`` (relative), absolute ``path``, ``size_bytes``."""
+        root = self._root(job_id, checkpoint_id, owner=owner)
+        found = []
+        for p in self.paths.within(root, sorted(root.rglob("*"))):
+            with contextlib.suppress(FileNotFoundError):  # removed meanwhile: not listed
+                if p.is_file():
+                    found.append(
+                        {
+                            "filename": str(p.relative_to(root)),
+                            "path": str(p),
+                            "size_bytes": p.stat().st_size,
+                        }
+                    )
+        return found
+
+    def file(self, job_id: str, checkpoint_id: str, filename: str, *, owner: str | None) -> Path:
+        """One file of a checkpoint by its relative name (what :meth:`files` lists), found
+        without listing the others; a 404 for a name it does not list (gone, a link out)."""
+        root = self._root(job_id, checkpoint_id, owner=owner)
+        candidate = root / filename
+        if candidate.is_file() and self.paths.within(root, [candidate]):
+            return candidate
+        raise NotFound(f"file {filename!r} not found in checkpoint {checkpoint_id}")
+
+    def _root(self, job_id: str, checkpoint_id: str, *, owner: str | None) -> Path:
         root = Path(self.get(job_id, checkpoint_id, owner=owner)["path"])
         job_owner = self.jobs.get(job_id, None, check_owner=False).owner
         self.paths.readable(job_owner, str(root), field="checkpoint")
-        return [
-            {"filename": str(p.relative_to(root)), "path": str(p), "size_bytes": p.stat().st_size}
-            for p in self.paths.within(root, sorted(root.rglob("*")))
-            if p.is_file()
-        ]
+        return root
 
     def delete(self, job_id: str, checkpoint_id: str, *, owner: str | None) -> None:
         """Unlist the checkpoint, then remove its folder (renamed out of sight first, so a crash

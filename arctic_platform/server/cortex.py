@@ -114,8 +114,8 @@ async def list_checkpoints(job_id: str, request: Request) -> dict:
 
 @router.post("/{job_id}/checkpoints/{checkpoint_id}:export")
 async def export_checkpoint(job_id: str, checkpoint_id: str, request: Request) -> dict:
-    service = _service(request)
-    files = service.checkpoint_files(job_id, checkpoint_id, owner=owner_of(request))
+    service, owner = _service(request), owner_of(request)
+    files = await run_in_threadpool(service.checkpoint_files, job_id, checkpoint_id, owner=owner)
     base = str(request.url).rsplit(":export", 1)[0]
     expires = int(time.time()) + EXPORT_TTL_S
     listed = []
@@ -135,10 +135,10 @@ async def download_checkpoint_file(
     if service.links.verify(token) != [job_id, checkpoint_id, filename]:
         raise NotFound("download link not found")
     owner = service.owner_of(job_id)
-    for entry in service.checkpoint_files(job_id, checkpoint_id, owner=owner):
-        if entry["filename"] == filename:
-            return FileResponse(entry["path"], filename=Path(filename).name)
-    raise NotFound(f"file {filename!r} not found in checkpoint {checkpoint_id}")
+    path = await run_in_threadpool(
+        service.checkpoint_file, job_id, checkpoint_id, filename, owner=owner
+    )
+    return FileResponse(path, filename=Path(filename).name)
 
 
 @router.delete("/{job_id}/checkpoints/{checkpoint_id}")

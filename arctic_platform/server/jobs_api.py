@@ -19,7 +19,6 @@ from fastapi import APIRouter, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import FileResponse
 
-from arctic_platform.server.errors import NotFound
 from arctic_platform.server.http_common import owner_of
 
 router = APIRouter(prefix="/jobs")
@@ -78,7 +77,8 @@ async def job_checkpoints(job_id: str, request: Request) -> dict:
 @router.get("/{job_id}/checkpoints/{checkpoint_id}/files")
 async def checkpoint_files(job_id: str, checkpoint_id: str, request: Request) -> dict:
     """A checkpoint's files by name (relative to the checkpoint) and size; no server paths."""
-    files = _service(request).checkpoint_files(job_id, checkpoint_id, owner=owner_of(request))
+    service, owner = _service(request), owner_of(request)
+    files = await run_in_threadpool(service.checkpoint_files, job_id, checkpoint_id, owner=owner)
     return {
         "checkpoint_id": checkpoint_id,
         "files": [{"filename": f["filename"], "size_bytes": f["size_bytes"]} for f in files],
@@ -90,8 +90,8 @@ async def download_file(
     job_id: str, checkpoint_id: str, filename: str, request: Request
 ) -> FileResponse:
     """One file of a checkpoint; only names the checkpoint lists are served."""
-    files = _service(request).checkpoint_files(job_id, checkpoint_id, owner=owner_of(request))
-    for entry in files:
-        if entry["filename"] == filename:
-            return FileResponse(entry["path"], filename=Path(filename).name)
-    raise NotFound(f"file {filename!r} not found in checkpoint {checkpoint_id}")
+    service, owner = _service(request), owner_of(request)
+    path = await run_in_threadpool(
+        service.checkpoint_file, job_id, checkpoint_id, filename, owner=owner
+    )
+    return FileResponse(path, filename=Path(filename).name)

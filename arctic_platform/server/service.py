@@ -413,6 +413,12 @@ class Service:
         """Files of a checkpoint: ``filename`` (relative), absolute ``path``, ``size_bytes``."""
         return self.checkpoints.files(job_id, checkpoint_id, owner=owner)
 
+    def checkpoint_file(
+        self, job_id: str, checkpoint_id: str, filename: str, *, owner: str | None
+    ) -> Path:
+        """One file of a checkpoint by its relative name; 404 if the checkpoint lists none."""
+        return self.checkpoints.file(job_id, checkpoint_id, filename, owner=owner)
+
     def delete_checkpoint(self, job_id: str, checkpoint_id: str, *, owner: str | None) -> None:
         """Unlist the checkpoint, then remove its folder."""
         self.checkpoints.delete(job_id, checkpoint_id, owner=owner)

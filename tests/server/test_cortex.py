@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 
 import httpx
+import numpy as np
 import pytest
 import torch
 
@@ -211,6 +212,15 @@ def test_chunk_group_protocol_errors(http, service):
     clash = wire.encode_byte_chunks(other, kind="request", max_bytes=1200, chunk_group_id="g1")
     conflict = http.post(f"{CORTEX}/{job_id}/forward-backward", content=clash[1], headers=OCTET)
     assert conflict.status_code == 409 and conflict.json()["code"] == "chunk_group_conflict"
+    # A chunk whose payload is not the frame's bytes (a string, a number, a 2-D float array)
+    # is a 400 naming it (it was a 500 from hashing it) and joins no group.
+    descriptor = wire.loads_with_metadata(chunks[0], tensor_type="numpy")[1]["request_chunk"]
+    for payload in ("abc", 7, np.zeros((2, 2), np.float32)):
+        odd = wire.dumps({"payload": payload}, metadata={"request_chunk": descriptor})
+        odd_reply = http.post(f"{CORTEX}/{job_id}/forward-backward", content=odd, headers=OCTET)
+        assert odd_reply.status_code == 400 and odd_reply.json()["field"] == "payload", (
+            odd_reply.text
+        )
     # The group's frame is invalid (no attention_mask): the request fails with the field named,
     # and the job keeps running.
     replies = post_chunks(http, job_id, "forward-backward", chunks[1:])

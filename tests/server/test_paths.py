@@ -211,6 +211,14 @@ def test_exports_list_no_file_that_links_out_of_the_checkpoint(service, tmp_path
     files = service.checkpoint_files(job, saved["checkpoint_id"], owner=ALICE)
     names = {f["filename"] for f in files}
     assert "leak.txt" not in names and "trainer_state.json" in names
+    # One file is served by its name alone (not by listing the folder, which took seconds on
+    # the event loop for a checkpoint of many files): the same rule, links out and '..' refused.
+    checkpoint = saved["checkpoint_id"]
+    state = service.checkpoint_file(job, checkpoint, "trainer_state.json", owner=ALICE)
+    assert state.name == "trainer_state.json" and state.is_file()
+    for name in ("leak.txt", "../latest", "../../" * 8 + "etc/passwd"):
+        with pytest.raises(NotFound):
+            service.checkpoint_file(job, checkpoint, name, owner=ALICE)
 
 
 def test_an_unconfined_in_process_service_keeps_the_callers_paths(tmp_path):
