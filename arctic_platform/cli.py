@@ -94,6 +94,7 @@ def train(
     from rich.console import Console
     from rich.markup import escape
 
+    from arctic_platform.client.errors import ArcticRLError
     from arctic_platform.recipes.config import load_recipe
     from arctic_platform.recipes.grpo import run_recipe
     from arctic_platform.recipes.launch import (
@@ -107,6 +108,8 @@ def train(
     console = Console()
     try:
         check_options(backend, url)
+        # The recipe checked before a server is started for it (its backend comes after).
+        load_recipe(config, set_ or [], loggers=logger)
         run_dir = resolve_run_dir(output_dir, resume=resume)
         with server_for_run(backend, url, run_dir) as server_url:
             recipe = load_recipe(
@@ -118,6 +121,9 @@ def train(
     except (ValueError, ImportError) as exc:
         console.print(f"[red]error:[/] {escape(str(exc))}")
         raise typer.Exit(code=2) from None
+    except (ArcticRLError, OSError) as exc:  # the server refused, a file could not be written
+        console.print(f"[red]error:[/] {escape(str(exc))}")
+        raise typer.Exit(code=1) from None
     grpo_evals = summary.eval_rewards("grpo")
     sft_evals = summary.eval_rewards("sft")
     if grpo_evals:

@@ -55,7 +55,7 @@ def _run(action, url: str | None, token_env: str | None, config: Path | None) ->
     try:
         with _client(url, token_env, config) as client:
             return action(client)
-    except ArcticRLError as exc:
+    except (ArcticRLError, OSError) as exc:  # a refusal, or a file it could not write
         Console(stderr=True, soft_wrap=True).print(
             f"[red]error:[/] {escape(str(exc))}", highlight=False
         )

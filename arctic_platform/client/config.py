@@ -116,7 +116,7 @@ class HttpBackend(_WatchesLiveness):
     @model_validator(mode="after")
     def _check(self) -> HttpBackend:
         if self.url is not None:
-            _check_url("url", self.url)
+            check_url("url", self.url)
             if self.launch_local_server:
                 raise ValueError("launch_local_server: give host and port, not url, to launch")
         elif self.port == 0 and not self.launch_local_server:
@@ -173,7 +173,7 @@ class CortexBackend(_WatchesLiveness):
         if self.base_url is None and self.host is None:
             raise ValueError("base_url or host: give one (where the Cortex API is served)")
         if self.base_url is not None:
-            _check_url("base_url", self.base_url)
+            check_url("base_url", self.base_url)
         if not self.database or not self.schema_:
             raise ValueError("database and schema: both are required (they are part of the URL)")
         return self
@@ -280,10 +280,17 @@ def _check_backend_type(backend: Any) -> None:
         )
 
 
-def _check_url(name: str, url: str) -> None:
-    parsed = urlparse(url)
+def check_url(name: str, url: str) -> None:
+    """A ``ValueError`` naming ``name`` unless ``url`` is an http(s) URL with a usable port."""
+    try:
+        parsed = urlparse(url)
+        port = parsed.port  # a port that is no number, or out of range, raises here
+    except ValueError as exc:
+        raise ValueError(f"{name}: {url!r} is not a valid URL ({exc})") from None
     if parsed.scheme not in ("http", "https") or not parsed.netloc:
         raise ValueError(f"{name}: expected an http:// or https:// URL, got {url!r}")
+    if port == 0:
+        raise ValueError(f"{name}: {url!r} names port 0")
 
 
 # -- jobs -------------------------------------------------------------------------------------
@@ -419,20 +426,9 @@ class ArcticRLClientConfig(JobsConfig):
     @classmethod
     def from_yaml(cls, path: str | os.PathLike) -> ArcticRLClientConfig:
         """Load a YAML file (a mapping at the top level); errors name the file and the field."""
-        import yaml
+        from arctic_platform.client.yaml_files import load_mapping
 
-        text = Path(path).read_text()
-        try:
-            data = yaml.safe_load(text)
-        except yaml.YAMLError as exc:
-            raise ValueError(f"{path}: not valid YAML: {exc}") from None
-        if data is None:
-            data = {}
-        if not isinstance(data, Mapping):
-            raise ValueError(
-                f"{path}: expected a mapping at the top level, got {type(data).__name__}"
-            )
-        return cls.model_validate(data)
+        return cls.model_validate(load_mapping(path, what="config"))
 
     def to_yaml(self, path: str | os.PathLike | None = None) -> str:
         """The config as YAML (written to ``path`` when given); ``from_yaml`` reads it back."""

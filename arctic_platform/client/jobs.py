@@ -50,6 +50,8 @@ def server_from(
 ) -> ServerAddress:
     """``--url``/``--token-env``, else the ``backend`` of ``config`` (a client config YAML, or a
     recipe YAML whose ``client`` section holds it); the options override the YAML's."""
+    from arctic_platform.client.config import check_url
+
     if url is None and config is None:
         raise ValueError("--url or --config: say which server to ask")
     backend = _backend_of(config) if config is not None else None
@@ -62,6 +64,8 @@ def server_from(
         return ServerAddress(url=backend.prefix, cortex=backend, verify_tls=backend.verify_tls)
     if url is None:
         url = backend.base_url
+    else:
+        check_url("--url", url)
     if token_env is None and backend is not None:
         token_env = backend.token_env
     return ServerAddress(url=url.rstrip("/"), token_env=token_env)
@@ -73,21 +77,13 @@ def jobs_client(address: ServerAddress) -> JobsClient:
 
 
 def _backend_of(path: str | os.PathLike):
-    import yaml
-
     from arctic_platform.client.config import ArcticRLClientConfig
+    from arctic_platform.client.yaml_files import load_mapping
 
     source = Path(path)
-    if not source.is_file():
-        raise ValueError(f"--config: {source} does not exist")
-    try:
-        data = yaml.safe_load(source.read_text()) or {}
-    except yaml.YAMLError as exc:
-        raise ValueError(f"{source}: not valid YAML: {exc}") from None
-    if isinstance(data, dict) and isinstance(data.get("client"), dict):
+    data = load_mapping(source)
+    if isinstance(data.get("client"), dict):
         data = data["client"]  # a recipe: its client section
-    if not isinstance(data, dict):
-        raise ValueError(f"{source}: expected a mapping at the top level")
     backend = ArcticRLClientConfig.model_validate(data).backend
     if backend.type not in ("http", "cortex"):
         raise ValueError(

@@ -27,6 +27,7 @@ from pydantic import (
 )
 
 from arctic_platform.client.config import ArcticRLClientConfig
+from arctic_platform.client.yaml_files import check_size, load_mapping
 
 
 class _Section(BaseModel):
@@ -182,17 +183,7 @@ def load_recipe(
     """The recipe at ``path`` (default: the packaged one) with ``key.sub=value`` overrides and,
     when given, ``backend`` replacing the client's backend section and ``loggers`` added to
     ``logging.backends``."""
-    import yaml
-
-    source = Path(path) if path is not None else default_recipe_path()
-    if not source.is_file():
-        raise ValueError(f"--config: {source} does not exist")
-    try:
-        data = yaml.safe_load(source.read_text()) or {}
-    except yaml.YAMLError as exc:
-        raise ValueError(f"{source}: not valid YAML: {exc}") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"{source}: expected a mapping at the top level")
+    data = load_mapping(path if path is not None else default_recipe_path())
     for override in overrides or []:
         data = apply_override(data, override)
     if backend is not None:
@@ -227,6 +218,7 @@ def apply_override(data: dict, override: str) -> dict:
         value = yaml.safe_load(raw)
     except yaml.YAMLError as exc:
         raise ValueError(f"--set {override!r}: value is not valid YAML: {exc}") from None
+    check_size(value, f"--set {key.strip()}")
     data = copy.deepcopy(data)
     node = data
     parts = key.strip().split(".")

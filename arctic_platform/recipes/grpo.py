@@ -64,12 +64,12 @@ class RunSummary:
 class _Recipe:
     """State of one run: the client, the tokenizer, the task and the metrics log."""
 
-    def __init__(self, config: RecipeConfig, run_dir: Path, client, tokenizer) -> None:
+    def __init__(self, config: RecipeConfig, run_dir: Path, client, tokenizer, task: Task) -> None:
         self.config = config
         self.run_dir = run_dir
         self.client = client
         self.tokenizer = tokenizer
-        self.task: Task = build_task(config.task.name, **config.task.options())
+        self.task = task
         self.eval_examples = self.task.eval_set()[: config.eval.size]
         eos = tokenizer.eos_token_id
         self.eos_id = eos
@@ -235,6 +235,9 @@ def run_recipe(
     from arctic_platform.engine.models import load_tokenizer
 
     check_installed(config.logging.backends)
+    # The task first: its options (and data files) are checked before anything is written or
+    # started, so a wrong one costs no engine start and no warm-up.
+    task = build_task(config.task.name, **config.task.options())
     run_dir.mkdir(parents=True, exist_ok=True)
     state = _read_state(run_dir) if resume else None
     if resume and state is None:
@@ -244,7 +247,7 @@ def run_recipe(
     tokenizer = load_tokenizer(ModelConfig(name=client_config.model or "builtin:tiny"))
     client = create_arctic_rl_client(client_config, blocking_calls=True)
     try:
-        recipe = _Recipe(config, run_dir, client, tokenizer)
+        recipe = _Recipe(config, run_dir, client, tokenizer, task)
         start = 0
         if state is not None:
             _restore(client, state)

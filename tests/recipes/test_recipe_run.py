@@ -123,13 +123,44 @@ def test_the_cli_runs_a_recipe_and_reports_where_its_files_are(tmp_path):
         (["--backend", "inprocess", "--url", "http://x"], "--url"),
         (["--config", "missing.yaml"], "does not exist"),
         (["--resume"], "--resume"),
+        # Task options are the task's constructor's: checked before an engine starts (they
+        # failed with a TypeError traceback once the engines ran).
+        (["--set", "task.foo=1"], "task.foo: not an option of the addition task"),
+        (["--set", "task.max_operand=abc"], "task.max_operand"),
+        (["--set", "task.max_operand=30000"], "task.max_operand: must be in 1..9999"),
+        (["--backend", "http", "--url", "http://127.0.0.1:abc"], "not a valid URL"),
     ],
 )
 def test_bad_options_give_errors_naming_the_field(tmp_path, args, message):
     result = run_cli(*args, cwd=tmp_path)
     assert result.returncode == 2
-    assert message in result.stdout + result.stderr
+    assert message in " ".join((result.stdout + result.stderr).split())
     assert "Traceback" not in result.stdout + result.stderr
+    assert not list(tmp_path.glob("runs/*/engine-data"))  # nothing was started
+
+
+def test_a_yaml_alias_bomb_is_refused_before_it_is_expanded(tmp_path):
+    """Nine anchors, each nine references to the one before: 557 bytes that stand for 9**9
+    values, which writing the run's recipe.json expanded until the process died (8 GiB)."""
+    lines = ["sft: {steps: 1}", "task:", "  name: addition", "  a0: &a0 [x,x,x,x,x,x,x,x,x]"]
+    lines += [f"  a{i}: &a{i} [" + ",".join([f"*a{i - 1}"] * 9) + "]" for i in range(1, 9)]
+    bomb = tmp_path / "bomb.yaml"
+    bomb.write_text("\n".join(lines) + "\n")
+    result = run_cli("--config", str(bomb), cwd=tmp_path)
+    assert result.returncode == 2
+    assert "values once its aliases are expanded" in " ".join(result.stdout.split())
+    flow = "&a [" + ",".join(["x"] * 9) + "]"
+    result = run_cli("--set", f"task.x=[{flow}, " + ", ".join(["*a"] * 20000) + "]", cwd=tmp_path)
+    assert result.returncode == 2 and "--set task.x" in result.stdout
+
+
+def test_a_client_or_file_error_during_a_run_is_an_error_line_not_a_traceback(tmp_path):
+    unreachable = run_cli("--backend", "http", "--url", "http://127.0.0.1:9", cwd=tmp_path)
+    (tmp_path / "a-file").write_text("")
+    unwritable = run_cli("--output-dir", str(tmp_path / "a-file" / "run"), cwd=tmp_path)
+    for result, says in ((unreachable, "cannot connect"), (unwritable, "Not a directory")):
+        assert result.returncode == 1, result.stdout + result.stderr
+        assert says in result.stdout and "Traceback" not in result.stdout + result.stderr
 
 
 def test_bad_recipe_yaml_names_the_field(tmp_path):

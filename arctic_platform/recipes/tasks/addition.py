@@ -11,13 +11,16 @@ import random
 
 from arctic_platform.recipes.tasks import Example
 
+# The largest operand: every pair is listed (and shuffled) once, so (max_operand + 1)^2 of them.
+MAX_OPERAND = 9999
+
 
 class AdditionTask:
     """Sums of two numbers in ``[0, max_operand]``; ``eval_size`` pairs are held out."""
 
     def __init__(self, *, max_operand: int = 99, eval_size: int = 200, seed: int = 0) -> None:
-        if max_operand < 1:
-            raise ValueError(f"task.max_operand: must be >= 1, got {max_operand}")
+        if not 1 <= max_operand <= MAX_OPERAND:
+            raise ValueError(f"task.max_operand: must be in 1..{MAX_OPERAND}, got {max_operand}")
         pairs = [(a, b) for a in range(max_operand + 1) for b in range(max_operand + 1)]
         if not 0 < eval_size < len(pairs):
             raise ValueError(f"task.eval_size: must be in 1..{len(pairs) - 1}, got {eval_size}")
