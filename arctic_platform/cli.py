@@ -6,6 +6,7 @@ runs, so ``arctic-platform --help`` works with no extra installed.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Annotated
 
@@ -25,6 +26,9 @@ app = typer.Typer(
     add_completion=False,
 )
 app.add_typer(jobs_app, name="jobs")
+
+# The levels ``serve --log-level`` takes: Python's logging and uvicorn's, by the same names.
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
 
 @app.callback()
@@ -141,7 +145,7 @@ def serve(
     host: Annotated[str, typer.Option(help="Interface to bind (non-loopback needs a token).")] = (
         "127.0.0.1"
     ),
-    port: Annotated[int, typer.Option(help="TCP port.")] = 7000,
+    port: Annotated[int, typer.Option(min=0, max=65535, help="TCP port.")] = 7000,
     token_env: Annotated[
         str | None,
         typer.Option(help="Environment variable holding the bearer token(s), comma-separated."),
@@ -385,6 +389,14 @@ def serve(
         raise typer.BadParameter(
             f"--sampling-engine: expected torch or vllm, got {sampling_engine!r}"
         )
+    if log_level.lower() not in LOG_LEVELS:
+        raise typer.BadParameter(
+            f"--log-level: expected one of {', '.join(LOG_LEVELS)}, got {log_level!r}"
+        )
+    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", device):
+        raise typer.BadParameter(f"--device: expected auto, cpu, cuda or cuda:N, got {device!r}")
+    if data_dir.exists() and not data_dir.is_dir():
+        raise typer.BadParameter(f"--data-dir: {data_dir} is a file, not a folder")
     if ray and (sampling_engine != "torch" or vllm_python is not None):
         raise typer.BadParameter("--sampling-engine vllm and --vllm-python run without --ray")
     if vllm_python is not None and not vllm_python.is_file():

@@ -31,7 +31,9 @@ from arctic_platform.client.yaml_files import check_size, load_mapping
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_default=True)
+    # Infinite or NaN numbers pass "positive" and "at least" checks but fail the run's first
+    # step that uses them (after the whole warm-up): refused here instead.
+    model_config = ConfigDict(extra="forbid", validate_default=True, allow_inf_nan=False)
 
 
 class TaskSettings(BaseModel):
@@ -110,6 +112,16 @@ class GrpoPhase(_ScheduledPhase):
     entropy_coeff: float = 0.0
     norm_adv_by_std: bool = True
     updates_per_batch: PositiveInt = 1
+
+    @field_validator("kl_loss_type")
+    @classmethod
+    def _known_kl_type(cls, value: str) -> str:
+        """The engine's own check (its KL estimators), now rather than at the first GRPO step."""
+        from arctic_platform.engine.losses.kl import KL_TYPES
+
+        if value not in KL_TYPES:
+            raise ValueError(f"unknown kl type {value!r}; known: {', '.join(KL_TYPES)}")
+        return value
 
 
 class EvalSettings(_Section):

@@ -129,6 +129,10 @@ def test_the_cli_runs_a_recipe_and_reports_where_its_files_are(tmp_path):
         (["--set", "task.max_operand=abc"], "task.max_operand"),
         (["--set", "task.max_operand=30000"], "task.max_operand: must be in 1..9999"),
         (["--backend", "http", "--url", "http://127.0.0.1:abc"], "not a valid URL"),
+        # Checked with the recipe, not at the first GRPO step after the whole warm-up.
+        (["--set", "grpo.kl_loss_type=bogus"], "unknown kl type 'bogus'"),
+        (["--set", "grpo.learning_rate=.inf"], "grpo.learning_rate"),
+        (["--set", "grpo.entropy_coeff=.nan"], "grpo.entropy_coeff"),
     ],
 )
 def test_bad_options_give_errors_naming_the_field(tmp_path, args, message):

@@ -18,6 +18,12 @@ import pytest
         (["--body-read-timeout", "-1"], "--body-read-timeout: must be > 0 seconds"),
         (["--header-read-timeout", "0"], "--header-read-timeout: must be > 0 seconds"),
         (["--job-idle-timeout", "0"], "--job-idle-timeout: must be > 0 seconds"),
+        # These started a server that then failed (a port mod 65536, a traceback at start) or
+        # failed every job later.
+        (["--port", "70000"], "--port"),
+        (["--port", "-1"], "--port"),
+        (["--log-level", "bogus"], "--log-level: expected one of debug, info"),
+        (["--device", "bogus"], "--device: expected auto, cpu, cuda or cuda:N, got 'bogus'"),
     ],
 )
 def test_a_bad_flag_is_refused_by_name_without_importing_torch(tmp_path, args, message):
