@@ -23,13 +23,13 @@ functions of the step, so a run resumed from a checkpoint continues with the sam
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+from pydantic import BaseModel, ConfigDict, NonNegativeInt, ValidationError
 
 from arctic_platform.advantages import grpo_advantages
 from arctic_platform.contract.job_ids import parent_of
@@ -251,7 +251,7 @@ def run_recipe(
         start = 0
         if state is not None:
             _restore(client, state)
-            start = state["step"] + 1
+            start = state.step + 1
         log = MetricsLog(run_dir, resume_after=start - 1 if state is not None else None)
         trackers = RunTrackers(
             config.logging.backends,
@@ -337,29 +337,60 @@ def _is_checkpoint_step(config: RecipeConfig, step: int) -> bool:
 
 def _checkpoint(client, run_dir: Path, step: int, keep: int) -> None:
     saved = client.save_checkpoint(save_total_limit=keep)
-    state = {
-        "step": step,
-        "checkpoint_path": saved.get("path"),
-        "checkpoint_id": saved.get("checkpoint_id"),
-        "training_job_id": client.training_job_id,
-    }
+    state = RunState(
+        step=step,
+        checkpoint_path=saved.get("path"),
+        checkpoint_id=saved.get("checkpoint_id"),
+        training_job_id=client.training_job_id,
+    )
     temporary = run_dir / (STATE_FILE + ".tmp")
-    temporary.write_text(json.dumps(state, indent=2))
+    temporary.write_text(state.model_dump_json(indent=2))
     temporary.replace(run_dir / STATE_FILE)
 
 
-def _read_state(run_dir: Path) -> dict | None:
+class RunState(BaseModel):
+    """``state.json``: the last checkpointed step and where its checkpoint is (by path, and by
+    id for the Cortex API, which loads by id)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    step: NonNegativeInt
+    checkpoint_path: str | None = None
+    checkpoint_id: str | None = None
+    training_job_id: str | None = None
+
+
+def _read_state(run_dir: Path) -> RunState | None:
+    """The run's state, or None when it has none; a ``ValueError`` naming the file for one this
+    recipe did not write (it was a KeyError or TypeError traceback on --resume)."""
     path = run_dir / STATE_FILE
-    return json.loads(path.read_text()) if path.exists() else None
+    if not path.exists():
+        return None
+    try:
+        return RunState.model_validate_json(path.read_bytes())
+    except OSError as exc:
+        raise ValueError(f"--resume: {path}: cannot be read ({exc.strerror})") from None
+    except ValidationError as exc:
+        problem = exc.errors()[0]
+        where = ".".join(str(p) for p in problem["loc"]) or "the file"
+        raise ValueError(
+            f"--resume: {path} is not a run state this recipe wrote ({where}: {problem['msg']})"
+        ) from None
 
 
-def _restore(client, state: dict) -> None:
+def _restore(client, state: RunState) -> None:
     """Load the trainer's checkpoint and give the sampler the same weights."""
     if client.config.backend.type == "cortex":
+        if state.checkpoint_id is None or state.training_job_id is None:
+            raise ValueError(
+                f"--resume: {STATE_FILE} names no checkpoint_id and training_job_id to load "
+                "over the Cortex API"
+            )
         client.load_checkpoint(
-            checkpoint_id=state["checkpoint_id"],
-            source_job_id=parent_of(state["training_job_id"]),
+            checkpoint_id=state.checkpoint_id, source_job_id=parent_of(state.training_job_id)
         )
     else:
-        client.load_checkpoint(path=state["checkpoint_path"])
+        if state.checkpoint_path is None:
+            raise ValueError(f"--resume: {STATE_FILE} names no checkpoint_path")
+        client.load_checkpoint(path=state.checkpoint_path)
     client.sync_weights()

@@ -175,3 +175,24 @@ def test_bad_recipe_yaml_names_the_field(tmp_path):
     bad.write_text("client: [not, a, mapping]\n")
     result = run_cli("--config", str(bad), cwd=tmp_path)
     assert result.returncode == 2 and "client" in result.stdout
+
+
+@pytest.mark.parametrize(
+    "state",
+    ["not json", "[1, 2]", "{}", '{"step": "x"}', '{"step": 1, "extra": true}', None],
+    ids=["not json", "a list", "empty", "a bad step", "a foreign key", "a folder"],
+)
+def test_resume_from_a_state_this_recipe_did_not_write_names_the_file(tmp_path, state):
+    """``--resume`` read ``state.json`` as it was (KeyError and TypeError tracebacks), after
+    overwriting the run's ``recipe.json``; now it is a 2 naming the file, and nothing is written."""
+    run = tmp_path / "run"
+    run.mkdir()
+    if state is None:
+        (run / "state.json").mkdir()
+    else:
+        (run / "state.json").write_text(state)
+    result = run_cli("--resume", "--output-dir", str(run), cwd=tmp_path)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "state.json" in "".join(result.stdout.split())  # rich wraps the path
+    assert "Traceback" not in result.stdout + result.stderr
+    assert sorted(p.name for p in run.iterdir()) == ["state.json"]
