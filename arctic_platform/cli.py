@@ -55,6 +55,8 @@ def export_model(
         path = export_builtin_model(name, destination)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None
+    except OSError as exc:  # the destination is a file, or cannot be written
+        raise typer.BadParameter(f"destination: {destination}: {exc.strerror}") from None
     typer.echo(str(path))
 
 

@@ -50,7 +50,11 @@ class Settings(BaseModel):
     """A settings model: unknown keys are errors that suggest the closest known key; a field's
     name and its aliases are all accepted."""
 
-    model_config = ConfigDict(extra="forbid", validate_default=True, populate_by_name=True)
+    # Infinite or NaN numbers mean nothing in a setting: in JSON they travel as null and an
+    # infinite learning rate reached the server as "lr: None".
+    model_config = ConfigDict(
+        extra="forbid", validate_default=True, populate_by_name=True, allow_inf_nan=False
+    )
     # Foreign keys a model accepts without acting on them (see job_config's passthrough).
     passthrough_keys: ClassVar[frozenset[str]] = frozenset()
 

@@ -162,6 +162,9 @@ def test_a_typo_names_the_field_and_suggests_the_right_one(data, expected):
         ({"backend": {"type": "ray", "num_training_workers": 0}}, "num_training_workers"),
         ({"dtype": "fp8"}, "dtype"),
         ({"training": {"optimizer": {"lr": 0}}}, "training.optimizer.lr"),
+        # Infinite and NaN settings travelled as null (lr) or were replaced (grad_clip: 1.0).
+        ({"training": {"optimizer": {"lr": float("inf")}}}, "training.optimizer.lr"),
+        ({"training": {"optimizer": {"grad_clip": float("nan")}}}, "training.optimizer.grad_clip"),
         ({"training": {"schedule": {"name": "cosine"}}}, "total_steps: the cosine schedule"),
         ({"training": {"lora": {"dropout": 1.5}}}, "training.lora.dropout"),
         ({"sampling": {"max_batch_size": -1}}, "sampling.max_batch_size"),

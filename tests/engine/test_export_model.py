@@ -36,3 +36,7 @@ def test_export_refuses_other_models_and_full_folders(tmp_path):
     (tmp_path / "full" / "x").write_text("")
     full = runner.invoke(app, ["export-model", "builtin:tiny", str(tmp_path / "full")])
     assert full.exit_code != 0 and "not empty" in full.output
+    (tmp_path / "a-file").write_text("")  # a traceback before
+    into_file = runner.invoke(app, ["export-model", "builtin:tiny", str(tmp_path / "a-file")])
+    assert into_file.exit_code == 2 and "destination" in into_file.output
+    assert into_file.exception is None or isinstance(into_file.exception, SystemExit)
