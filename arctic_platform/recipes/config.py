@@ -117,11 +117,9 @@ class GrpoPhase(_ScheduledPhase):
     @classmethod
     def _known_kl_type(cls, value: str) -> str:
         """The engine's own check (its KL estimators), now rather than at the first GRPO step."""
-        from arctic_platform.engine.losses.kl import KL_TYPES
+        from arctic_platform.engine.losses.kl import check_kl_type
 
-        if value not in KL_TYPES:
-            raise ValueError(f"unknown kl type {value!r}; known: {', '.join(KL_TYPES)}")
-        return value
+        return check_kl_type("kl_loss_type", value)  # a ValueError pydantic reports
 
 
 class EvalSettings(_Section):

@@ -44,6 +44,8 @@ from arctic_platform.server.store import MetadataStore
 log = logging.getLogger(__name__)
 
 SCHEME = "tinker://"
+# The folder of each tenant's space that holds its Tinker runs and checkpoints.
+TINKER_DIR = "tinker"
 # The SDK's documented TTL range: one hour to ten years.
 TTL_RANGE_S = (3600, 10 * 365 * 24 * 3600)
 KIND_TYPES = {"weights": "training", "sampler_weights": "sampler", "external_weights": "external"}
@@ -107,18 +109,17 @@ class TinkerCheckpoints:
         self,
         catalogue: CheckpointCatalogue,
         store: MetadataStore,
-        root_of: Callable[[str | None], Path],
         policy: paths.PathPolicy,
     ) -> None:
         self._catalogue = catalogue
         self._store = store
-        self._root_of = root_of
-        # Folders are resolved where they are written or read (links followed): a run folder
-        # the tenant linked out of its space (a shared filesystem) is refused, not followed.
+        # The tenants' spaces, where the runs live; folders are resolved where they are written
+        # or read (links followed): a run folder the tenant linked out of its space (a shared
+        # filesystem) is refused, not followed.
         self._policy = policy
 
     def _run_dir(self, owner: str | None, model_id: str) -> Path:
-        return self._root_of(owner) / "runs" / model_id.replace(":", "_")
+        return self._policy.tenant_root(owner) / TINKER_DIR / "runs" / model_id.replace(":", "_")
 
     def record_run(
         self, model_id: str, *, owner: str | None, job_id: str, base_model: str, rank: int

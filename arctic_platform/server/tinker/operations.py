@@ -39,6 +39,7 @@ from arctic_platform.server.pending_work import PendingWork, payload_nbytes
 from arctic_platform.server.service import Service
 from arctic_platform.server.tinker import bodies, codec, losses
 from arctic_platform.server.tinker.checkpoints import (
+    TINKER_DIR,
     TinkerCheckpoints,
     TinkerPath,
     check_name,
@@ -68,8 +69,6 @@ class Prepared:
     nbytes: int | None = None  # None: its body's (what the runner holds of the request)
 
 
-# The folder of each tenant's space that holds its Tinker runs and checkpoints.
-TINKER_DIR = "tinker"
 # How long create_model (and sampling on a fresh sampler) waits for the engines to load.
 STARTUP_TIMEOUT_S = 1800.0
 # LoRA target modules by Tinker's train_attn / train_mlp switches (Llama/Qwen layer names);
@@ -94,7 +93,6 @@ class TinkerOps:
         self.checkpoints = TinkerCheckpoints(
             service.checkpoints,
             service.store,
-            lambda owner: service.paths.tenant_root(owner) / TINKER_DIR,
             service.paths,
         )
         self.checkpoints.recover(service.paths.root.glob(f"*/{TINKER_DIR}"))
