@@ -224,6 +224,9 @@ def test_training_runs_are_listed_a_page_at_a_time(service_client, server_url):
     assert all(p.cursor.total_count == len(ids) for p in pages)
     bob = tinker.RestClient(base_url=server_url, api_key=BOB).list_training_runs().result()
     assert not made & {r.training_run_id for r in bob.training_runs}
+    for query, field in (("limit=0", "limit"), ("offset=-1", "offset"), ("limit=x", "limit")):
+        bad = httpx.get(f"{server_url}/api/v1/training_runs?{query}", headers={"X-API-Key": ALICE})
+        assert bad.status_code == 400 and field in bad.text, bad.text
 
 
 def test_a_sampling_client_keeps_its_snapshot_after_the_trainer_moves_on(service_client):
